@@ -1,0 +1,81 @@
+"""fsdp_builder: PyTorch FSDP initialization as a fluent builder with pluggable strategies."""
+
+from fsdp_builder.builder import BuilderConfig, FSDPBuilder, ShardingBuilder
+from fsdp_builder.config import ShardingOptions
+from fsdp_builder.devices import (
+    BaseDeviceResolver,
+    CPUDevice,
+    DeviceResolver,
+    ExplicitDevice,
+    InferredDevice,
+    LocalRankDevice,
+)
+from fsdp_builder.environment import Environment
+from fsdp_builder.errors import (
+    ConfigurationError,
+    FSDPBuilderError,
+    MaterializationError,
+    PlanError,
+    RankDisagreementError,
+    StateMismatchError,
+)
+from fsdp_builder.groups import (
+    AutoHybridGroups,
+    BaseGroupFactory,
+    DefaultGroups,
+    GivenGroup,
+    GroupFactory,
+    HybridGroups,
+    MeshGroups,
+    ProcessGroups,
+)
+from fsdp_builder.ignored import IgnoredStates, resolve_ignored
+from fsdp_builder.materializers import BaseMaterializer, KeepAsIs, Materializer, ResetParameters
+from fsdp_builder.plan import Unit, UnitPlan, plan_units
+from fsdp_builder.report import BuildReport, StageRecord
+from fsdp_builder.synchronizers import BaseSynchronizer, Chain, NoSync, StateSynchronizer
+from fsdp_builder.wrap import WrapPolicy
+
+__all__ = [
+    "AutoHybridGroups",
+    "BaseDeviceResolver",
+    "BaseGroupFactory",
+    "BaseMaterializer",
+    "BaseSynchronizer",
+    "BuildReport",
+    "BuilderConfig",
+    "CPUDevice",
+    "Chain",
+    "ConfigurationError",
+    "DefaultGroups",
+    "DeviceResolver",
+    "Environment",
+    "ExplicitDevice",
+    "FSDPBuilder",
+    "FSDPBuilderError",
+    "GivenGroup",
+    "GroupFactory",
+    "HybridGroups",
+    "IgnoredStates",
+    "InferredDevice",
+    "KeepAsIs",
+    "LocalRankDevice",
+    "MaterializationError",
+    "Materializer",
+    "MeshGroups",
+    "NoSync",
+    "PlanError",
+    "ProcessGroups",
+    "RankDisagreementError",
+    "ResetParameters",
+    "ShardingBuilder",
+    "ShardingOptions",
+    "StageRecord",
+    "StateMismatchError",
+    "StateSynchronizer",
+    "Unit",
+    "UnitPlan",
+    "WrapPolicy",
+    "plan_units",
+    "resolve_ignored",
+]

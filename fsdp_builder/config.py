@@ -1,0 +1,127 @@
+"""Sharding options shared by every backend, as one validated, immutable object."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+from attrs import frozen
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+
+from fsdp_builder.errors import config_error
+
+# Short names users type on the command line; torch's own names work too.
+_STRATEGY_ALIASES: dict[str, ShardingStrategy] = {
+    "full": ShardingStrategy.FULL_SHARD,
+    "grad_op": ShardingStrategy.SHARD_GRAD_OP,
+    "hybrid": ShardingStrategy.HYBRID_SHARD,
+    "hybrid_zero2": ShardingStrategy._HYBRID_SHARD_ZERO2,
+    "none": ShardingStrategy.NO_SHARD,
+}
+
+HYBRID_STRATEGIES = frozenset({ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2})
+NO_RESHARD_AFTER_FORWARD = frozenset(
+    {ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2}
+)
+
+
+def to_sharding_strategy(value: ShardingStrategy | str) -> ShardingStrategy:
+    """Accept a ShardingStrategy, its name (any case) or a short alias (`full`, `grad_op`...)."""
+    if isinstance(value, ShardingStrategy):
+        return value
+    if isinstance(value, str):
+        key = value.strip()
+        if key.lower() in _STRATEGY_ALIASES:
+            return _STRATEGY_ALIASES[key.lower()]
+        if key.upper() in ShardingStrategy.__members__:
+            return ShardingStrategy[key.upper()]
+    names = sorted(list(_STRATEGY_ALIASES) + [s.name for s in ShardingStrategy])
+    raise config_error(
+        "ShardingBuilder.sharding",
+        "strategy",
+        f"{value!r} is not a sharding strategy",
+        f"Pass a torch.distributed.fsdp.ShardingStrategy or one of {names}.",
+    )
+
+
+def to_cpu_offload(value: CPUOffload | bool | None) -> CPUOffload | None:
+    if value is None or isinstance(value, CPUOffload):
+        return value
+    if isinstance(value, bool):
+        return CPUOffload(offload_params=value)
+    raise config_error(
+        "ShardingBuilder.cpu_offload",
+        "offload",
+        f"expected a bool or torch.distributed.fsdp.CPUOffload, got {type(value).__name__}",
+        "Pass CPUOffload(offload_params=True) or True.",
+    )
+
+
+def to_backward_prefetch(value: BackwardPrefetch | str | None) -> BackwardPrefetch | None:
+    if value is None or isinstance(value, BackwardPrefetch):
+        return value
+    if isinstance(value, str) and value.upper() in BackwardPrefetch.__members__:
+        return BackwardPrefetch[value.upper()]
+    raise config_error(
+        "ShardingBuilder.prefetch",
+        "backward",
+        f"{value!r} is not a backward prefetch mode",
+        f"Pass None or one of {sorted(BackwardPrefetch.__members__)}.",
+    )
+
+
+def _to_names(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
+
+
+def _check_mixed_precision(_inst: Any, _attr: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, MixedPrecision):
+        raise config_error(
+            "ShardingBuilder.mixed_precision",
+            "policy",
+            f"expected torch.distributed.fsdp.MixedPrecision, got {type(value).__name__}",
+            "Pass MixedPrecision(param_dtype=..., reduce_dtype=...) or keyword dtypes.",
+        )
+
+
+def _check_bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise config_error(
+            f"ShardingBuilder.{attr.name}",
+            attr.name,
+            f"expected a bool, got {value!r}",
+            "Pass True or False.",
+        )
+
+
+@frozen
+class ShardingOptions:
+    """What FSDP's core/runtime/prefetch init steps store, validated once.
+
+    ``explicit`` names the options the user set, so a backend can refuse ones it cannot honour.
+    """
+
+    strategy: ShardingStrategy = attrs.field(
+        default=ShardingStrategy.FULL_SHARD, converter=to_sharding_strategy
+    )
+    mixed_precision: MixedPrecision | None = attrs.field(
+        default=None, validator=_check_mixed_precision
+    )
+    cpu_offload: CPUOffload | None = attrs.field(default=None, converter=to_cpu_offload)
+    backward_prefetch: BackwardPrefetch | None = attrs.field(
+        default=BackwardPrefetch.BACKWARD_PRE, converter=to_backward_prefetch
+    )
+    forward_prefetch: bool = attrs.field(default=False, validator=_check_bool)
+    limit_all_gathers: bool = attrs.field(default=True, validator=_check_bool)
+    use_orig_params: bool = attrs.field(default=False, validator=_check_bool)
+    explicit: frozenset[str] = attrs.field(default=frozenset(), converter=_to_names)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.strategy in HYBRID_STRATEGIES
+
+    def set(self, **changes: Any) -> ShardingOptions:
+        """A copy with ``changes`` applied and recorded as explicit."""
+        explicit = self.explicit | frozenset(changes.keys())
+        return attrs.evolve(self, explicit=explicit, **changes)

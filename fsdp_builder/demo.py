@@ -1,0 +1,151 @@
+"""A small transformer-like model, its data, training and a single-process reference.
+
+Shared by ``fsdp-builder demo``, the benchmarks and the tests, so all of them exercise one model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from attrs import frozen
+from torch import nn
+
+
+@frozen
+class DemoConfig:
+    vocab: int = 256
+    dim: int = 64
+    heads: int = 4
+    layers: int = 3
+    seq: int = 16
+    mlp_ratio: int = 4
+
+    @classmethod
+    def for_params(cls, target: int, layers: int = 8, vocab: int = 4096) -> DemoConfig:
+        """A config of about ``target`` parameters (each block holds ~12 * dim**2)."""
+        dim = 64
+        while 12 * (dim + 64) ** 2 * layers + 2 * vocab * (dim + 64) <= target:
+            dim += 64
+        return cls(vocab=vocab, dim=dim, heads=max(1, dim // 64), layers=layers)
+
+
+class Block(nn.Module):
+    """Pre-norm attention + MLP."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.attn = nn.MultiheadAttention(cfg.dim, cfg.heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class DemoTransformer(nn.Module):
+    def __init__(self, cfg: DemoConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_model(
+    cfg: DemoConfig | None = None, seed: int = 0, device: str = "cpu"
+) -> DemoTransformer:
+    """The demo model, seeded so every rank (and the reference) builds the same weights."""
+    cfg = cfg or DemoConfig()
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return DemoTransformer(cfg)
+
+
+def demo_model() -> DemoTransformer:
+    """The default demo model on the ambient device (for ``fsdp-builder plan``)."""
+    return DemoTransformer(DemoConfig())
+
+
+def batch(cfg: DemoConfig, step: int, size: int, seed: int = 1234) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + step)
+    return torch.randint(0, cfg.vocab, (size, cfg.seq + 1), generator=gen)
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+
+def train(
+    model: nn.Module,
+    cfg: DemoConfig,
+    steps: int,
+    rank: int,
+    world_size: int,
+    per_rank: int = 2,
+    lr: float = 0.1,
+) -> list[float]:
+    """SGD steps where rank ``r`` trains on slice ``r`` of each global batch; returns its losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        tokens = batch(cfg, step, per_rank * world_size)[rank * per_rank : (rank + 1) * per_rank]
+        opt.zero_grad()
+        loss = loss_fn(model, tokens, cfg.vocab)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def reference(
+    model: nn.Module,
+    cfg: DemoConfig,
+    steps: int,
+    world_size: int,
+    per_rank: int = 2,
+    lr: float = 0.1,
+) -> dict[str, Any]:
+    """Single-process run over the whole global batch: per-slice losses before each step (what
+    rank ``r`` must see) and the final state dict."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    per_slice: list[list[float]] = [[] for _ in range(world_size)]
+    for step in range(steps):
+        tokens = batch(cfg, step, per_rank * world_size)
+        with torch.no_grad():
+            for r in range(world_size):
+                part = tokens[r * per_rank : (r + 1) * per_rank]
+                per_slice[r].append(float(loss_fn(model, part, cfg.vocab)))
+        opt.zero_grad()
+        loss_fn(model, tokens, cfg.vocab).backward()
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": per_slice, "state_dict": state}
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of a sharded model (collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().cpu().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+__all__ = ["DemoConfig", "DemoTransformer", "attrs"]

@@ -1,0 +1,188 @@
+"""DeviceResolver role: which device this rank computes on.
+
+Mirrors FSDP's device rules: an explicit device wins (``cuda`` without an index means the current
+device, with a warning); otherwise the device is inferred from the module's parameters, and a module
+spread over two non-CPU device types, or over CPU and a GPU without an explicit device, is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import attrs
+import structlog
+import torch
+from attrs import frozen
+from torch import nn
+from typing_extensions import override
+
+from fsdp_builder.errors import ConfigurationError, config_error
+
+log = structlog.get_logger(__name__)
+
+CPU = torch.device("cpu")
+
+
+@runtime_checkable
+class DeviceResolver(Protocol):
+    """Resolves the compute device of this rank. ``explicit`` devices allow CPU+GPU modules."""
+
+    explicit: bool
+
+    def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
+        """Return the compute device. Must not communicate (it runs before ranks agree)."""
+        ...
+
+
+class BaseDeviceResolver:
+    """Optional base for custom resolvers."""
+
+    explicit: bool = False
+
+    def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
+        raise NotImplementedError
+
+
+def _with_index(device: torch.device, rank: int) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        if not torch.cuda.is_available():
+            raise config_error(
+                "ExplicitDevice",
+                "device",
+                "'cuda' was asked for but CUDA is not available on this machine",
+                "Use ExplicitDevice('cpu') with the gloo backend, or run on a GPU machine.",
+            )
+        current = torch.cuda.current_device()
+        warnings.warn(
+            f"Device 'cuda' on rank {rank} has no explicit index; using the current device "
+            f"cuda:{current}. Call torch.cuda.set_device() first or pass 'cuda:<index>'.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return torch.device("cuda", current)
+    return device
+
+
+def _to_device(value: int | str | torch.device) -> torch.device:
+    if isinstance(value, bool):
+        raise TypeError(value)
+    if isinstance(value, int):
+        return torch.device("cuda", value)
+    return torch.device(value)
+
+
+def _convert_device(value: int | str | torch.device) -> torch.device:
+    try:
+        return _to_device(value)
+    except (TypeError, RuntimeError) as exc:
+        raise config_error(
+            "ExplicitDevice",
+            "device",
+            f"{value!r} is not a device ({exc})",
+            "Pass an int GPU index, a string such as 'cuda:0' or 'cpu', or a torch.device.",
+        ) from None
+
+
+@frozen
+class ExplicitDevice(BaseDeviceResolver):
+    """A fixed device: an int index (CUDA), a string or a ``torch.device``."""
+
+    device: torch.device = attrs.field(converter=_convert_device)
+    explicit: bool = attrs.field(default=True, init=False)
+
+    @override
+    def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
+        return _with_index(self.device, rank)
+
+
+@frozen
+class LocalRankDevice(BaseDeviceResolver):
+    """``cuda:$LOCAL_RANK`` when CUDA is available, else the CPU."""
+
+    explicit: bool = attrs.field(default=True, init=False)
+
+    @override
+    def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
+        if not torch.cuda.is_available():
+            return CPU
+        raw = os.environ.get("LOCAL_RANK")
+        if raw is None or not raw.isdigit():
+            raise ConfigurationError(
+                f"`LocalRankDevice` needs the LOCAL_RANK environment variable, got {raw!r}. "
+                "Launch with torchrun, or use ExplicitDevice(f'cuda:{local_rank}')."
+            )
+        return torch.device("cuda", int(raw))
+
+
+@frozen
+class CPUDevice(BaseDeviceResolver):
+    """Always the CPU (for gloo)."""
+
+    explicit: bool = attrs.field(default=True, init=False)
+
+    @override
+    def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
+        return CPU
+
+
+@frozen
+class InferredDevice(BaseDeviceResolver):
+    """The non-CPU device the parameters are on; for CPU/meta modules, the current CUDA device
+    when CUDA is available, else the CPU."""
+
+    explicit: bool = attrs.field(default=False, init=False)
+
+    @override
+    def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
+        found: torch.device | None = None
+        for p in params:
+            if p.device.type in ("cpu", "meta"):
+                continue
+            if found is None:
+                found = p.device
+            elif p.device.type != found.type:
+                raise ConfigurationError(
+                    "`InferredDevice` found parameters on two device types, "
+                    f"{found.type} and {p.device.type}. Move the module to one device type, or "
+                    "pass an explicit device with `.device(ExplicitDevice(...))`."
+                )
+        if found is not None:
+            return found
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return CPU
+
+
+def check_single_device(params: Iterable[nn.Parameter], explicit: bool) -> None:
+    """A module must sit on one device, except CPU + one other when the device is explicit
+    (its CPU part is moved there)."""
+    devices = {p.device for p in params if p.device.type != "meta"}
+    if len(devices) == 2 and CPU in devices:
+        if not explicit:
+            raise ConfigurationError(
+                f"The module has parameters on both CPU and {(devices - {CPU}).pop()}. "
+                "Pass an explicit device (`.device(ExplicitDevice(...))` or LocalRankDevice()) "
+                "so the CPU part is moved there."
+            )
+    elif len(devices) > 1:
+        names = sorted(str(d) for d in devices)
+        raise ConfigurationError(
+            f"The module has parameters on several devices {names}; a shard unit must sit on "
+            "one device. Move the module to one device before building."
+        )
+
+
+def check_compute_device(
+    params: Iterable[nn.Parameter], device: torch.device, unit: str, rank: int
+) -> None:
+    """After the move step every managed parameter must be on the compute device."""
+    for p in params:
+        if p.device.type != "meta" and p.device != device:
+            raise ConfigurationError(
+                f"Inconsistent compute device on rank {rank} in unit '{unit}': a parameter is on "
+                f"{p.device} but the resolved device is {device}. Move the module to {device} "
+                "or resolve to the device it is on."
+            )

@@ -1,0 +1,75 @@
+"""The resolved environment of one build: everything FSDP's init stores before touching params."""
+
+from __future__ import annotations
+
+import warnings
+
+import attrs
+import structlog
+import torch
+from attrs import frozen
+from torch.distributed.fsdp import ShardingStrategy
+
+from fsdp_builder.config import ShardingOptions
+from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.ignored import IgnoredStates
+from fsdp_builder.plan import UnitPlan
+
+log = structlog.get_logger(__name__)
+
+
+@frozen(eq=False)
+class Environment:
+    """Immutable after resolution; handed to every strategy and to the backend.
+
+    ``rank``/``world_size`` are global; ``groups`` holds the shard/replicate view.
+    """
+
+    rank: int
+    world_size: int
+    groups: ProcessGroups
+    device: torch.device
+    options: ShardingOptions
+    ignored: IgnoredStates
+    plan: UnitPlan
+    buffer_dtypes: dict[str, torch.dtype] = attrs.field(factory=dict)
+
+    @property
+    def strategy(self) -> ShardingStrategy:
+        return self.options.strategy
+
+
+def effective_strategy(
+    options: ShardingOptions, groups: ProcessGroups
+) -> tuple[ShardingOptions, ProcessGroups]:
+    """FSDP's clamping rules: no sharding over one rank (with a warning); NO_SHARD across ranks
+    warns as deprecated. Hybrid with one rank per shard group replicates over the replicate group
+    (FSDP would silently stop averaging gradients across replicas there)."""
+    strategy = options.strategy
+    if groups.data_parallel_size == 1:
+        if strategy != ShardingStrategy.NO_SHARD:
+            warnings.warn(
+                f"Using NO_SHARD instead of {strategy.name} since the world size is 1.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD), groups
+    if options.is_hybrid and groups.world_size == 1 and groups.replicate_group is not None:
+        warnings.warn(
+            f"Using NO_SHARD over the replicate group instead of {strategy.name} since each "
+            "shard group has one rank.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return (
+            attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD),
+            ProcessGroups(shard_group=groups.replicate_group),
+        )
+    if strategy == ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "The NO_SHARD sharding strategy is deprecated by PyTorch; prefer "
+            "DistributedDataParallel if you hit issues with it.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return options, groups

@@ -1,0 +1,45 @@
+"""Exception types. Every message names the thing at fault, what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class FSDPBuilderError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigurationError(FSDPBuilderError, ValueError):
+    """A builder call, strategy or model does not fit together; raised before any collective."""
+
+
+class PlanError(ConfigurationError):
+    """The model cannot be split into wrap units as asked (e.g. tied weights split across units)."""
+
+
+class MaterializationError(FSDPBuilderError, RuntimeError):
+    """A module could not be given real storage and values."""
+
+
+class StateMismatchError(FSDPBuilderError, RuntimeError):
+    """Ranks hold different values where they must hold the same ones."""
+
+
+class RankDisagreementError(FSDPBuilderError, RuntimeError):
+    """At least one rank failed a step, or ranks built different models; raised on every rank.
+
+    ``failures`` maps each failing rank to its message.
+    """
+
+    def __init__(self, stage: str, failures: dict[int, str], unit: str | None = None) -> None:
+        self.stage = stage
+        self.unit = unit
+        self.failures = dict(failures)
+        where = f"stage '{stage}'" + (f" of unit '{unit}'" if unit is not None else "")
+        ranks = ", ".join(str(r) for r in sorted(failures))
+        lines = [f"{where} failed on rank(s) {ranks}; every rank stops here instead of hanging."]
+        lines += [f"  rank {r}: {msg}" for r, msg in sorted(failures.items())]
+        super().__init__("\n".join(lines))
+
+
+def config_error(where: str, argument: str, problem: str, fix: str) -> ConfigurationError:
+    """Build a ConfigurationError that reads `where(argument=...)`: problem. fix."""
+    return ConfigurationError(f"`{where}` got an invalid `{argument}`: {problem}. {fix}")

@@ -1,0 +1,323 @@
+"""GroupFactory role: the process groups (or device mesh) that shard and replicate.
+
+Hybrid layouts follow FSDP's convention: parameters are sharded inside a node (the shard group,
+mesh dim 1) and replicated across nodes (the replicate group, mesh dim 0).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, runtime_checkable
+
+import attrs
+import structlog
+import torch
+import torch.distributed as dist
+from attrs import frozen
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import ShardingStrategy
+from typing_extensions import override
+
+from fsdp_builder.config import HYBRID_STRATEGIES
+from fsdp_builder.errors import ConfigurationError, config_error
+
+log = structlog.get_logger(__name__)
+
+
+def gradient_predivide_factor(world_size: int) -> float:
+    """The largest power of two ``f`` with ``f`` dividing ``world_size`` and ``f**2 < world_size``
+    (doubling while it fits), as torch's default FSDP comm hook; gradients are divided by it
+    before the reduction and by ``world_size / f`` after, to keep fp16 sums in range."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)
+
+
+@frozen(eq=False)
+class ProcessGroups:
+    """The resolved groups of one build. ``rank``/``world_size`` are within the shard group."""
+
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None = None
+    mesh: DeviceMesh | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.shard_group.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_group.size()
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_group is None else self.replicate_group.size()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size * self.replicate_size
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        return gradient_predivide_factor(self.data_parallel_size)
+
+    @property
+    def gradient_postdivide_factor(self) -> float:
+        return self.data_parallel_size / self.gradient_predivide_factor
+
+
+@runtime_checkable
+class GroupFactory(Protocol):
+    """Creates the groups for a strategy. ``validate`` is local; ``create`` may communicate."""
+
+    def validate(self, strategy: ShardingStrategy) -> None:
+        """Raise a ConfigurationError if this factory cannot serve ``strategy``. No collectives."""
+        ...
+
+    def agreement_group(self) -> dist.ProcessGroup | None:
+        """The group whose ranks build together (None: the default group)."""
+        ...
+
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        """Return the groups; every rank of the agreement group calls this together."""
+        ...
+
+
+class BaseGroupFactory:
+    """Optional base for custom factories: accepts every strategy, agrees on the default group."""
+
+    def validate(self, strategy: ShardingStrategy) -> None:
+        return None
+
+    def agreement_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        raise NotImplementedError
+
+
+def _require_initialized(where: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigurationError(
+            f"`{where}` needs an initialized default process group. Call "
+            "torch.distributed.init_process_group(...) (or launch with torchrun) before build()."
+        )
+
+
+def _check_group(where: str, argument: str, value: object) -> None:
+    if not isinstance(value, dist.ProcessGroup):
+        raise config_error(
+            where,
+            argument,
+            f"expected a torch.distributed.ProcessGroup, got {type(value).__name__}",
+            "Create it with torch.distributed.new_group(...).",
+        )
+
+
+@frozen
+class AutoHybridGroups(BaseGroupFactory):
+    """Hybrid groups from devices per node: shard within a node, replicate across nodes.
+
+    ``devices_per_node`` defaults to the CUDA device count, else ``LOCAL_WORLD_SIZE``.
+    """
+
+    devices_per_node: int | None = attrs.field(default=None)
+
+    @devices_per_node.validator
+    def _check(self, _attr: object, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise config_error(
+                "AutoHybridGroups",
+                "devices_per_node",
+                f"expected a positive int, got {value!r}",
+                "Pass the number of ranks per node, e.g. 8.",
+            )
+
+    def resolved_devices_per_node(self) -> int:
+        if self.devices_per_node is not None:
+            return self.devices_per_node
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+        raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw)
+        raise config_error(
+            "AutoHybridGroups",
+            "devices_per_node",
+            "it was not given and neither CUDA nor LOCAL_WORLD_SIZE tells it",
+            "Pass AutoHybridGroups(devices_per_node=N).",
+        )
+
+    @override
+    def validate(self, strategy: ShardingStrategy) -> None:
+        if strategy not in HYBRID_STRATEGIES:
+            raise config_error(
+                "AutoHybridGroups",
+                "strategy",
+                f"{strategy.name} does not replicate, so hybrid groups do not apply",
+                "Use HYBRID_SHARD, or DefaultGroups() for other strategies.",
+            )
+        _require_initialized("AutoHybridGroups")
+        per_node = self.resolved_devices_per_node()
+        world = dist.get_world_size()
+        if world % per_node != 0:
+            raise config_error(
+                "AutoHybridGroups",
+                "devices_per_node",
+                f"world size {world} is not a multiple of {per_node} devices per node",
+                "Pass a devices_per_node that divides the world size.",
+            )
+
+    @override
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        per_node = self.resolved_devices_per_node()
+        world = dist.get_world_size()
+        rank = dist.get_rank()
+        # Every rank must create every group, in the same order, even the ones it is not in.
+        shard: dist.ProcessGroup | None = None
+        replicate: dist.ProcessGroup | None = None
+        for node in range(world // per_node):
+            ranks = list(range(node * per_node, (node + 1) * per_node))
+            group = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                shard = group
+        for local in range(per_node):
+            ranks = list(range(local, world, per_node))
+            group = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                replicate = group
+        assert shard is not None and replicate is not None
+        return ProcessGroups(shard_group=shard, replicate_group=replicate)
+
+
+@frozen
+class DefaultGroups(BaseGroupFactory):
+    """Shard over the default (world) group; hybrid strategies get automatic node groups."""
+
+    @override
+    def validate(self, strategy: ShardingStrategy) -> None:
+        _require_initialized("DefaultGroups")
+        if strategy in HYBRID_STRATEGIES:
+            AutoHybridGroups().validate(strategy)
+
+    @override
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        if strategy in HYBRID_STRATEGIES:
+            return AutoHybridGroups().create(strategy, device)
+        return ProcessGroups(shard_group=dist.group.WORLD)  # type: ignore[arg-type]
+
+
+@frozen(eq=False)
+class GivenGroup(BaseGroupFactory):
+    """Shard over one given process group (not for hybrid strategies)."""
+
+    group: dist.ProcessGroup
+
+    def __attrs_post_init__(self) -> None:
+        _check_group("GivenGroup", "group", self.group)
+
+    @override
+    def validate(self, strategy: ShardingStrategy) -> None:
+        if strategy in HYBRID_STRATEGIES:
+            raise config_error(
+                "GivenGroup",
+                "group",
+                f"{strategy.name} needs a shard group and a replicate group, not one group",
+                "Use HybridGroups(shard_group=..., replicate_group=...) or MeshGroups(2-D mesh).",
+            )
+
+    @override
+    def agreement_group(self) -> dist.ProcessGroup | None:
+        return self.group
+
+    @override
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        return ProcessGroups(shard_group=self.group)
+
+
+@frozen(eq=False)
+class HybridGroups(BaseGroupFactory):
+    """A given (shard group, replicate group) pair for hybrid strategies."""
+
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup
+
+    def __attrs_post_init__(self) -> None:
+        _check_group("HybridGroups", "shard_group", self.shard_group)
+        _check_group("HybridGroups", "replicate_group", self.replicate_group)
+
+    @override
+    def validate(self, strategy: ShardingStrategy) -> None:
+        if strategy not in HYBRID_STRATEGIES:
+            raise config_error(
+                "HybridGroups",
+                "strategy",
+                f"{strategy.name} shards over one group, but a (shard, replicate) pair was given",
+                "Use .sharding('hybrid'), or GivenGroup(group) for other strategies.",
+            )
+
+    @override
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        return ProcessGroups(shard_group=self.shard_group, replicate_group=self.replicate_group)
+
+
+@frozen(eq=False)
+class MeshGroups(BaseGroupFactory):
+    """A device mesh: 1-D for sharding over one group; 2-D ``(replicate, shard)`` for hybrid."""
+
+    mesh: DeviceMesh
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.mesh, DeviceMesh):
+            raise config_error(
+                "MeshGroups",
+                "mesh",
+                f"expected a torch DeviceMesh, got {type(self.mesh).__name__}",
+                "Create one with torch.distributed.device_mesh.init_device_mesh(...).",
+            )
+        if self.mesh.ndim not in (1, 2):
+            raise config_error(
+                "MeshGroups",
+                "mesh",
+                f"a {self.mesh.ndim}-D mesh of shape {tuple(self.mesh.shape)} cannot be used",
+                "Pass a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid sharding; slice "
+                "other dimensions off first (e.g. mesh['dp']).",
+            )
+
+    @override
+    def validate(self, strategy: ShardingStrategy) -> None:
+        _require_initialized("MeshGroups")
+        hybrid = strategy in HYBRID_STRATEGIES
+        if hybrid and self.mesh.ndim != 2:
+            raise config_error(
+                "MeshGroups",
+                "mesh",
+                f"{strategy.name} needs a 2-D (replicate, shard) mesh, got {self.mesh.ndim}-D",
+                "Create it with init_device_mesh(device_type, (num_nodes, devices_per_node)).",
+            )
+        if not hybrid and self.mesh.ndim != 1:
+            raise config_error(
+                "MeshGroups",
+                "mesh",
+                f"{strategy.name} shards over one dimension, got a {self.mesh.ndim}-D mesh",
+                "Pass a 1-D mesh, or use .sharding('hybrid') with a 2-D mesh.",
+            )
+        world = dist.get_world_size()
+        if self.mesh.size() != world:
+            raise config_error(
+                "MeshGroups",
+                "mesh",
+                f"the mesh spans {self.mesh.size()} ranks but the world has {world}",
+                "Create the mesh over every rank that builds the model.",
+            )
+
+    @override
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        if self.mesh.ndim == 2:
+            return ProcessGroups(
+                shard_group=self.mesh.get_group(1),
+                replicate_group=self.mesh.get_group(0),
+                mesh=self.mesh,
+            )
+        return ProcessGroups(shard_group=self.mesh.get_group(0), mesh=self.mesh)

@@ -1,0 +1,179 @@
+"""Which modules, parameters and buffers the sharding must leave alone.
+
+Follows FSDP's rules: ``ignored_modules`` and ``ignored_states`` are exclusive, ignored states are
+all parameters or all modules, module subtrees are ignored whole, and modules already wrapped by
+FSDP are never ignored themselves but pass on what they already ignore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import attrs
+import structlog
+import torch
+from attrs import frozen
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from fsdp_builder.errors import config_error
+
+log = structlog.get_logger(__name__)
+
+_FSDP_WRAPPED_PREFIX = "_fsdp_wrapped_module."
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def clean_name(name: str) -> str:
+    """A state name without the prefixes wrappers insert (as FSDP's ``clean_tensor_name``)."""
+    return name.replace(_FSDP_WRAPPED_PREFIX, "").replace(_CHECKPOINT_PREFIX, "")
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """True for a module some sharding wrapper already manages (FSDP1 instance or fully_shard)."""
+    if isinstance(module, FullyShardedDataParallel):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _is_flattened(param: nn.Parameter) -> bool:
+    return bool(getattr(param, "_is_flat_param", False) or getattr(param, "_fsdp_flattened", False))
+
+
+@frozen
+class IgnoredStates:
+    """The resolved ignored sets for one root module (identity-based)."""
+
+    modules: frozenset[nn.Module] = attrs.field(factory=frozenset)
+    params: frozenset[nn.Parameter] = attrs.field(factory=frozenset)
+    buffer_names: frozenset[str] = attrs.field(factory=frozenset)
+
+    @property
+    def buffers(self) -> frozenset[torch.Tensor]:
+        return frozenset(b for m in self.modules for b in m.buffers())
+
+
+def _check_uniform(states: list[Any], as_states: bool) -> None:
+    if not states:
+        return
+    types = sorted({type(s).__name__ for s in states})
+    if as_states:
+        if all(isinstance(s, nn.Parameter) for s in states) or all(
+            isinstance(s, nn.Module) for s in states
+        ):
+            return
+        raise config_error(
+            "ShardingBuilder.ignore",
+            "states",
+            f"expected all nn.Parameter or all nn.Module, got a mix of types {types}",
+            "Ignore modules and parameters in separate builds, or list the modules only.",
+        )
+    if not all(isinstance(s, nn.Module) for s in states):
+        raise config_error(
+            "ShardingBuilder.ignore",
+            "modules",
+            f"expected nn.Module elements, got types {types}",
+            "Pass modules as `modules=` or parameters as `states=`.",
+        )
+
+
+def _as_list(value: Iterable[Any] | None, argument: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, nn.Module | torch.Tensor) or not isinstance(value, Iterable):
+        raise config_error(
+            "ShardingBuilder.ignore",
+            argument,
+            f"expected an iterable, got {type(value).__name__}",
+            f"Wrap a single item in a list: `{argument}=[item]`.",
+        )
+    return list(value)
+
+
+def validate_ignore_arguments(
+    modules: Iterable[nn.Module] | None, states: Iterable[Any] | None
+) -> tuple[list[Any], list[Any]]:
+    """Check the user's ignore arguments; needs no model. Returns them as lists."""
+    if modules is not None and states is not None:
+        raise config_error(
+            "ShardingBuilder.ignore",
+            "modules",
+            "both `modules` and `states` were given",
+            "Pass only `states=` (it accepts modules or parameters).",
+        )
+    module_list = _as_list(modules, "modules")
+    state_list = _as_list(states, "states")
+    _check_uniform(state_list, as_states=True)
+    _check_uniform(module_list, as_states=False)
+    for m in module_list + state_list:
+        if isinstance(m, nn.Module) and is_wrapped(m):
+            raise config_error(
+                "ShardingBuilder.ignore",
+                "modules",
+                f"{type(m).__name__} is already a sharded wrapper",
+                "Ignore the module it wraps, or leave it out: wrapped modules keep their rules.",
+            )
+    return module_list, state_list
+
+
+def _wrapped_states(root: nn.Module) -> Iterator[Any]:
+    for sub in root.modules():
+        if isinstance(sub, FullyShardedDataParallel):
+            yield sub
+
+
+def resolve_ignored(
+    root: nn.Module,
+    modules: Iterable[nn.Module] | None = None,
+    states: Iterable[Any] | None = None,
+) -> IgnoredStates:
+    """Expand the user's ignore arguments over ``root``. Pure: no process group, no mutation."""
+    module_list, state_list = validate_ignore_arguments(modules, states)
+    params: list[nn.Parameter] = []
+    if state_list and isinstance(state_list[0], nn.Parameter):
+        params = state_list
+    elif state_list:
+        module_list = state_list
+
+    ignored_modules = {
+        child
+        for m in module_list
+        for child in m.modules()
+        if not isinstance(child, FullyShardedDataParallel)
+    }
+    if root in ignored_modules:
+        log.warning("ignoring_root_module", module_type=type(root).__name__)
+    for wrapped in _wrapped_states(root):
+        ignored_modules.update(getattr(wrapped, "_ignored_modules", ()))
+
+    ignored_params = {p for m in ignored_modules for p in m.parameters() if not _is_flattened(p)}
+    ignored_params.update(p for p in params if not _is_flattened(p))
+    for wrapped in _wrapped_states(root):
+        ignored_params.update(getattr(wrapped, "_ignored_params", ()))
+
+    ignored_buffers = {id(b) for m in ignored_modules for b in m.buffers()}
+    buffer_names = {
+        clean_name(name) for name, buf in root.named_buffers() if id(buf) in ignored_buffers
+    }
+    for wrapped in _wrapped_states(root):
+        buffer_names.update(getattr(wrapped, "_ignored_buffer_names", ()))
+    return IgnoredStates(
+        frozenset(ignored_modules), frozenset(ignored_params), frozenset(buffer_names)
+    )
+
+
+def buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
+    """Clean buffer name → original dtype, to restore dtypes when buffers are cast for compute."""
+    return {clean_name(name): buf.dtype for name, buf in root.named_buffers()}
+
+
+def managed_params(module: nn.Module, ignored: IgnoredStates) -> Iterator[nn.Parameter]:
+    """Parameters of ``module`` the sharding manages: not ignored, not already flattened."""
+    for p in module.parameters():
+        if p not in ignored.params and not _is_flattened(p):
+            yield p

@@ -1,0 +1,122 @@
+"""Start ``world_size`` local ranks, run a function on each, and collect what they return.
+
+Used by the CLI, the benchmarks and the tests. Every run has a deadline: a rank that hangs is
+killed and the call raises, so nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or missed the deadline; the message holds every rank's story."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _encode(value: Any) -> bytes:
+    # torch.save keeps tensors self-contained; the queue's default would share storage with a
+    # process that is about to exit.
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        value = fn(*args)
+        results.put((rank, True, _encode(value)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks with an initialized process group;
+    return the per-rank results. ``fn`` must be importable (module level)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, backend, timeout, fn, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple[bool, Any]] = {}
+    while len(got) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            got[rank] = (ok, payload)
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in got]
+            if dead and all(p.exitcode not in (None, 0) for i, p in enumerate(procs) if i in dead):
+                # A rank died without reporting (segfault, OOM kill): the rest cannot finish.
+                break
+    for p in procs:
+        p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    missing = [r for r in range(world_size) if r not in got]
+    failed = {r: payload for r, (ok, payload) in got.items() if not ok}
+    if missing or failed:
+        parts = [f"rank {r} did not finish within {timeout:.0f}s" for r in missing]
+        parts += [f"rank {r} raised:\n{tb}" for r, tb in sorted(failed.items())]
+        raise RankFailure("\n".join(parts))
+    return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]

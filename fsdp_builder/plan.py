@@ -1,0 +1,187 @@
+"""The unit plan: which wrap units a model splits into, bottom-up, root last.
+
+A pure function of the model, the wrap policy and the ignored states; it needs no process group,
+so it can be printed and checked on a laptop for a model built on the meta device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import attrs
+import torch
+from attrs import frozen
+from torch import nn
+
+from fsdp_builder.errors import PlanError
+from fsdp_builder.ignored import IgnoredStates, clean_name, is_wrapped
+from fsdp_builder.wrap import WrapPolicy
+
+
+@frozen
+class TensorInfo:
+    """One parameter or buffer a unit owns directly."""
+
+    name: str  # fully-qualified, relative to the root
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@frozen(eq=False)
+class Unit:
+    """A wrap unit: a module and the states it owns, not counting nested units or ignored ones."""
+
+    fqn: str  # "" for the root
+    module: nn.Module = attrs.field(repr=False)
+    params: tuple[TensorInfo, ...]
+    buffers: tuple[TensorInfo, ...]
+    is_root: bool
+
+    @property
+    def label(self) -> str:
+        return self.fqn or "<root>"
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return self.param_bytes + self.buffer_bytes
+
+
+@frozen
+class UnitPlan:
+    """The ordered units (bottom-up, root last)."""
+
+    units: tuple[Unit, ...]
+
+    def __iter__(self) -> Iterator[Unit]:
+        return iter(self.units)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    @property
+    def root(self) -> Unit:
+        return self.units[-1]
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def largest_unit_bytes(self) -> int:
+        return max((u.nbytes for u in self.units), default=0)
+
+    def describe(self) -> list[tuple[str, tuple[tuple[str, tuple[int, ...], str], ...]]]:
+        """Names, shapes and dtypes per unit: what ranks compare to know they built one model."""
+        return [
+            (u.fqn, tuple((t.name, t.shape, str(t.dtype)) for t in u.params + u.buffers))
+            for u in self.units
+        ]
+
+    def fingerprint(self) -> int:
+        """A 63-bit digest of :meth:`describe`, equal on ranks that built the same model."""
+        digest = hashlib.blake2b(repr(self.describe()).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+    def format(self) -> str:
+        lines = [f"{'unit':<40} {'params':>12} {'bytes':>14} {'buffers':>8}"]
+        for u in self.units:
+            lines.append(f"{u.label:<40} {u.numel:>12,} {u.nbytes:>14,} {len(u.buffers):>8}")
+        lines.append(f"{'total':<40} {self.numel:>12,} {self.nbytes:>14,}")
+        return "\n".join(lines)
+
+
+def _info(name: str, t: torch.Tensor) -> TensorInfo:
+    return TensorInfo(clean_name(name), tuple(t.shape), t.dtype, t.numel())
+
+
+def _post_order(
+    module: nn.Module, prefix: str, stop: frozenset[nn.Module], seen: set[int]
+) -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        if child in stop or id(child) in seen:
+            continue
+        seen.add(id(child))
+        yield from _post_order(child, f"{prefix}{name}.", stop, seen)
+        yield f"{prefix}{name}", child
+
+
+def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> UnitPlan:
+    """Split ``model`` into units: modules chosen by ``wrap`` (not ignored, not already wrapped)
+    and the root, bottom-up. Each unit owns the states of its subtree minus nested units, ignored
+    modules and ignored parameters. A parameter reachable from two units is a PlanError.
+    """
+    chosen = wrap.select(model, ignored.modules)
+    order = [(clean_name(fqn), m) for fqn, m in _post_order(model, "", ignored.modules, set())]
+    unit_modules = [(fqn, m) for fqn, m in order if m in chosen and not is_wrapped(m)]
+    unit_modules.append(("", model))
+    unit_set = {m for _, m in unit_modules}
+
+    owner_of: dict[nn.Parameter, list[tuple[str, str]]] = {}
+    owned: dict[nn.Module, tuple[list[TensorInfo], list[TensorInfo]]] = {}
+    for unit_fqn, unit_module in unit_modules:
+        params: list[TensorInfo] = []
+        buffers: list[TensorInfo] = []
+        stack: list[tuple[str, nn.Module]] = [(unit_fqn, unit_module)]
+        while stack:
+            fqn, module = stack.pop()
+            base = f"{fqn}." if fqn else ""
+            for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+                if p is None or p in ignored.params:
+                    continue
+                owner_of.setdefault(p, []).append((unit_fqn, base + pname))
+                if len(owner_of[p]) == 1:
+                    params.append(_info(base + pname, p))
+            for bname, b in module.named_buffers(recurse=False):
+                if b is not None:
+                    buffers.append(_info(base + bname, b))
+            for cname, child in reversed(list(module.named_children())):
+                if child in unit_set or child in ignored.modules or is_wrapped(child):
+                    continue
+                stack.append((base + cname, child))
+        owned[unit_module] = (params, buffers)
+
+    split = {p: owners for p, owners in owner_of.items() if len({unit for unit, _ in owners}) > 1}
+    if split:
+        details = "; ".join(
+            " and ".join(f"'{name}' (unit '{unit or '<root>'}')" for unit, name in owners)
+            for owners in split.values()
+        )
+        raise PlanError(
+            f"Tied parameters are split across wrap units: {details}. A shared parameter must "
+            "live in one unit: change the wrap policy so the modules sharing it are wrapped "
+            "together (e.g. do not wrap them separately and let their common parent own them)."
+        )
+
+    units = tuple(
+        Unit(
+            fqn=fqn,
+            module=module,
+            params=tuple(owned[module][0]),
+            buffers=tuple(owned[module][1]),
+            is_root=module is model,
+        )
+        for fqn, module in unit_modules
+    )
+    return UnitPlan(units)

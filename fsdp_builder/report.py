@@ -1,0 +1,129 @@
+"""The build report: per stage and unit, time, bytes and peak memory; also emitted as events."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import structlog
+import torch
+from attrs import define, frozen
+
+log = structlog.get_logger(__name__)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: CUDA allocator peak on GPUs, the process's peak RSS elsewhere."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # ru_maxrss is in KiB on Linux.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@frozen
+class StageRecord:
+    stage: str
+    unit: str
+    seconds: float
+    bytes: int = 0
+    comm_bytes: int = 0
+    peak_bytes: int = 0
+
+
+@define
+class StageMeter:
+    """Filled in by the step being measured."""
+
+    bytes: int = 0
+    comm_bytes: int = 0
+
+
+@define
+class BuildReport:
+    """What a build did, on this rank."""
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str = ""
+    strategy: str = ""
+    device: str = ""
+    records: list[StageRecord] = attrs.field(factory=list)
+
+    @contextlib.contextmanager
+    def measure(
+        self, stage: str, unit: str, device: torch.device, logger: Any = None
+    ) -> Iterator[StageMeter]:
+        meter = StageMeter()
+        start = time.perf_counter()
+        yield meter
+        record = StageRecord(
+            stage=stage,
+            unit=unit,
+            seconds=time.perf_counter() - start,
+            bytes=meter.bytes,
+            comm_bytes=meter.comm_bytes,
+            peak_bytes=peak_memory_bytes(device),
+        )
+        self.records.append(record)
+        (logger or log).debug(
+            "build_stage",
+            stage=stage,
+            unit=unit,
+            seconds=round(record.seconds, 6),
+            bytes=record.bytes,
+            comm_bytes=record.comm_bytes,
+            peak_bytes=record.peak_bytes,
+        )
+
+    def stages(self) -> list[dict[str, Any]]:
+        """Per stage totals, in first-seen order."""
+        totals: dict[str, dict[str, Any]] = {}
+        for r in self.records:
+            t = totals.setdefault(
+                r.stage,
+                {"name": r.stage, "seconds": 0.0, "bytes": 0, "comm_bytes": 0, "peak_bytes": 0},
+            )
+            t["seconds"] += r.seconds
+            t["bytes"] += r.bytes
+            t["comm_bytes"] += r.comm_bytes
+            t["peak_bytes"] = max(t["peak_bytes"], r.peak_bytes)
+        return list(totals.values())
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(r.seconds for r in self.records)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "strategy": self.strategy,
+            "device": self.device,
+            "stages": self.stages(),
+            "units": [attrs.asdict(r) for r in self.records],
+        }
+
+    def format(self) -> str:
+        mib = 1024 * 1024
+        lines = [
+            f"build report: backend={self.backend} strategy={self.strategy} "
+            f"rank={self.rank}/{self.world_size} device={self.device}",
+            f"  {'stage':<12} {'unit':<28} {'ms':>9} {'MiB':>9} {'comm MiB':>9} {'peak MiB':>9}",
+        ]
+        for r in self.records:
+            lines.append(
+                f"  {r.stage:<12} {r.unit:<28} {r.seconds * 1e3:>9.2f} {r.bytes / mib:>9.2f} "
+                f"{r.comm_bytes / mib:>9.2f} {r.peak_bytes / mib:>9.1f}"
+            )
+        lines.append("  totals:")
+        for s in self.stages():
+            lines.append(
+                f"  {s['name']:<12} {'':<28} {s['seconds'] * 1e3:>9.2f} {s['bytes'] / mib:>9.2f} "
+                f"{s['comm_bytes'] / mib:>9.2f} {s['peak_bytes'] / mib:>9.1f}"
+            )
+        return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""Wrap policies: which modules become their own shard unit.
+
+Three forms are accepted: module classes, a predicate on ``(module, fqn)``, or one of torch's own
+wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeAlias
+
+import attrs
+from attrs import frozen
+from torch import nn
+from torch.distributed.fsdp.wrap import _Policy
+
+from fsdp_builder.errors import config_error
+
+WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
+WrapSpec: TypeAlias = "type[nn.Module] | Iterable[type[nn.Module]] | WrapPredicate | _Policy"
+
+
+def _is_module_class(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, nn.Module)
+
+
+@frozen
+class WrapPolicy:
+    """A normalized wrap policy. Exactly one of its fields is set, or none (root-only plan)."""
+
+    classes: tuple[type[nn.Module], ...] = ()
+    predicate: WrapPredicate | None = None
+    torch_policy: _Policy | None = None
+
+    @classmethod
+    def of(cls, spec: Any) -> WrapPolicy:
+        """Normalize what a user passes to ``.wrap(...)``; raises a ConfigurationError otherwise."""
+        if isinstance(spec, WrapPolicy):
+            return spec
+        if spec is None:
+            return cls()
+        if isinstance(spec, _Policy):
+            return cls(torch_policy=spec)
+        if _is_module_class(spec):
+            return cls(classes=(spec,))
+        if isinstance(spec, list | tuple | set | frozenset):
+            items = list(spec)
+            bad = [repr(i) for i in items if not _is_module_class(i)]
+            if not items or bad:
+                raise config_error(
+                    "ShardingBuilder.wrap",
+                    "policy",
+                    f"expected nn.Module subclasses, got {', '.join(bad) or 'an empty collection'}",
+                    "Pass module classes such as `.wrap(TransformerBlock)`.",
+                )
+            return cls(classes=tuple(items))
+        if callable(spec):
+            return cls(predicate=spec)
+        raise config_error(
+            "ShardingBuilder.wrap",
+            "policy",
+            f"{type(spec).__name__} is not a wrap policy",
+            "Pass module classes, a callable (module, fqn) -> bool, or a torch ModuleWrapPolicy.",
+        )
+
+    def select(self, root: nn.Module, ignored_modules: frozenset[nn.Module]) -> set[nn.Module]:
+        """The modules of ``root`` (root excluded) that this policy makes units."""
+        if self.torch_policy is not None:
+            # torch's policies answer for a root; their target kwargs are FSDP1 overrides we
+            # do not apply per unit, so only the selected modules matter here.
+            chosen = self.torch_policy._run_policy(root, set(ignored_modules), {})
+            return {m for m in chosen if m is not root}
+        selected: set[nn.Module] = set()
+        for fqn, module in root.named_modules():
+            if module is root or module in ignored_modules:
+                continue
+            if self.classes and isinstance(module, self.classes):
+                selected.add(module)
+            elif self.predicate is not None and self.predicate(module, fqn):
+                selected.add(module)
+        return selected
+
+    def describe(self) -> str:
+        if self.torch_policy is not None:
+            return type(self.torch_policy).__name__
+        if self.classes:
+            return ",".join(c.__name__ for c in self.classes)
+        if self.predicate is not None:
+            return getattr(self.predicate, "__name__", "predicate")
+        return "root-only"
+
+
+__all__ = ["WrapPolicy", "WrapPredicate", "WrapSpec", "attrs"]
