@@ -12,6 +12,7 @@ overrides an earlier choice.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, TypeVar
 
 import attrs
@@ -387,8 +388,13 @@ class _Pipeline:
             options=options,
             ignored=ignored,
             plan=plan,
+            backend=self.backend.name,
             buffer_dtypes=buffer_dtypes(model),
         )
+        for strategy in (materializer, synchronizer):
+            prepare: Callable[[Environment], object] | None = getattr(strategy, "prepare", None)
+            if callable(prepare):
+                self._local(f"prepare {type(strategy).__name__}", partial(prepare, env))
         report = BuildReport(
             rank=rank,
             world_size=env.world_size,
@@ -431,6 +437,10 @@ class _Pipeline:
         materializer: Materializer,
         synchronizer: StateSynchronizer,
     ) -> nn.Module:
+        shard_first = bool(getattr(materializer, "shard_first", False)) and bool(
+            getattr(self.backend, "supports_shard_first", False)
+        )
+
         def materialize_and_move() -> None:
             with report.measure("materialize", unit.label, env.device, logger) as m:
                 m.bytes = materializer.materialize(unit, env)
@@ -440,13 +450,9 @@ class _Pipeline:
                     managed_params(unit.module, env.ignored), env.device, unit.label, env.rank
                 )
 
-        self._local("materialize", materialize_and_move, unit.label)
-
         def synchronize() -> None:
             with report.measure("synchronize", unit.label, env.device, logger) as m:
                 m.comm_bytes = synchronizer.synchronize(unit, env)
-
-        self._local("synchronize", synchronize, unit.label)
 
         def shard() -> nn.Module:
             with report.measure("shard", unit.label, env.device, logger) as m:
@@ -454,7 +460,17 @@ class _Pipeline:
                 m.bytes = unit.param_bytes
             return wrapped
 
-        wrapped = self._local("shard", shard, unit.label)
+        # Steps that communicate (synchronizers, loading materializers) run under the same
+        # agreement: they must fail on every rank alike, or only after their last collective.
+        if shard_first:
+            # Shard the unit while it is still on meta, then give only the local shards values.
+            wrapped = self._local("shard", shard, unit.label)
+            self._local("materialize", materialize_and_move, unit.label)
+            self._local("synchronize", synchronize, unit.label)
+        else:
+            self._local("materialize", materialize_and_move, unit.label)
+            self._local("synchronize", synchronize, unit.label)
+            wrapped = self._local("shard", shard, unit.label)
         if wrapped is not unit.module:
             for parent, name in slots.get(id(unit.module), []):
                 setattr(parent, name, wrapped)

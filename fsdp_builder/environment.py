@@ -32,6 +32,7 @@ class Environment:
     options: ShardingOptions
     ignored: IgnoredStates
     plan: UnitPlan
+    backend: str = "fsdp1"
     buffer_dtypes: dict[str, torch.dtype] = attrs.field(factory=dict)
 
     @property

@@ -104,7 +104,14 @@ class Materializer(Protocol):
         ...
 
     def materialize(self, unit: Unit, env: Environment) -> int:
-        """Materialize the unit's own modules; return the bytes given storage."""
+        """Materialize the unit's own modules; return the bytes given storage.
+
+        Optional extras the pipeline looks for: ``prepare(env)`` (called once on every rank
+        after the groups exist; may communicate) and ``shard_first: bool`` (with a backend that
+        ``supports_shard_first``, ``materialize`` is called after the unit is sharded on meta,
+        to initialize only the local shards). A materializer that communicates must fail on
+        every rank alike, or only after its last collective.
+        """
         ...
 
 
