@@ -61,7 +61,7 @@ def demo_rank(backend: str, strategy: str, steps: int, verbose: bool) -> dict[st
     """One rank of the demo: build, train, return the report and losses."""
     configure_logging(verbose)
     cfg = DemoConfig()
-    model = make_model(cfg, device="meta")
+    model = make_model(cfg)
     builder = build_demo(backend, strategy)
     sharded = builder.build(model)
     losses = train(sharded, cfg, steps, dist.get_rank(), dist.get_world_size())

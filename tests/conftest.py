@@ -1,0 +1,22 @@
+"""Shared fixtures: a one-rank gloo world inside the test process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from fsdp_builder.launch import free_port
+
+
+@pytest.fixture
+def world1() -> Iterator[None]:
+    """A default process group of one rank (gloo), torn down after the test."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

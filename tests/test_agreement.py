@@ -1,0 +1,149 @@
+"""A failure on some ranks, or ranks with different models, stop every rank with one clear error;
+nothing hangs (every spawn has a deadline) and failed builds leave the model untouched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from typing_extensions import override
+
+from fsdp_builder import (
+    BaseMaterializer,
+    CPUDevice,
+    FSDPBuilder,
+    KeepAsIs,
+    ResetParameters,
+)
+from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, make_model
+from fsdp_builder.environment import Environment
+from fsdp_builder.launch import RankFailure, run_ranks
+from fsdp_builder.plan import Unit
+
+CFG = DemoConfig(layers=2)
+
+
+class FailOnRank1(BaseMaterializer):
+    @override
+    def materialize(self, unit: Unit, env: Environment) -> int:
+        if env.rank == 1 and unit.fqn == "blocks.1":
+            raise RuntimeError("disk full while loading blocks.1")
+        return 0
+
+
+class BrokenResolverOnRank1(CPUDevice):
+    @override
+    def resolve(self, module: nn.Module, params: Any, rank: int) -> torch.device:
+        if rank == 1:
+            raise RuntimeError("no device left for rank 1")
+        return super().resolve(module, params, rank)
+
+
+def attempt(builder: FSDPBuilder, model: nn.Module) -> dict[str, Any]:
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    try:
+        builder.build(model)
+    except Exception as exc:
+        after = {n: p for n, p in model.named_parameters() if not p.is_meta}
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "failures": sorted(getattr(exc, "failures", {})),
+            "wrapped": any(isinstance(m, FullyShardedDataParallel) for m in model.modules()),
+            "untouched": before.keys() == after.keys()
+            and all(torch.equal(before[n], after[n]) for n in before),
+        }
+    return {"type": None}
+
+
+def scenarios() -> dict[str, dict[str, Any]]:
+    rank = dist.get_rank()
+    out: dict[str, dict[str, Any]] = {}
+    # Rank 1 built a wider MLP: detected before anything is sharded.
+    cfg = CFG if rank == 0 else DemoConfig(layers=2, mlp_ratio=2)
+    out["different_model"] = attempt(FSDPBuilder().device(CPUDevice()).wrap(Block), make_model(cfg))
+    # Rank 1 wraps differently: a different unit plan.
+    policy: Any = Block if rank == 0 else nn.Linear
+    out["different_plan"] = attempt(FSDPBuilder().device(CPUDevice()).wrap(policy), make_model(CFG))
+    # A local failure on rank 1 half-way through the units.
+    out["materialize_fails_on_one_rank"] = attempt(
+        FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(FailOnRank1()), make_model(CFG)
+    )
+    out["resolver_fails_on_one_rank"] = attempt(
+        FSDPBuilder().device(BrokenResolverOnRank1()).wrap(Block), make_model(CFG)
+    )
+    # The same bad input on every rank: each raises the original, specific error.
+    with torch.device("meta"):
+        meta = DemoTransformer(CFG)
+    out["bad_input_everywhere"] = attempt(
+        FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(KeepAsIs()), meta
+    )
+    # After all that the group still works: a good build succeeds.
+    good = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(ResetParameters())
+    good.build(make_model(CFG))
+    out["good_after_failures"] = {"units": len(good.plan)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(scenarios, 2, timeout=180)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_different_models_are_named_before_sharding(results: Any, rank: int) -> None:
+    out = results[rank]["different_model"]
+    assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
+    assert "blocks.0.mlp.0.weight [256, 64]" in out["message"]
+    assert "blocks.0.mlp.0.weight [128, 64]" in out["message"]
+    assert not out["wrapped"] and out["untouched"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_different_unit_plans_are_named(results: Any, rank: int) -> None:
+    out = results[rank]["different_plan"]
+    assert out["type"] == "RankDisagreementError"
+    assert "planned units" in out["message"] and "same wrap policy" in out["message"]
+    assert not out["wrapped"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_rank_failing_stops_every_rank_with_its_message(results: Any, rank: int) -> None:
+    out = results[rank]["materialize_fails_on_one_rank"]
+    assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
+    assert "stage 'materialize' of unit 'blocks.1'" in out["message"]
+    assert "rank 1: RuntimeError: disk full while loading blocks.1" in out["message"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_failure_before_any_collective_leaves_model_untouched(results: Any, rank: int) -> None:
+    out = results[rank]["resolver_fails_on_one_rank"]
+    assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
+    assert "no device left for rank 1" in out["message"] and "stage 'configure'" in out["message"]
+    assert not out["wrapped"] and out["untouched"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_same_bad_input_everywhere_raises_the_specific_error(results: Any, rank: int) -> None:
+    out = results[rank]["bad_input_everywhere"]
+    assert out["type"] == "MaterializationError"
+    assert "`KeepAsIs` got states on the meta device" in out["message"]
+
+
+def test_group_still_usable_after_failures(results: Any) -> None:
+    assert results[0]["good_after_failures"]["units"] == CFG.layers + 1
+
+
+def hang_on_rank1() -> None:
+    if dist.get_rank() == 1:
+        dist.barrier()  # rank 0 never joins: a real hang
+    dist.new_group()  # unreachable on rank 1
+
+
+def test_launcher_turns_a_hang_into_an_error() -> None:
+    with pytest.raises(RankFailure, match=r"did not finish within 15s|raised"):
+        run_ranks(hang_on_rank1, 2, timeout=15)

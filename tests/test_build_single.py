@@ -1,0 +1,84 @@
+"""Builds in a one-rank world: build-once rule, clamping warnings, events and the report."""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+import torch
+from structlog.testing import capture_logs
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from fsdp_builder import ConfigurationError, CPUDevice, FSDPBuilder, ResetParameters
+from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, make_model
+
+CFG = DemoConfig(layers=2)
+
+
+def test_build_returns_wrapper_and_keeps_environment(world1: None) -> None:
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
+    with pytest.warns(
+        UserWarning, match="NO_SHARD instead of FULL_SHARD since the world size is 1"
+    ):
+        sharded = builder.build(make_model(CFG))
+    assert isinstance(sharded, FullyShardedDataParallel)
+    env = builder.environment
+    assert env.strategy.name == "NO_SHARD" and env.world_size == 1 and env.rank == 0
+    assert env.device == torch.device("cpu")
+    assert env.groups.gradient_predivide_factor == 1.0
+    assert [u.fqn for u in builder.plan] == ["blocks.0", "blocks.1", ""]
+    assert {s["name"] for s in builder.report.stages()} == {
+        "materialize",
+        "move",
+        "synchronize",
+        "shard",
+    }
+
+
+def test_building_twice_is_an_error_and_clone_builds_again(world1: None) -> None:
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
+    builder.build(make_model(CFG))
+    with pytest.raises(ConfigurationError, match=r"build` was already called.*clone\(\)"):
+        builder.build(make_model(CFG))
+    assert isinstance(builder.clone().build(make_model(CFG)), FullyShardedDataParallel)
+
+
+def test_meta_model_is_materialized_per_unit(world1: None) -> None:
+    with torch.device("meta"):
+        model = DemoTransformer(CFG)
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(ResetParameters())
+    sharded = builder.build(model)
+    assert not any(p.is_meta for p in sharded.parameters())
+    materialized = [r for r in builder.report.records if r.stage == "materialize"]
+    assert [r.unit for r in materialized] == ["blocks.0", "blocks.1", "<root>"]
+    assert sum(r.bytes for r in materialized) == builder.plan.nbytes
+
+
+def test_stage_events_carry_rank_world_unit_in_pipeline_order(
+    world1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the library must not configure structlog")
+
+    monkeypatch.setattr(structlog, "configure", refuse)
+    with capture_logs() as events:
+        FSDPBuilder().device(CPUDevice()).wrap(Block).build(make_model(CFG))
+    stages = [e for e in events if e["event"] == "build_stage"]
+    assert all(e["rank"] == 0 and e["world_size"] == 1 for e in stages)
+    order = [(e["unit"], e["stage"]) for e in stages]
+    expected = [
+        (unit, stage)
+        for unit in ("blocks.0", "blocks.1", "<root>")
+        for stage in ("materialize", "move", "synchronize", "shard")
+    ]
+    assert order == expected
+    for e in stages:
+        assert e["seconds"] >= 0 and e["peak_bytes"] > 0
+    done = [e for e in events if e["event"] == "build_done"]
+    assert len(done) == 1 and done[0]["units"] == 3
+
+
+def test_no_process_group_is_a_clear_error() -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"initialized default process group.*init_process_group"
+    ):
+        FSDPBuilder().device(CPUDevice()).build(make_model(CFG))

@@ -1,0 +1,113 @@
+"""The unit plan is a pure function of model, wrap policy and ignored states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from fsdp_builder import PlanError, WrapPolicy, plan_units, resolve_ignored
+from fsdp_builder.demo import Block, DemoConfig, DemoTransformer
+from fsdp_builder.ignored import IgnoredStates
+
+
+def demo(device: str = "cpu") -> DemoTransformer:
+    with torch.device(device):
+        return DemoTransformer(DemoConfig(layers=2))
+
+
+def test_units_are_bottom_up_with_root_last() -> None:
+    model = demo()
+    plan = plan_units(model, WrapPolicy.of(Block), IgnoredStates())
+    assert [u.fqn for u in plan] == ["blocks.0", "blocks.1", ""]
+    assert plan.root.is_root and not plan.units[0].is_root
+    assert plan.units[0].module is model.blocks[0]
+
+
+def test_units_own_their_states_directly_and_cover_the_model() -> None:
+    model = demo()
+    plan = plan_units(model, WrapPolicy.of(Block), IgnoredStates())
+    block_names = {t.name for t in plan.units[0].params}
+    assert block_names == {f"blocks.0.{n}" for n, _ in model.blocks[0].named_parameters()}
+    root_names = {t.name for t in plan.root.params}
+    assert root_names == {n for n, _ in model.named_parameters() if not n.startswith("blocks.")}
+    assert plan.numel == sum(p.numel() for p in model.parameters())
+    assert plan.nbytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    shapes = {t.name: t.shape for u in plan for t in u.params}
+    assert shapes == {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def test_plan_needs_no_real_storage() -> None:
+    meta, real = demo("meta"), demo("cpu")
+    a = plan_units(meta, WrapPolicy.of(Block), IgnoredStates())
+    b = plan_units(real, WrapPolicy.of(Block), IgnoredStates())
+    assert a.describe() == b.describe() and a.fingerprint() == b.fingerprint()
+    assert "blocks.0" in a.format() and f"{a.numel:,}" in a.format()
+
+
+def test_fingerprint_changes_with_shapes() -> None:
+    small = plan_units(demo(), WrapPolicy.of(Block), IgnoredStates())
+    with torch.device("meta"):
+        wider = DemoTransformer(DemoConfig(layers=2, dim=128))
+    assert (
+        small.fingerprint()
+        != plan_units(wider, WrapPolicy.of(Block), IgnoredStates()).fingerprint()
+    )
+
+
+def test_predicate_and_torch_policy_select_like_classes() -> None:
+    model = demo("meta")
+    by_class = plan_units(model, WrapPolicy.of(Block), IgnoredStates())
+    by_pred = plan_units(
+        model,
+        WrapPolicy.of(lambda m, fqn: fqn.startswith("blocks.") and fqn.count(".") == 1),
+        IgnoredStates(),
+    )
+    by_torch = plan_units(model, WrapPolicy.of(ModuleWrapPolicy({Block})), IgnoredStates())
+    assert by_class.describe() == by_pred.describe() == by_torch.describe()
+
+
+def test_no_policy_gives_a_root_only_plan() -> None:
+    plan = plan_units(demo("meta"), WrapPolicy(), IgnoredStates())
+    assert [u.fqn for u in plan] == [""]
+
+
+def test_ignored_modules_are_neither_units_nor_owned() -> None:
+    model = demo("meta")
+    ignored = resolve_ignored(model, modules=[model.blocks[1]])
+    plan = plan_units(model, WrapPolicy.of(Block), ignored)
+    assert [u.fqn for u in plan] == ["blocks.0", ""]
+    owned = {t.name for u in plan for t in u.params}
+    assert not any(n.startswith("blocks.1.") for n in owned)
+
+
+def test_ignored_parameters_are_not_owned() -> None:
+    model = demo("meta")
+    ignored = resolve_ignored(model, states=[model.head.weight])
+    plan = plan_units(model, WrapPolicy.of(Block), ignored)
+    assert "head.weight" not in {t.name for t in plan.root.params}
+    assert "head.bias" in {t.name for t in plan.root.params}
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Sequential(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weights_in_one_unit_are_listed_once() -> None:
+    plan = plan_units(Tied(), WrapPolicy.of(nn.Sequential), IgnoredStates())
+    names = [t.name for t in plan.root.params]
+    assert names.count("embed.weight") == 1 and "head.weight" not in names
+
+
+def test_tied_weights_split_across_units_name_both_and_the_fix() -> None:
+    with pytest.raises(
+        PlanError,
+        match=r"'head.weight' \(unit 'head'\) and 'embed.weight' \(unit '<root>'\).*together",
+    ):
+        plan_units(Tied(), WrapPolicy.of(nn.Linear), IgnoredStates())
