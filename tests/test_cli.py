@@ -9,6 +9,7 @@ import sys
 import torch
 
 from fsdp_builder.demo import DemoConfig, make_model, reference
+from fsdp_builder.launch import free_port
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -44,3 +45,30 @@ def test_demo_prints_readable_report() -> None:
 def test_bad_arguments_exit_with_usage() -> None:
     proc = run_cli("demo", "--strategy", "diagonal")
     assert proc.returncode == 2 and "invalid choice: 'diagonal'" in proc.stderr
+
+
+def test_demo_under_torchrun_uses_its_environment() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "fsdp_builder.cli",
+            "demo",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["world_size"] == 2 and "losses_per_rank" not in report
+    ref = reference(make_model(DemoConfig()), DemoConfig(), 3, 2)
+    assert torch.allclose(torch.tensor(report["losses"]), torch.tensor(ref["losses"][0]), atol=1e-5)
