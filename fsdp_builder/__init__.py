@@ -30,10 +30,26 @@ from fsdp_builder.groups import (
     ProcessGroups,
 )
 from fsdp_builder.ignored import IgnoredStates, resolve_ignored
-from fsdp_builder.materializers import BaseMaterializer, KeepAsIs, Materializer, ResetParameters
+from fsdp_builder.loading import FromStateDict
+from fsdp_builder.materializers import (
+    BaseMaterializer,
+    DeferredInit,
+    DeterministicInit,
+    InitFn,
+    KeepAsIs,
+    Materializer,
+    ResetParameters,
+)
 from fsdp_builder.plan import Unit, UnitPlan, plan_units
 from fsdp_builder.report import BuildReport, StageRecord
-from fsdp_builder.synchronizers import BaseSynchronizer, Chain, NoSync, StateSynchronizer
+from fsdp_builder.synchronizers import (
+    BaseSynchronizer,
+    BroadcastFromRank0,
+    Chain,
+    NoSync,
+    StateSynchronizer,
+    VerifyReplicas,
+)
 from fsdp_builder.wrap import WrapPolicy
 
 __all__ = [
@@ -78,4 +94,10 @@ __all__ = [
     "WrapPolicy",
     "plan_units",
     "resolve_ignored",
+    "BroadcastFromRank0",
+    "DeferredInit",
+    "DeterministicInit",
+    "FromStateDict",
+    "InitFn",
+    "VerifyReplicas",
 ]

@@ -1,20 +1,34 @@
 """StateSynchronizer role: make ranks hold the same values where they must, one unit at a time.
 
 A synchronizer runs collectives: every rank calls it for the same unit at the same time, and a
-synchronizer that detects a problem must raise the same error on every rank.
+synchronizer that detects a problem must raise the same error on every rank. The checks that can
+fail locally (a state still on meta) run first and are agreed on before any collective, so one
+rank's problem never leaves the others blocked in a broadcast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+import hashlib
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import structlog
+import torch
+import torch.distributed as dist
 from attrs import frozen
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
+from fsdp_builder.agreement import agree, collective_device
 from fsdp_builder.environment import Environment
+from fsdp_builder.errors import FSDPBuilderError, StateMismatchError, config_error
+from fsdp_builder.materializers import unit_modules
 from fsdp_builder.plan import Unit
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 @runtime_checkable
@@ -53,3 +67,276 @@ class Chain(BaseSynchronizer):
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
         return sum(step.synchronize(unit, env) for step in self.steps)
+
+
+# -- the unit's states ----------------------------------------------------------------------
+
+
+def _flatten(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Plain tensors for ``tensor``: traceable subclasses (DTensor, float8 wrappers) travel as
+    their inner tensors, which hold the actual storage."""
+    detached = tensor.detach()
+    if is_traceable_wrapper_subclass(detached):
+        attrs_, _ = detached.__tensor_flatten__()
+        for attr in attrs_:
+            yield from _flatten(f"{name}.{attr}", getattr(detached, attr))
+    else:
+        yield name, detached
+
+
+def unit_states(
+    unit: Unit, env: Environment, skip: set[int] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The unit's own parameters and buffers as ``(fully-qualified name, plain tensor)``, each
+    storage once (tied parameters, buffers registered twice). Buffers whose id is in ``skip``
+    (already handled with a nested unit) are left out; the ids of those taken are added to it."""
+    modules = unit_modules(unit.module, env.ignored.modules)
+    names = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
+    seen: set[int] = set()
+    params: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    for m in modules:
+        prefix = ".".join(x for x in (unit.fqn, names.get(id(m), "")) if x)
+        for pname, p in m.named_parameters(recurse=False):
+            if p in env.ignored.params or id(p) in seen:
+                continue
+            seen.add(id(p))
+            params.append((f"{prefix}.{pname}" if prefix else pname, p))
+        for bname, b in m.named_buffers(recurse=False):
+            if id(b) in seen or (skip is not None and id(b) in skip):
+                continue
+            seen.add(id(b))
+            if skip is not None:
+                skip.add(id(b))
+            buffers.append((f"{prefix}.{bname}" if prefix else bname, b))
+    return [flat for name, t in params + buffers for flat in _flatten(name, t)]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def _check_real(states: list[tuple[str, torch.Tensor]], who: str, unit: Unit) -> None:
+    meta = [name for name, t in states if t.is_meta]
+    if meta:
+        raise FSDPBuilderError(
+            f"`{who}` cannot synchronize unit '{unit.label}': {', '.join(meta[:8])}"
+            f"{' ...' if len(meta) > 8 else ''} are still on the meta device on this rank. "
+            "Pass a materializer that gives them values (e.g. ResetParameters())."
+        )
+
+
+def agreement_group(env: Environment) -> dist.ProcessGroup | None:
+    """The group whose ranks build together: the world, or the one group a build spans."""
+    if env.groups.data_parallel_size == dist.get_world_size():
+        return None
+    return env.groups.shard_group if env.groups.replicate_group is None else None
+
+
+def sync_stages(env: Environment) -> list[tuple[dist.ProcessGroup | None, int]]:
+    """The (group, global source rank) broadcasts that carry global rank 0's values to every
+    rank of the build.
+
+    When the build spans the whole world, one broadcast over the world does it. Otherwise the
+    replicate group goes first, then the shard group, each from its first rank: the replicate
+    group of the first rank spreads its values to the first rank of every shard group, which then
+    spreads them inside its shard group, so every replica, not only the shard group, is covered.
+    """
+    groups = env.groups
+    if groups.data_parallel_size == dist.get_world_size():
+        return [(None, 0)]
+    stages: list[tuple[dist.ProcessGroup | None, int]] = []
+    if groups.replicate_group is not None:
+        stages.append((groups.replicate_group, dist.get_global_rank(groups.replicate_group, 0)))
+    stages.append((groups.shard_group, dist.get_global_rank(groups.shard_group, 0)))
+    return stages
+
+
+def broadcast_tensors(
+    tensors: list[torch.Tensor],
+    src: int,
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int,
+) -> int:
+    """Broadcast ``tensors`` from global rank ``src`` in buckets of about ``bucket_bytes``
+    (same-dtype tensors packed into one flat buffer on the group's collective device; a tensor
+    larger than a bucket travels alone). Returns the bytes broadcast."""
+    device = collective_device(group)
+    sent = 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    is_src = dist.get_rank() == src
+    for dtype in sorted(by_dtype, key=str):
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in by_dtype[dtype]:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                sent += _broadcast_bucket(bucket, src, group, device, is_src)
+                bucket, size = [], 0
+            bucket.append(t)
+            size += nbytes
+        if bucket:
+            sent += _broadcast_bucket(bucket, src, group, device, is_src)
+    return sent
+
+
+def _broadcast_bucket(
+    bucket: list[torch.Tensor],
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    is_src: bool,
+) -> int:
+    with torch.no_grad():
+        if len(bucket) == 1 and bucket[0].is_contiguous() and bucket[0].device == device:
+            dist.broadcast(bucket[0], src=src, group=group)
+            return bucket[0].numel() * bucket[0].element_size()
+        if is_src:
+            flat = torch.cat([t.reshape(-1).to(device) for t in bucket])
+        else:
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        if not is_src:
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return flat.numel() * flat.element_size()
+
+
+def _check_bucket_bytes(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise config_error(
+            type(instance).__name__,
+            attribute.name,
+            f"expected a positive number of bytes, got {value!r}",
+            "Pass e.g. bucket_bytes=250 * 1024 * 1024, or leave the default",
+        )
+
+
+@frozen
+class BroadcastFromRank0(BaseSynchronizer):
+    """Every rank ends with global rank 0's parameters and buffers (every replica too, under
+    hybrid sharding). Works on CPU/gloo as on GPU/NCCL.
+
+    The unit's own states are packed into buckets of ``bucket_bytes``; tensor subclasses travel as
+    their inner tensors; a buffer shared with a nested unit was sent with that unit and is not
+    sent again.
+    """
+
+    bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=_check_bucket_bytes)
+    # Buffers already sent in the current build, by build; cleared after the root unit.
+    _sent: dict[int, set[int]] = attrs.field(factory=dict, init=False, eq=False, repr=False)
+
+    @override
+    def synchronize(self, unit: Unit, env: Environment) -> int:
+        sent_before = self._sent.setdefault(id(env), set())
+        skip = set(sent_before)
+        error: BaseException | None = None
+        states: list[tuple[str, torch.Tensor]] = []
+        try:
+            states = unit_states(unit, env, skip)
+            _check_real(states, "BroadcastFromRank0", unit)
+        except Exception as exc:  # reported on every rank before any broadcast starts
+            error = exc
+        agree("synchronize (check)", error, unit=unit.label, group=agreement_group(env))
+        sent_before |= skip
+        tensors = [t for _, t in states]
+        total = 0
+        for group, src in sync_stages(env):
+            total += broadcast_tensors(tensors, src, group, self.bucket_bytes)
+        if unit.is_root:
+            self._sent.pop(id(env), None)
+        log.debug(
+            "broadcast_from_rank0",
+            unit=unit.label,
+            tensors=len(tensors),
+            bytes=total,
+            rank=env.rank,
+        )
+        return total
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """A 63-bit digest of the tensor's bytes (bit-exact: -0.0 and 0.0 differ, NaNs compare)."""
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=8)
+    digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def _verify_groups(
+    env: Environment, states: list[tuple[str, torch.Tensor]]
+) -> list[dist.ProcessGroup | None]:
+    if any(_is_dtensor(t) for _, t in states):
+        # Already sharded: shards differ by design; only replicas must match.
+        return [] if env.groups.replicate_group is None else [env.groups.replicate_group]
+    return [group for group, _ in sync_stages(env)]
+
+
+@frozen
+class VerifyReplicas(BaseSynchronizer):
+    """Checks that every rank holds the same values for the unit's states (a checksum per
+    tensor, gathered across ranks); on a divergence raises StateMismatchError naming the first
+    differing state and the ranks involved, the same on every rank. Chain it after another
+    synchronizer: ``.synchronize(BroadcastFromRank0(), VerifyReplicas())``."""
+
+    @override
+    def synchronize(self, unit: Unit, env: Environment) -> int:
+        error: BaseException | None = None
+        sums: list[int] = []
+        states: list[tuple[str, torch.Tensor]] = []
+        try:
+            states = unit_states(unit, env)
+            _check_real(states, "VerifyReplicas", unit)
+            sums = [checksum(t) for _, t in states]
+        except Exception as exc:
+            error = exc
+        agree("synchronize (check)", error, unit=unit.label, group=agreement_group(env))
+        total = 0
+        for group in _verify_groups(env, states):
+            total += self._compare(unit, states, sums, group)
+        return total
+
+    def _compare(
+        self,
+        unit: Unit,
+        states: list[tuple[str, torch.Tensor]],
+        sums: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> int:
+        world = dist.get_world_size(group)
+        device = collective_device(group)
+        mine = torch.tensor(sums, dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        table = torch.stack(gathered).cpu()
+        differs = (table != table[0]).any(dim=0)
+        if bool(differs.any()):
+            index = int(differs.nonzero()[0])
+            values = [int(v) for v in table[:, index]]
+            ranks = [
+                dist.get_global_rank(group, r) if group is not None else r for r in range(world)
+            ]
+            classes: dict[int, list[int]] = {}
+            for r, v in zip(ranks, values, strict=True):
+                classes.setdefault(v, []).append(r)
+            agreeing = classes[values[0]]
+            odd = [r for r in ranks if r not in agreeing]
+            count = int(differs.sum())
+            raise StateMismatchError(
+                f"`VerifyReplicas` found different values across ranks in unit '{unit.label}': "
+                f"the first differing state is '{states[index][0]}', where rank(s) "
+                f"{', '.join(map(str, odd))} differ from rank(s) "
+                f"{', '.join(map(str, agreeing))} ({count} state(s) of this unit differ). "
+                "Synchronize before verifying, e.g. .synchronize(BroadcastFromRank0(), "
+                "VerifyReplicas()), or seed every rank alike before building."
+            )
+        return int(table.numel() * table.element_size())

@@ -1,0 +1,353 @@
+"""Loading real weights: a full state dict held by rank 0 (in memory or in a file), streamed to
+every rank one unit at a time.
+
+Only rank 0 reads the source. Before any weight is written, rank 0 checks the source's keys and
+shapes against the unit plan and sends its verdict to every rank, so a bad checkpoint raises the
+same error everywhere instead of failing half-way through a broadcast. Then, per unit, rank 0
+copies the unit's tensors out of the source and broadcasts them; the other ranks only ever hold
+storage for the unit being built, never the full state dict.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+import torch
+import torch.distributed as dist
+from attrs import define, frozen
+from typing_extensions import override
+
+from fsdp_builder.agreement import agree, collective_device
+from fsdp_builder.environment import Environment
+from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
+from fsdp_builder.ignored import IgnoredStates, clean_name
+from fsdp_builder.materializers import BaseMaterializer, allocate_empty, unit_modules
+from fsdp_builder.plan import Unit, UnitPlan
+from fsdp_builder.synchronizers import (
+    DEFAULT_BUCKET_BYTES,
+    agreement_group,
+    broadcast_tensors,
+    sync_stages,
+)
+
+log = structlog.get_logger(__name__)
+
+_FIX_SOURCE = (
+    "Pass the model's full state dict (`model.state_dict()` of the unwrapped model) on rank 0, "
+    "or the path of a file saved from it with torch.save or safetensors.torch.save_file"
+)
+
+
+class _Reader:
+    """Read access to the source on rank 0: names, shapes, and one tensor at a time."""
+
+    def __init__(self, tensors: Mapping[str, Any], describe: str) -> None:
+        self._tensors = tensors
+        self.describe = describe
+
+    def keys(self) -> list[str]:
+        return list(self._tensors.keys())
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors[key].shape)
+
+    def get(self, key: str) -> torch.Tensor:
+        value = self._tensors[key]
+        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+class _SafetensorsReader(_Reader):
+    """Reads one tensor at a time from a .safetensors file (nothing else is loaded)."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self._file = safe_open(str(path), framework="pt", device="cpu")
+        super().__init__({}, f"'{path}'")
+
+    @override
+    def keys(self) -> list[str]:
+        return list(self._file.keys())
+
+    @override
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(key).get_shape())
+
+    @override
+    def get(self, key: str) -> torch.Tensor:
+        tensor: torch.Tensor = self._file.get_tensor(key)
+        return tensor
+
+
+def _not_a_state_dict(what: str, why: str) -> ConfigurationError:
+    return config_error(
+        "FromStateDict", "source", f"{what} is not a state dict ({why})", _FIX_SOURCE
+    )
+
+
+def _check_mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _not_a_state_dict(what, f"it holds a {type(value).__name__}")
+    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        shown = ", ".join(repr(k) for k in bad[:5])
+        raise _not_a_state_dict(
+            what,
+            f"entries {shown}{' ...' if len(bad) > 5 else ''} are not tensors named by strings; "
+            "if it is a checkpoint holding a state dict, pass that inner dict",
+        )
+    return value
+
+
+def _open(source: Any) -> _Reader:
+    """Open the source on rank 0; raises a ConfigurationError that says what to pass."""
+    if source is None:
+        raise config_error(
+            "FromStateDict",
+            "source",
+            "rank 0 was given None",
+            "Rank 0 holds the weights: pass it the state dict or a file path (other ranks may "
+            "pass None)",
+        )
+    if isinstance(source, Mapping):
+        return _Reader(_check_mapping(source, "the mapping given"), "the state dict given")
+    path = Path(os.fspath(source))
+    if not path.exists():
+        raise config_error(
+            "FromStateDict",
+            "source",
+            f"the path '{path}' does not exist on rank 0",
+            "Pass the path of a torch.save or .safetensors file that rank 0 can read",
+        )
+    if not path.is_file():
+        raise _not_a_state_dict(f"'{path}'", "it is not a file")
+    if path.suffix == ".safetensors":
+        try:
+            return _SafetensorsReader(path)
+        except Exception as exc:
+            raise _not_a_state_dict(f"'{path}'", f"safetensors could not read it: {exc}") from exc
+    try:
+        try:
+            # mmap keeps rank 0 from reading the whole file up front (zip-format files only).
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _not_a_state_dict(f"'{path}'", f"torch.load failed: {first[:200]}") from exc
+    return _Reader(_check_mapping(loaded, f"'{path}'"), f"'{path}'")
+
+
+@frozen
+class _Entry:
+    """One storage of a unit with every name it goes by (tied parameters have several)."""
+
+    names: tuple[str, ...]
+    tensor: torch.Tensor = attrs.field(eq=False)
+
+
+def _unit_entries(
+    unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None = None
+) -> Iterator[_Entry]:
+    modules = unit_modules(unit.module, _stops(unit, ignored, plan))
+    rel = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
+    by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for m in modules:
+        prefix = ".".join(x for x in (unit.fqn, rel.get(id(m), "")) if x)
+        skip: set[str] = getattr(m, "_non_persistent_buffers_set", set())
+        named: list[tuple[str, torch.Tensor]] = [
+            (n, p)
+            for n, p in m.named_parameters(recurse=False, remove_duplicate=False)
+            if p is not None and p not in ignored.params
+        ]
+        named += [
+            (n, b)
+            for n, b in m.named_buffers(recurse=False, remove_duplicate=False)
+            if b is not None and n not in skip
+        ]
+        for name, t in named:
+            full = clean_name(f"{prefix}.{name}" if prefix else name)
+            by_id.setdefault(id(t), ([], t))[0].append(full)
+    for names, t in by_id.values():
+        yield _Entry(tuple(dict.fromkeys(names)), t)
+
+
+def _stops(unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None) -> set[Any]:
+    """Where a walk of ``unit`` stops: ignored modules, and (before the build wrapped them) the
+    modules of the other units."""
+    others = {u.module for u in plan} - {unit.module} if plan is not None else set()
+    return set(ignored.modules) | others
+
+
+def _non_persistent_meta(unit: Unit, ignored: IgnoredStates, plan: UnitPlan) -> list[str]:
+    out = []
+    for m in unit_modules(unit.module, _stops(unit, ignored, plan)):
+        for n in getattr(m, "_non_persistent_buffers_set", set()):
+            b = m._buffers.get(n)
+            if b is not None and b.is_meta:
+                out.append(f"{type(m).__name__}.{n}")
+    return out
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return str(list(shape))
+
+
+def validate_source(reader: _Reader, plan: UnitPlan, ignored: IgnoredStates) -> str | None:
+    """Compare the source with the model's unit plan; None when it fits, else the message."""
+    keys = set(reader.keys())
+    root = plan.root.module
+    known = {clean_name(k) for k in root.state_dict(keep_vars=True)}
+    missing: list[str] = []
+    shapes: list[str] = []
+    for unit in plan:
+        for entry in _unit_entries(unit, ignored, plan):
+            present = [n for n in entry.names if n in keys]
+            if not present:
+                missing.append(" / ".join(entry.names))
+                continue
+            got = reader.shape(present[0])
+            if got != tuple(entry.tensor.shape):
+                shapes.append(
+                    f"'{present[0]}' is {_shape(got)} in the source but "
+                    f"{_shape(tuple(entry.tensor.shape))} in the model"
+                )
+    unexpected = sorted(keys - known)
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} missing key(s): {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}"
+        )
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected key(s): {', '.join(unexpected[:8])}"
+            f"{' ...' if len(unexpected) > 8 else ''}"
+        )
+    if shapes:
+        problems.append(
+            f"{len(shapes)} wrong shape(s): {'; '.join(shapes[:8])}"
+            f"{' ...' if len(shapes) > 8 else ''}"
+        )
+    if not problems:
+        return None
+    hint = ""
+    if unexpected and any(k.startswith(("module.", "_orig_mod.")) for k in unexpected):
+        hint = " (keys start with a wrapper prefix: strip 'module.' / '_orig_mod.')"
+    return (
+        f"`FromStateDict` got an invalid `source`: {reader.describe} does not match the model: "
+        f"{'; '.join(problems)}{hint}. {_FIX_SOURCE}, with the same architecture and config."
+    )
+
+
+def _check_source_type(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None or isinstance(value, Mapping | str | os.PathLike):
+        return
+    raise config_error(
+        "FromStateDict",
+        attribute.name,
+        f"expected a state dict, a path or None, got {type(value).__name__}",
+        _FIX_SOURCE + " (ranks other than 0 may pass None)",
+    )
+
+
+@define
+class _Loading:
+    """The open source during one build (rank 0 only)."""
+
+    reader: _Reader | None = None
+
+
+@frozen
+class FromStateDict(BaseMaterializer):
+    """Materializes from a full state dict held by global rank 0: a mapping of names to tensors,
+    or a path to a ``torch.save`` or ``.safetensors`` file that rank 0 reads. Other ranks pass
+    None (or anything; only rank 0's source is used) and may hold the model on meta.
+
+    Keys and shapes are checked in ``prepare`` against every unit, on rank 0, and the verdict
+    reaches every rank before any weight is written. Each unit is then copied out of the source on
+    rank 0 and broadcast in buckets of ``bucket_bytes`` to every rank (every replica too under
+    hybrid sharding); dtypes follow the model.
+    """
+
+    source: Any = attrs.field(validator=_check_source_type)
+    bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES)
+    _loading: _Loading = attrs.field(factory=_Loading, init=False, eq=False, repr=False)
+
+    @bucket_bytes.validator
+    def _check_bucket(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise config_error(
+                "FromStateDict",
+                attribute.name,
+                f"expected a positive number of bytes, got {value!r}",
+                "Pass e.g. bucket_bytes=250 * 1024 * 1024, or leave the default",
+            )
+
+    def prepare(self, env: Environment) -> None:
+        """Open and validate the source on rank 0; every rank raises the same error if it does
+        not fit (collective over the build's ranks)."""
+        group = agreement_group(env)
+        verdict: str | None = None
+        if dist.get_rank() == 0:
+            try:
+                reader = _open(self.source)
+                verdict = validate_source(reader, env.plan, env.ignored)
+                if verdict is None:
+                    self._loading.reader = reader
+            except ConfigurationError as exc:
+                verdict = str(exc)
+        box: list[Any] = [verdict]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is not None:
+            self._loading.reader = None
+            raise ConfigurationError(box[0])
+        unloadable = [n for u in env.plan for n in _non_persistent_meta(u, env.ignored, env.plan)]
+        if unloadable:
+            raise MaterializationError(
+                "`FromStateDict` cannot give values to non-persistent buffers on the meta device "
+                f"(no state dict holds them): {', '.join(unloadable[:8])}. Build the modules "
+                "owning them on a real device, or register the buffers as persistent."
+            )
+
+    @override
+    def materialize(self, unit: Unit, env: Environment) -> int:
+        reader = self._loading.reader
+        is_source = dist.get_rank() == 0
+        if is_source and reader is None:
+            raise MaterializationError(
+                "`FromStateDict.materialize` ran before `prepare`; build through a builder, "
+                "which calls prepare(env) first."
+            )
+        modules = unit_modules(unit.module, env.ignored.modules)
+        device = collective_device(agreement_group(env))
+        allocate_empty(modules, device)
+        entries = list(_unit_entries(unit, env.ignored))
+        error: BaseException | None = None
+        if is_source and reader is not None:
+            keys = set(reader.keys())
+            try:
+                with torch.no_grad():
+                    for entry in entries:
+                        name = next(n for n in entry.names if n in keys)
+                        entry.tensor.detach().copy_(reader.get(name))
+            except Exception as exc:  # the other ranks are about to wait for this unit
+                error = MaterializationError(
+                    f"`FromStateDict` could not copy unit '{unit.label}' out of "
+                    f"{reader.describe}: {type(exc).__name__}: {exc}. {_FIX_SOURCE}."
+                )
+        agree("materialize (load)", error, unit=unit.label, group=agreement_group(env))
+        written = 0
+        tensors = [e.tensor.detach() for e in entries]
+        for group, src in sync_stages(env):
+            written += broadcast_tensors(tensors, src, group, self.bucket_bytes)
+        if unit.is_root:
+            self._loading.reader = None  # the build is done with the source
+        log.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
+        return sum(t.numel() * t.element_size() for t in tensors)

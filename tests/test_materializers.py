@@ -1,0 +1,240 @@
+"""Materializers on one process, no process group: configuration, errors, values, ties."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_builder import (
+    ConfigurationError,
+    DeferredInit,
+    DeterministicInit,
+    FSDPBuilder,
+    InitFn,
+    MaterializationError,
+    PlanError,
+    ResetParameters,
+)
+from fsdp_builder.demo import Block, DemoConfig, DemoTransformer
+from fsdp_builder.materializers import derived_seed
+
+CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
+
+
+def on_meta(factory: Callable[..., nn.Module], *args: object, **kwargs: object) -> nn.Module:
+    with torch.device("meta"):
+        return factory(*args, **kwargs)
+
+
+def states(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class NoInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+
+
+class Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+
+    def reset_parameters(self) -> None:
+        raise RuntimeError("boom")
+
+
+class TwoStrangers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = NoInit()
+        self.inner = nn.Sequential(nn.Linear(2, 2), NoInit())
+
+
+class TiedDemo(DemoTransformer):
+    def __init__(self, cfg: DemoConfig) -> None:
+        super().__init__(cfg)
+        self.head.weight = self.embed.weight
+
+
+class TiedPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [None, 3, "reset_parameters"])
+def test_init_fn_must_be_callable(fn: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"`InitFn` got an invalid `fn`: expected a call"):
+        InitFn(fn)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, 2**63])
+def test_deterministic_seed_is_validated(seed: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"`DeterministicInit` got an invalid `seed`"):
+        DeterministicInit(seed)  # type: ignore[arg-type]
+
+
+def test_deferred_init_without_torchdistx_is_a_configuration_error() -> None:
+    pytest.importorskip("torch")  # keeps the import-order explicit
+    try:
+        import torchdistx  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigurationError, match=r"`DeferredInit`.*torchdistx"):
+            DeferredInit()
+    else:
+        DeferredInit()
+
+
+# -- ResetParameters ----------------------------------------------------------------------------
+
+
+def test_modules_without_an_initializer_are_named_together() -> None:
+    model = on_meta(TwoStrangers)
+    with pytest.raises(MaterializationError, match=r"no reset_parameters\(\)") as info:
+        ResetParameters().materialize_model(model)
+    assert "first (NoInit)" in str(info.value)
+    assert "inner.1 (NoInit)" in str(info.value)
+    assert "inner.0" not in str(info.value)
+
+
+def test_a_failing_initializer_names_the_module_and_its_type() -> None:
+    model = on_meta(lambda: nn.Sequential(nn.Linear(2, 2), Broken()))
+    with pytest.raises(MaterializationError, match=r"'1' \(Broken\).*RuntimeError: boom"):
+        ResetParameters().materialize_model(model)
+
+
+def test_real_modules_are_left_as_they_are() -> None:
+    model = TwoStrangers()  # real: nothing to initialize, so no initializer is needed
+    before = states(model)
+    ResetParameters().materialize_model(model)
+    after = states(model)
+    assert all(before[k] is not after[k] and torch.equal(before[k], after[k]) for k in before)
+
+
+def test_multihead_attention_private_initializer_runs_and_parent_wins() -> None:
+    model = on_meta(nn.MultiheadAttention, 16, 2)
+    ResetParameters().materialize_model(model)
+    assert torch.equal(model.out_proj.bias, torch.zeros(16))  # set by the parent's initializer
+    assert torch.equal(model.in_proj_bias, torch.zeros(48))
+    assert model.in_proj_weight.abs().max() <= math.sqrt(6 / (16 + 48)) + 1e-6
+
+
+def _check_like_construction(meta_built: nn.Module, reference: nn.Module) -> None:
+    for (name, got), (_, want) in zip(
+        meta_built.state_dict().items(), reference.state_dict().items(), strict=True
+    ):
+        assert torch.isfinite(got).all(), name
+        if not want.std() > 0:
+            assert torch.equal(got, want), name  # constants: zeros and ones
+            continue
+        # Sampling noise shrinks with size; a wrong init (Kaiming instead of Xavier: ~30%) or
+        # uninitialized memory does not.
+        tolerance = 0.05 + 4 / math.sqrt(got.numel())
+        assert abs(float(got.std()) / float(want.std()) - 1) < tolerance, name
+        assert abs(float(got.abs().max()) / float(want.abs().max()) - 1) < tolerance, name
+        assert abs(float(got.mean())) < 3 * float(want.std()) / math.sqrt(got.numel()) + 1e-3, name
+
+
+@pytest.mark.parametrize("materializer", [ResetParameters(), DeterministicInit(3)])
+def test_transformer_on_meta_matches_construction(materializer: ResetParameters) -> None:
+    kwargs = {
+        "d_model": 64,
+        "nhead": 4,
+        "num_encoder_layers": 2,
+        "num_decoder_layers": 1,
+        "dim_feedforward": 128,
+        "batch_first": True,
+    }
+    model = on_meta(nn.Transformer, **kwargs)
+    materializer.materialize_model(model)
+    torch.manual_seed(0)
+    _check_like_construction(model, nn.Transformer(**kwargs))
+
+
+@pytest.mark.parametrize("materializer", [ResetParameters(), DeterministicInit(3)])
+def test_encoder_layer_on_meta_matches_construction(materializer: ResetParameters) -> None:
+    model = on_meta(nn.TransformerEncoderLayer, 64, 4, 256, batch_first=True)
+    materializer.materialize_model(model)
+    torch.manual_seed(0)
+    _check_like_construction(model, nn.TransformerEncoderLayer(64, 4, 256, batch_first=True))
+
+
+# -- DeterministicInit --------------------------------------------------------------------------
+
+
+def test_deterministic_init_does_not_depend_on_units_order_or_ambient_rng() -> None:
+    whole, per_block = on_meta(DemoTransformer, CFG), on_meta(DemoTransformer, CFG)
+    torch.manual_seed(1)
+    DeterministicInit(5).materialize_model(whole)
+    torch.manual_seed(2)
+    DeterministicInit(5).materialize_model(per_block, wrap=Block)
+    a, b = states(whole), states(per_block)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = on_meta(DemoTransformer, CFG)
+    DeterministicInit(6).materialize_model(other)
+    assert not torch.equal(states(other)["head.weight"], a["head.weight"])
+
+
+def test_deterministic_init_reinitializes_real_weights_and_keeps_rng_untouched() -> None:
+    real, meta = DemoTransformer(CFG), on_meta(DemoTransformer, CFG)
+    torch.manual_seed(11)
+    DeterministicInit(5).materialize_model(real)
+    drawn = torch.rand(3)
+    torch.manual_seed(11)
+    DeterministicInit(5).materialize_model(meta)
+    assert torch.equal(torch.rand(3), drawn)  # the caller's RNG stream is not consumed
+    a, b = states(real), states(meta)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_derived_seeds_differ_by_name_and_seed() -> None:
+    seeds = {derived_seed(s, n) for s in (0, 1) for n in ("a", "b", "blocks.0.attn")}
+    assert len(seeds) == 6 and all(0 <= s < 2**63 for s in seeds)
+
+
+# -- InitFn -----------------------------------------------------------------------------------
+
+
+def test_init_fn_sees_allocated_storage_children_first() -> None:
+    seen: list[str] = []
+
+    def fn(module: nn.Module) -> None:
+        seen.append(type(module).__name__)
+        for p in module.parameters(recurse=False):
+            assert not p.is_meta
+            p.fill_(1.0)
+
+    model = on_meta(lambda: nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.LayerNorm(2))))
+    InitFn(fn).materialize_model(model)
+    assert seen == ["LayerNorm", "Sequential", "Linear", "Sequential"]  # reversed breadth-first
+    assert all(torch.equal(p, torch.ones_like(p)) for p in model.parameters())
+
+
+# -- ties ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("materializer", [ResetParameters(), DeterministicInit(0)])
+def test_tied_parameters_stay_tied(materializer: ResetParameters) -> None:
+    model = on_meta(TiedDemo, CFG)
+    materializer.materialize_model(model, wrap=Block)
+    assert model.head.weight is model.embed.weight
+    assert not model.head.weight.is_meta
+    pair = on_meta(TiedPair)
+    materializer.materialize_model(pair)
+    assert pair.a.weight is pair.b.weight
+
+
+def test_tied_weights_split_across_units_are_refused_with_their_names() -> None:
+    with pytest.raises(PlanError, match=r"'a\.weight' \(unit 'a'\) and 'b\.weight' \(unit 'b'\)"):
+        FSDPBuilder().wrap(nn.Linear).plan_for(on_meta(TiedPair))
