@@ -1,6 +1,6 @@
 """fsdp_builder: PyTorch FSDP initialization as a fluent builder with pluggable strategies."""
 
-from fsdp_builder.builder import BuilderConfig, FSDPBuilder, ShardingBuilder
+from fsdp_builder.builder import BuilderConfig, FSDPBuilder, FullyShardBuilder, ShardingBuilder
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
     BaseDeviceResolver,
@@ -69,6 +69,7 @@ __all__ = [
     "ExplicitDevice",
     "FSDPBuilder",
     "FSDPBuilderError",
+    "FullyShardBuilder",
     "GivenGroup",
     "GroupFactory",
     "HybridGroups",

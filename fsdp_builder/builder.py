@@ -27,6 +27,7 @@ from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision,
 from fsdp_builder.agreement import agree
 from fsdp_builder.backends import Backend
 from fsdp_builder.backends.fsdp1 import FSDP1Backend
+from fsdp_builder.backends.fsdp2 import FullyShardBackend
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
     DeviceResolver,
@@ -314,6 +315,16 @@ class FSDPBuilder(ShardingBuilder):
 
     def _backend(self) -> Backend:
         return FSDP1Backend()
+
+
+class FullyShardBuilder(ShardingBuilder):
+    """Builds ``torch.distributed.fsdp.fully_shard`` (FSDP2) models; see
+    ``fsdp_builder.backends.fsdp2`` for how each option maps and which ones are refused."""
+
+    backend_name = "fsdp2"
+
+    def _backend(self) -> Backend:
+        return FullyShardBackend()
 
 
 def _parent_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -1,0 +1,367 @@
+"""FSDP2 backend: ``torch.distributed.fsdp.fully_shard`` applied to each unit, root last.
+
+How the shared configuration maps onto ``fully_shard``:
+
+================================  =============================================================
+shared option                     ``fully_shard``
+================================  =============================================================
+FULL_SHARD                        1-D mesh; ``reshard_after_forward=True`` (False for the root,
+                                  which FSDP1 never frees after forward either)
+SHARD_GRAD_OP                     1-D mesh; ``reshard_after_forward=False``
+HYBRID_SHARD / _HYBRID_SHARD_ZERO2 2-D ``(replicate, shard)`` mesh; reshard as the two above
+NO_SHARD                          2-D ``(replicate=N, shard=1)`` mesh: every rank holds whole
+                                  parameters and gradients are all-reduced, as DDP would (a
+                                  world of one rank gets a 1-D mesh of size one)
+MixedPrecision                    MixedPrecisionPolicy(param_dtype, reduce_dtype); the root unit
+                                  casts its inputs when ``cast_root_forward_inputs``, others
+                                  when ``cast_forward_inputs``. ``buffer_dtype`` and
+                                  ``keep_low_precision_grads`` have no FSDP2 counterpart:
+                                  ConfigurationError
+CPUOffload(offload_params=True)   CPUOffloadPolicy (pinned memory on CUDA); on a CPU compute
+                                  device parameters already live on the CPU: no policy
+ignored modules / parameters      ``ignored_params`` (the parameters of ignored modules too);
+                                  a torch without that argument: ConfigurationError
+================================  =============================================================
+
+FSDP1-only options, judged only when the user set them (``ShardingOptions.explicit``):
+
+- ``limit_all_gathers``: FSDP2 always bounds in-flight all-gathers, so True is accepted and False
+  (which FSDP2 cannot honour) is a ConfigurationError.
+- ``use_orig_params``: FSDP2 always exposes the original parameters (as DTensors), so True is
+  accepted and False (flat parameters) is a ConfigurationError.
+- ``backward_prefetch``: FSDP2 prefetches the next all-gather before each backward unit, as
+  BACKWARD_PRE does; BACKWARD_PRE is accepted, BACKWARD_POST and None are ConfigurationErrors
+  (set ``FSDPModule.set_modules_to_backward_prefetch`` on the built model instead).
+- ``forward_prefetch``: False is accepted; True is a ConfigurationError, because FSDP1 derives
+  the order from the first iteration while FSDP2 needs it given
+  (``FSDPModule.set_modules_to_forward_prefetch`` after the build).
+
+Refusing rather than warning keeps a model from silently training with a different schedule
+than the one asked for.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import attrs
+import structlog
+import torch
+import torch.distributed as dist
+from attrs import frozen
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
+
+from fsdp_builder.config import NO_RESHARD_AFTER_FORWARD, ShardingOptions
+from fsdp_builder.environment import Environment
+from fsdp_builder.errors import config_error
+from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.plan import Unit
+
+log = structlog.get_logger(__name__)
+
+MESH_DIM_NAMES = ("replicate", "shard")
+
+# One mesh per resolved groups object: built on the first unit, reused by the others, dropped
+# with the build's environment.
+_MESHES: weakref.WeakKeyDictionary[ProcessGroups, DeviceMesh] = weakref.WeakKeyDictionary()
+
+
+def _where() -> str:
+    return "FullyShardBuilder"
+
+
+def check_fsdp1_only_options(options: ShardingOptions) -> None:
+    """Refuse FSDP1-only options the user set to values FSDP2 cannot honour (see module doc)."""
+    explicit = options.explicit
+    if "limit_all_gathers" in explicit and not options.limit_all_gathers:
+        raise config_error(
+            f"{_where()}.limit_all_gathers",
+            "enabled",
+            "FSDP2 always limits in-flight all-gathers and cannot turn that off",
+            "Drop the limit_all_gathers(False) call.",
+        )
+    if "use_orig_params" in explicit and not options.use_orig_params:
+        raise config_error(
+            f"{_where()}.use_orig_params",
+            "enabled",
+            "FSDP2 always keeps the original parameters (as DTensors); it has no flat parameters",
+            "Drop the use_orig_params(False) call.",
+        )
+    if (
+        "backward_prefetch" in explicit
+        and options.backward_prefetch is not BackwardPrefetch.BACKWARD_PRE
+    ):
+        mode = "None" if options.backward_prefetch is None else options.backward_prefetch.name
+        raise config_error(
+            f"{_where()}.prefetch",
+            "backward",
+            f"FSDP2 always prefetches like BACKWARD_PRE and has no {mode} mode",
+            "Use prefetch(backward=BACKWARD_PRE), or call "
+            "FSDPModule.set_modules_to_backward_prefetch(...) on the built model.",
+        )
+    if "forward_prefetch" in explicit and options.forward_prefetch:
+        raise config_error(
+            f"{_where()}.prefetch",
+            "forward",
+            "FSDP2 needs the forward prefetch order given explicitly",
+            "Use prefetch(forward=False) and call FSDPModule.set_modules_to_forward_prefetch(...) "
+            "on the built model's units.",
+        )
+
+
+def mixed_precision_policy(policy: MixedPrecision | None, is_root: bool) -> MixedPrecisionPolicy:
+    """The FSDP2 policy for one unit; refuses the FSDP1 fields FSDP2 has no counterpart for."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if policy.buffer_dtype is not None:
+        raise config_error(
+            f"{_where()}.mixed_precision",
+            "buffer_dtype",
+            "FSDP2 keeps buffers in their own dtype and does not cast them",
+            "Drop buffer_dtype, or cast the buffers of the model yourself before build().",
+        )
+    if policy.keep_low_precision_grads:
+        raise config_error(
+            f"{_where()}.mixed_precision",
+            "keep_low_precision_grads",
+            "FSDP2 always hands gradients back in the parameters' own dtype",
+            "Drop keep_low_precision_grads, or set reduce_dtype to the dtype you want reduced.",
+        )
+    cast = policy.cast_root_forward_inputs if is_root else policy.cast_forward_inputs
+    return MixedPrecisionPolicy(
+        param_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        cast_forward_inputs=cast,
+    )
+
+
+def offload_policy(options: ShardingOptions, device: torch.device) -> OffloadPolicy:
+    offload = options.cpu_offload
+    if offload is None or not offload.offload_params or device.type == "cpu":
+        # Computing on the CPU: sharded parameters already live there.
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+def supports_ignored_params(fn: Callable[..., Any] = fully_shard) -> bool:
+    """Whether this torch's ``fully_shard`` takes ``ignored_params`` (added in torch 2.7)."""
+    try:
+        return "ignored_params" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def ignored_params_kwargs(
+    unit_module: nn.Module, ignored: frozenset[nn.Parameter], fn: Callable[..., Any] = fully_shard
+) -> dict[str, Any]:
+    """``{"ignored_params": ...}`` for the ignored parameters under ``unit_module``, if any."""
+    mine = {p for p in unit_module.parameters() if p in ignored}
+    if not mine:
+        return {}
+    if not supports_ignored_params(fn):
+        raise config_error(
+            f"{_where()}.ignore",
+            "states",
+            f"this torch ({torch.__version__}) has no fully_shard(ignored_params=...)",
+            "Upgrade torch to 2.7 or later, or use FSDPBuilder to ignore modules or parameters.",
+        )
+    return {"ignored_params": mine}
+
+
+def _check_mesh_shape(mesh: DeviceMesh, groups: ProcessGroups, hybrid: bool) -> None:
+    if mesh.ndim not in (1, 2):
+        raise config_error(
+            f"{_where()}.groups",
+            "mesh",
+            f"fully_shard takes a 1-D or 2-D mesh, got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)}",
+            "Pass a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid sharding; slice the "
+            "data-parallel dimensions off first (e.g. mesh['dp']).",
+        )
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise config_error(
+            f"{_where()}.groups",
+            "mesh",
+            f"the mesh spans {mesh.size()} ranks but the world has {world}",
+            "Create the mesh over every rank that builds the model.",
+        )
+    if mesh.size() != groups.data_parallel_size:
+        raise config_error(
+            f"{_where()}.groups",
+            "mesh",
+            f"the mesh spans {mesh.size()} ranks but its groups span {groups.data_parallel_size}",
+            "Return the mesh's own groups from the group factory.",
+        )
+    if hybrid and mesh.ndim != 2:
+        raise config_error(
+            f"{_where()}.groups",
+            "mesh",
+            f"hybrid sharding needs a 2-D (replicate, shard) mesh, got {mesh.ndim}-D",
+            "Create it with init_device_mesh(device_type, (replicas, shards), "
+            "mesh_dim_names=('replicate', 'shard')).",
+        )
+    if not hybrid and mesh.ndim != 1:
+        raise config_error(
+            f"{_where()}.groups",
+            "mesh",
+            f"this strategy shards over one dimension, got a {mesh.ndim}-D mesh",
+            "Pass a 1-D mesh, or use .sharding('hybrid') with a 2-D mesh.",
+        )
+
+
+def _hybrid_layout(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> torch.Tensor:
+    """The global ranks as a (replicate, shard) grid; row ``i`` is the shard group of the ``i``-th
+    member of this rank's replicate group. Collective over the replicate group."""
+    rows: list[list[int] | None] = [None] * replicate.size()
+    dist.all_gather_object(rows, dist.get_process_group_ranks(shard), group=replicate)
+    layout = torch.tensor(rows, dtype=torch.int)
+    column = layout[:, shard.rank()].tolist()
+    if column != dist.get_process_group_ranks(replicate):
+        raise config_error(
+            f"{_where()}.groups",
+            "groups",
+            f"the shard groups {layout.tolist()} and the replicate group "
+            f"{dist.get_process_group_ranks(replicate)} do not form a grid",
+            "Pass groups where the i-th ranks of every shard group form one replicate group.",
+        )
+    return layout
+
+
+def _singleton_group() -> dist.ProcessGroup:
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    assert group is not None
+    return group
+
+
+def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str) -> DeviceMesh:
+    """The mesh ``fully_shard`` runs on for these groups and strategy (see the module doc)."""
+    strategy = options.strategy
+    if strategy == ShardingStrategy.NO_SHARD:
+        over = groups.shard_group
+        if groups.mesh is not None:
+            _check_mesh_shape(groups.mesh, groups, hybrid=False)
+            over = groups.mesh.get_group(0)
+        if over.size() == 1:
+            return DeviceMesh.from_group(over, device_type)
+        # A replicate-only layout: shard dimension of size one, every rank keeps whole tensors.
+        layout = torch.tensor(dist.get_process_group_ranks(over), dtype=torch.int).view(-1, 1)
+        return DeviceMesh.from_group(
+            [over, _singleton_group()], device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES
+        )
+    hybrid = options.is_hybrid
+    if groups.mesh is not None:
+        mesh = groups.mesh
+        _check_mesh_shape(mesh, groups, hybrid)
+        if mesh.device_type != device_type:
+            raise config_error(
+                f"{_where()}.groups",
+                "mesh",
+                f"the mesh is for '{mesh.device_type}' devices but this rank computes on "
+                f"'{device_type}'",
+                "Create the mesh for the compute device type, or change the device.",
+            )
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            # fully_shard asks for named dimensions on a 2-D mesh; name the same groups.
+            return DeviceMesh.from_group(
+                [mesh.get_group(0), mesh.get_group(1)],
+                device_type,
+                mesh=mesh.mesh,
+                mesh_dim_names=MESH_DIM_NAMES,
+            )
+        return mesh
+    if hybrid:
+        if groups.replicate_group is None:
+            raise config_error(
+                f"{_where()}.groups",
+                "groups",
+                f"{strategy.name} needs a replicate group, but the group factory gave none",
+                "Use AutoHybridGroups, HybridGroups or a 2-D mesh.",
+            )
+        layout = _hybrid_layout(groups.shard_group, groups.replicate_group)
+        return DeviceMesh.from_group(
+            [groups.replicate_group, groups.shard_group],
+            device_type,
+            mesh=layout,
+            mesh_dim_names=MESH_DIM_NAMES,
+        )
+    return DeviceMesh.from_group(groups.shard_group, device_type)
+
+
+def mesh_for(env: Environment) -> DeviceMesh:
+    """The build's mesh, created on the first unit and reused for the rest."""
+    mesh = _MESHES.get(env.groups)
+    if mesh is None:
+        mesh = build_mesh(env.groups, env.options, env.device.type)
+        _MESHES[env.groups] = mesh
+    return mesh
+
+
+def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
+    """The ``fully_shard`` arguments for one unit of this environment."""
+    opts = env.options
+    if unit.is_root:
+        reshard = False
+    else:
+        reshard = opts.strategy not in NO_RESHARD_AFTER_FORWARD
+    kwargs: dict[str, Any] = {
+        "mesh": mesh_for(env),
+        "reshard_after_forward": reshard,
+        "mp_policy": mixed_precision_policy(opts.mixed_precision, unit.is_root),
+        "offload_policy": offload_policy(opts, env.device),
+    }
+    kwargs.update(ignored_params_kwargs(unit.module, env.ignored.params))
+    return kwargs
+
+
+@frozen
+class FullyShardBackend:
+    """Shards each unit in place with ``fully_shard`` (FSDP2); see the module doc for how every
+    option maps. ``supports_shard_first``: a unit may be sharded while still on the meta device,
+    so a shard-first materializer allocates and initializes only the local shards."""
+
+    name: str = attrs.field(default="fsdp2", init=False)
+    supports_shard_first: ClassVar[bool] = True
+
+    def check(self, options: ShardingOptions) -> None:
+        check_fsdp1_only_options(options)
+        # Both the root and the other units take the same dtype fields: check them once here,
+        # before any collective.
+        mixed_precision_policy(options.mixed_precision, is_root=True)
+
+    def shard(self, unit: Unit, env: Environment) -> nn.Module:
+        kwargs = fully_shard_kwargs(unit, env)
+        fully_shard(unit.module, **kwargs)
+        log.debug(
+            "fully_shard",
+            unit=unit.label,
+            mesh=tuple(kwargs["mesh"].shape),
+            reshard_after_forward=kwargs["reshard_after_forward"],
+            ignored=len(kwargs.get("ignored_params", ())),
+        )
+        # In place: the module keeps its slot in the parent.
+        return unit.module
+
+
+__all__ = [
+    "FullyShardBackend",
+    "build_mesh",
+    "check_fsdp1_only_options",
+    "fully_shard_kwargs",
+    "ignored_params_kwargs",
+    "mixed_precision_policy",
+    "supports_ignored_params",
+]

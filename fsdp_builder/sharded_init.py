@@ -1,0 +1,452 @@
+"""Shard-first initialization for ``fully_shard`` units: each rank allocates and fills only its
+own shards.
+
+With a backend that ``supports_shard_first`` (FSDP2), the pipeline shards a unit while it is still
+on the meta device, then calls the materializer. Two materializers work on such a unit:
+
+- :class:`ShardFirstReset` runs each module's own initializer on its (DTensor) parameters, whose
+  local tensors are the only storage allocated. The RNG is seeded per shard index and module, so
+  the shards of one parameter differ from each other; plain ``reset_parameters`` on a CPU mesh
+  draws the same numbers on every rank instead, and the full weight is one shard repeated.
+  Trade-off: values depend on the world size (each shard is drawn independently), which is
+  statistically the distribution the initializer asks for but not bit-identical across world
+  sizes; for world-size-invariant weights use ``DeterministicInit``, which materializes each
+  unit in full and lets ``fully_shard`` slice it (one full unit at a time per rank).
+- :class:`ScatterStateDict` fills the local shards from full tensors held by one rank, which
+  sends each rank only its slices (:func:`scatter_unit_state`); other ranks never hold a full
+  tensor of a sharded parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import attrs
+import structlog
+import torch
+import torch.distributed as dist
+from attrs import frozen
+from torch import nn
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_builder.agreement import collective_device
+from fsdp_builder.backends.fsdp2 import mesh_for
+from fsdp_builder.environment import Environment
+from fsdp_builder.errors import FSDPBuilderError, MaterializationError, config_error
+from fsdp_builder.ignored import IgnoredStates
+from fsdp_builder.materializers import (
+    ResetParameters,
+    allocate_empty,
+    initializer_of,
+    needs_materialization,
+    unit_modules,
+)
+from fsdp_builder.plan import Unit, UnitPlan
+
+log = structlog.get_logger(__name__)
+
+
+def shard_seed(seed: int, shard_index: int, fqn: str) -> int:
+    """A 63-bit seed for one module's shard: unrelated across shard indices and modules."""
+    digest = hashlib.blake2b(f"{seed}/{shard_index}/{fqn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def shard_index(env: Environment) -> int:
+    """Which shard this rank holds: its rank in the shard group; 0 when nothing is sharded, so
+    that replicas (hybrid or NO_SHARD) draw the same values."""
+    if env.options.strategy == ShardingStrategy.NO_SHARD:
+        return 0
+    return env.groups.rank
+
+
+def local_bytes(module: nn.Module) -> int:
+    """Bytes of storage held by the parameters and buffers of ``module`` on this rank: the local
+    shards of DTensors, counted once per storage."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.is_meta:
+            continue
+        storage = local.untyped_storage()
+        key = (str(local.device), storage.data_ptr())
+        if key in seen and storage.data_ptr() != 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _owned_bytes(modules: list[nn.Module]) -> int:
+    total = 0
+    for m in modules:
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise config_error(
+            type(instance).__name__,
+            attribute.name,
+            f"expected None or an int in [0, 2**63), got {value!r}",
+            "Pass a non-negative integer seed, e.g. ShardFirstReset(seed=0).",
+        )
+
+
+def _fork_devices(device: torch.device) -> list[torch.device]:
+    return [device] if device.type == "cuda" else []
+
+
+@frozen
+class ShardFirstReset:
+    """``reset_parameters()`` on the local shards only (shard-first), under an RNG seeded from
+    ``(seed, shard index, module name)`` so shards differ and replicas agree.
+
+    ``seed=None`` takes ``torch.initial_seed()`` of the first rank of each group (shared in
+    ``prepare``). Initializers must draw element-wise (uniform, normal, Kaiming, Xavier,
+    constants): ones that need the whole tensor at once (``orthogonal_``, ``eye_``) do not work
+    on a shard; use ``DeterministicInit`` for those. With a backend that cannot shard first the
+    same seeding applies to the full unit, of which each rank keeps its own slice.
+    Random buffers would differ across shard indices: add a synchronizer if a module has them.
+    """
+
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    shard_first: ClassVar[bool] = True
+    # The seed agreed in prepare(); a frozen config still needs one slot it can fill per build.
+    _agreed: dict[str, int] = attrs.field(factory=dict, init=False, repr=False, eq=False)
+
+    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
+        try:
+            ResetParameters().check(plan, ignored)
+        except MaterializationError as exc:
+            raise MaterializationError(
+                str(exc).replace("`ResetParameters`", "`ShardFirstReset`")
+            ) from exc
+
+    def prepare(self, env: Environment) -> None:
+        """Share the base seed: over the shard group, then over the replicate group."""
+        base = self.seed if self.seed is not None else torch.initial_seed() % 2**63
+        value = torch.tensor([base], dtype=torch.int64)
+        for group in (env.groups.shard_group, env.groups.replicate_group):
+            if group is None or group.size() == 1:
+                continue
+            buf = value.to(collective_device(group))
+            dist.broadcast(buf, group=group, group_src=0)
+            value = buf.cpu()
+        self._agreed["seed"] = int(value.item())
+
+    def base_seed(self) -> int:
+        if "seed" in self._agreed:
+            return self._agreed["seed"]
+        return self.seed if self.seed is not None else torch.initial_seed() % 2**63
+
+    def materialize(self, unit: Unit, env: Environment) -> int:
+        modules = unit_modules(unit.module, env.ignored.modules)
+        if not needs_materialization(modules, env.ignored):
+            return 0
+        # Only modules that were on meta are initialized; real ones keep their values.
+        pending = [
+            m
+            for m in modules
+            if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+        ]
+        names = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
+        allocate_empty(modules, env.device)
+        base, index = self.base_seed(), shard_index(env)
+        pending_ids = {id(m) for m in pending}
+        with torch.no_grad():
+            # Children first: a parent's initializer may overwrite its children's values.
+            for module in reversed(modules):
+                if id(module) not in pending_ids:
+                    continue
+                init = initializer_of(module)
+                if init is None:  # buffers-only module: to_empty gave it storage
+                    continue
+                fqn = ".".join(x for x in (unit.fqn, names.get(id(module), "")) if x)
+                try:
+                    with torch.random.fork_rng(devices=_fork_devices(env.device)):
+                        torch.manual_seed(shard_seed(base, index, fqn))
+                        init()
+                except Exception as exc:
+                    raise MaterializationError(
+                        f"Initializing the shards of '{fqn or '<root>'}' "
+                        f"({type(module).__name__}) with `ShardFirstReset` failed: "
+                        f"{type(exc).__name__}: {exc}. Its initializer may need the whole "
+                        "tensor; use DeterministicInit(seed) for this model."
+                    ) from exc
+        return _owned_bytes(modules)
+
+
+# -- streaming a full state dict into the local shards ----------------------------------------
+
+
+def _relative(unit: Unit, name: str) -> str:
+    return name[len(unit.fqn) + 1 :] if unit.fqn else name
+
+
+def _mesh_groups(tensor: DTensor) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, int]:
+    """(shard group, replicate group or None, the tensor dim that is sharded)."""
+    mesh = tensor.device_mesh
+    placements = tensor.placements
+    last = placements[-1]
+    if mesh.ndim not in (1, 2) or not isinstance(last, Shard):
+        raise MaterializationError(
+            f"scatter_unit_state expects fully_shard placements (Shard on the last mesh dim, "
+            f"Replicate before it), got {placements} on a {mesh.ndim}-D mesh."
+        )
+    if mesh.ndim == 2 and not isinstance(placements[0], Replicate):
+        raise MaterializationError(
+            f"scatter_unit_state expects Replicate on mesh dim 0, got {placements}."
+        )
+    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+    return mesh.get_group(mesh.ndim - 1), replicate, last.dim
+
+
+def _coordinates(tensor: DTensor, src: int) -> tuple[int, int] | None:
+    """(replicate index, shard index) of global rank ``src`` in the tensor's mesh."""
+    layout = tensor.device_mesh.mesh
+    if layout.ndim == 1:
+        layout = layout.view(1, -1)
+    hits = (layout == src).nonzero().tolist()
+    return (int(hits[0][0]), int(hits[0][1])) if hits else None
+
+
+def _padded_chunks(full: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
+    """``full`` split as ``fully_shard`` does (torch.chunk), each chunk zero-padded to one size so
+    that every rank receives an equal-size message."""
+    size = -(-full.size(dim) // parts)
+    out = []
+    chunks = list(torch.chunk(full, parts, dim=dim))
+    for i in range(parts):
+        shape = list(full.shape)
+        shape[dim] = size
+        buf = full.new_zeros(shape)
+        if i < len(chunks):
+            buf.narrow(dim, 0, chunks[i].size(dim)).copy_(chunks[i])
+        out.append(buf)
+    return out
+
+
+def _broadcast_into(target: torch.Tensor, group: dist.ProcessGroup, group_src: int) -> None:
+    buf = target if target.is_contiguous() else target.contiguous()
+    dist.broadcast(buf, group=group, group_src=group_src)
+    if buf is not target:
+        target.copy_(buf)
+
+
+def _scatter_param(param: DTensor, full: torch.Tensor | None, src: int, rank: int) -> int:
+    """Fill ``param``'s local shard from ``full`` (given on ``src`` only); returns the bytes
+    this rank received."""
+    shard, replicate, dim = _mesh_groups(param)
+    where = _coordinates(param, src)
+    if where is None:
+        raise MaterializationError(
+            f"Rank {src} holds the state dict but is not in the parameter's mesh "
+            f"{param.device_mesh.mesh.tolist()}; load from a rank of the mesh."
+        )
+    src_replica, src_shard = where
+    local = param.to_local()
+    mesh = param.device_mesh
+    my_replica = mesh.get_local_rank(0) if mesh.ndim == 2 else 0
+    received = 0
+    if my_replica == src_replica:
+        parts = shard.size()
+        recv_shape = list(param.shape)
+        recv_shape[dim] = -(-recv_shape[dim] // parts)
+        recv = torch.empty(recv_shape, dtype=local.dtype, device=local.device)
+        scatter_list = None
+        if rank == src:
+            assert full is not None
+            source = full.detach().to(device=local.device, dtype=local.dtype)
+            scatter_list = _padded_chunks(source, parts, dim)
+        dist.scatter(recv, scatter_list, group=shard, group_src=src_shard)
+        local.copy_(recv.narrow(dim, 0, local.size(dim)))
+        received = 0 if rank == src else recv.numel() * recv.element_size()
+    elif replicate is not None:
+        received = local.numel() * local.element_size()
+    if replicate is not None and replicate.size() > 1:
+        _broadcast_into(local, replicate, src_replica)
+    return received
+
+
+def _broadcast_buffer(
+    buffer: torch.Tensor, full: torch.Tensor | None, env: Environment, src: int
+) -> int:
+    """Buffers are replicated: ``src`` broadcasts over its shard group, whose members then
+    broadcast over their replicate groups."""
+    groups = env.groups
+    shard_ranks = dist.get_process_group_ranks(groups.shard_group)
+    if full is not None and env.rank == src:
+        buffer.copy_(full.detach().to(device=buffer.device, dtype=buffer.dtype))
+    in_src_row = src in shard_ranks
+    if in_src_row and groups.shard_group.size() > 1:
+        _broadcast_into(buffer, groups.shard_group, shard_ranks.index(src))
+    if groups.replicate_group is not None and groups.replicate_group.size() > 1:
+        replicate_ranks = dist.get_process_group_ranks(groups.replicate_group)
+        sources = [r for r in replicate_ranks if r in _src_row(env, src)]
+        if len(sources) != 1:
+            raise MaterializationError(
+                f"Cannot find the member of replicate group {replicate_ranks} that shares a "
+                f"shard group with rank {src}; pass groups that form a (replicate, shard) grid."
+            )
+        _broadcast_into(buffer, groups.replicate_group, replicate_ranks.index(sources[0]))
+    return buffer.numel() * buffer.element_size() if env.rank != src else 0
+
+
+def _src_row(env: Environment, src: int) -> list[int]:
+    """The global ranks of ``src``'s shard group, from the build's mesh."""
+    mesh = mesh_for(env)
+    layout = mesh.mesh if mesh.ndim == 2 else mesh.mesh.view(1, -1)
+    for row in layout.tolist():
+        if src in row:
+            return [int(r) for r in row]
+    raise MaterializationError(f"Rank {src} is not in the build's mesh {layout.tolist()}.")
+
+
+def scatter_unit_state(
+    unit: Unit,
+    env: Environment,
+    full_state: Mapping[str, torch.Tensor] | None,
+    src: int = 0,
+) -> int:
+    """Fill one ``fully_shard``-ed unit's own parameters and buffers from ``full_state``, which
+    global rank ``src`` holds (other ranks pass None). Collective over the unit's mesh.
+
+    Each parameter: ``src`` scatters padded slices over its shard group (every rank receives
+    only its slice); under hybrid sharding every member of that first replica then broadcasts
+    its slice over its replicate group. Buffers (replicated) are broadcast the same two-stage
+    way. Local storage is allocated here if the unit is still on meta. A missing or misshapen
+    entry is reported by ``src`` only after it joined every collective (zeros are sent in its
+    place), so no rank is left waiting. Returns the bytes received on this rank.
+    """
+    modules = unit_modules(unit.module, env.ignored.modules)
+    allocate_empty(modules, env.device)
+    is_src = env.rank == src
+    problems: list[str] = []
+
+    def source(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        if not is_src:
+            return None
+        assert full_state is not None
+        tensor = full_state.get(name)
+        if tensor is None:
+            problems.append(f"'{name}' is missing")
+        elif tuple(tensor.shape) != shape:
+            problems.append(f"'{name}' has shape {list(tensor.shape)}, expected {list(shape)}")
+        else:
+            return tensor
+        return torch.zeros(shape, dtype=dtype)
+
+    if is_src and full_state is None:
+        raise config_error(
+            "scatter_unit_state",
+            "full_state",
+            f"rank {src} is the source but got no state dict",
+            "Pass the full state dict on the source rank and None elsewhere.",
+        )
+    received = 0
+    with torch.no_grad():
+        for info in unit.params:
+            param = unit.module.get_parameter(_relative(unit, info.name))
+            if not isinstance(param, DTensor):
+                raise MaterializationError(
+                    f"'{info.name}' is not a DTensor: scatter_unit_state fills units sharded "
+                    "by fully_shard (FullyShardBuilder)."
+                )
+            full = source(info.name, info.shape, info.dtype)
+            received += _scatter_param(param, full, src, env.rank)
+        for info in unit.buffers:
+            rel = _relative(unit, info.name)
+            owner_name, _, leaf = rel.rpartition(".")
+            owner = unit.module.get_submodule(owner_name) if owner_name else unit.module
+            if leaf in owner._non_persistent_buffers_set:
+                continue  # not in any state dict; its module's initializer owns it
+            buffer = unit.module.get_buffer(rel)
+            received += _broadcast_buffer(
+                buffer, source(info.name, info.shape, info.dtype), env, src
+            )
+    if problems:
+        raise MaterializationError(
+            f"The state dict on rank {src} does not fit unit '{unit.label}': "
+            f"{'; '.join(problems)}. Pass the state dict of this model (same names and shapes)."
+        )
+    log.debug("scatter_unit_state", unit=unit.label, rank=env.rank, received=received)
+    return received
+
+
+def _check_state_source(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not isinstance(value, Mapping) and not callable(value):
+        raise config_error(
+            type(instance).__name__,
+            attribute.name,
+            f"expected a mapping of name to tensor, a callable returning one, or None, got "
+            f"{type(value).__name__}",
+            "Pass model.state_dict() (or a loader function) on the source rank, None elsewhere.",
+        )
+
+
+@frozen
+class ScatterStateDict:
+    """Shard-first loading for ``FullyShardBuilder``: rank ``src`` holds the full state dict
+    (``state``: a mapping, or a callable returning one, called once) and scatters each unit's
+    slices to their ranks (:func:`scatter_unit_state`); other ranks pass ``state=None``."""
+
+    state: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = (
+        attrs.field(default=None, validator=_check_state_source)
+    )
+    src: int = 0
+    shard_first: ClassVar[bool] = True
+    _loaded: dict[str, Mapping[str, torch.Tensor]] = attrs.field(
+        factory=dict, init=False, repr=False, eq=False
+    )
+
+    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
+        return None
+
+    def prepare(self, env: Environment) -> None:
+        if env.backend != "fsdp2":
+            raise config_error(
+                "ScatterStateDict",
+                "backend",
+                f"it fills fully_shard shards, but the builder uses '{env.backend}'",
+                "Use FullyShardBuilder, or a state-dict materializer made for that backend.",
+            )
+        if env.rank == self.src and self.state is None:
+            raise config_error(
+                "ScatterStateDict",
+                "state",
+                f"rank {self.src} is the source but got no state dict",
+                "Pass the full state dict on the source rank and None elsewhere.",
+            )
+
+    def _state(self, env: Environment) -> Mapping[str, torch.Tensor] | None:
+        if env.rank != self.src:
+            return None
+        if "state" not in self._loaded:
+            state = self.state() if callable(self.state) else self.state
+            if state is None:
+                raise FSDPBuilderError("ScatterStateDict's loader returned None.")
+            self._loaded["state"] = state
+        return self._loaded["state"]
+
+    def materialize(self, unit: Unit, env: Environment) -> int:
+        return scatter_unit_state(unit, env, self._state(env), self.src)
+
+
+__all__ = [
+    "ScatterStateDict",
+    "ShardFirstReset",
+    "local_bytes",
+    "scatter_unit_state",
+    "shard_index",
+    "shard_seed",
+]

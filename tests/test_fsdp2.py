@@ -1,0 +1,516 @@
+"""FSDP2 (fully_shard) builds: option mapping, mesh checks, training parity with a single-process
+reference on 2 and 4 gloo ranks, shard-first initialization and state-dict scattering.
+
+Every scenario of one world size runs in one spawn (starting ranks dominates the cost here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecision,
+    ShardingStrategy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+import fsdp_builder.materializers as materializers
+from fsdp_builder import (
+    AutoHybridGroups,
+    BaseGroupFactory,
+    ConfigurationError,
+    CPUDevice,
+    FSDPBuilder,
+    FullyShardBuilder,
+    MeshGroups,
+    ProcessGroups,
+    ShardingOptions,
+)
+from fsdp_builder.backends.fsdp2 import (
+    FullyShardBackend,
+    check_fsdp1_only_options,
+    ignored_params_kwargs,
+    mixed_precision_policy,
+    offload_policy,
+)
+from fsdp_builder.demo import Block, DemoConfig, full_state_dict, make_model, reference, train
+from fsdp_builder.launch import run_ranks
+from fsdp_builder.sharded_init import ScatterStateDict, ShardFirstReset, local_bytes
+
+STEPS = 3
+CFG = DemoConfig(layers=2)
+DeterministicInit = getattr(materializers, "DeterministicInit", None)
+
+
+# -- helpers run inside the ranks ----------------------------------------------------------------
+
+
+def _builder(strategy: str, groups: Any = None) -> FullyShardBuilder:
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).sharding(strategy)
+    if groups is not None:
+        builder.groups(groups)
+    return builder
+
+
+def _hybrid_groups(kind: str) -> Any:
+    world = dist.get_world_size()
+    if kind == "mesh":
+        return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return AutoHybridGroups(devices_per_node=2)
+
+
+def _sharded_modules(model: nn.Module) -> int:
+    return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _build_train(builder: FullyShardBuilder, model: nn.Module) -> dict[str, Any]:
+    sharded = builder.build(model)
+    env = builder.environment
+    initial = full_state_dict(sharded)
+    param_local = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in sharded.parameters()
+    )
+    losses = train(sharded, CFG, STEPS, dist.get_rank(), dist.get_world_size())
+    return {
+        "strategy": env.strategy.name,
+        "mesh": list(sharded.blocks[0].mlp[0].weight.device_mesh.shape),
+        "fsdp_modules": _sharded_modules(sharded),
+        "units": len(env.plan),
+        "initial": initial,
+        "losses": losses,
+        "final": full_state_dict(sharded),
+        "param_local_numel": param_local,
+        "model_numel": env.plan.numel,
+    }
+
+
+def _expect_error(fn: Callable[[], object], error: type[BaseException]) -> str:
+    try:
+        fn()
+    except error as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+class _FixedGroups(BaseGroupFactory):
+    """A custom factory handing back a given mesh (bypasses MeshGroups' own checks)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        return ProcessGroups(shard_group=self.mesh.get_group(self.mesh.ndim - 1), mesh=self.mesh)
+
+
+def _raw_reset_parameters_on_meta() -> dict[str, torch.Tensor]:
+    """The defect: fully_shard on meta, then to_empty + reset_parameters on every rank."""
+    torch.manual_seed(0)
+    model = make_model(CFG, device="meta")
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # type: ignore[arg-type]
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for m in model.modules():
+            init = materializers.initializer_of(m)
+            if init is not None and list(m.parameters(recurse=False)):
+                init()
+    return full_state_dict(model)
+
+
+def rank_main(world: int) -> dict[str, Any]:
+    """Everything one world size checks, in one spawn."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"train": {}, "errors": {}}
+
+    # Training parity: start every build from the reference weights (seeded meta-free model).
+    scenarios: list[tuple[str, str | None]] = [("full", None), ("grad_op", None)]
+    if world == 4:
+        scenarios += [("hybrid", "mesh"), ("hybrid", "auto")]
+    else:
+        scenarios += [("none", None), ("hybrid", "auto")]
+    for strategy, groups in scenarios:
+        builder = _builder(strategy, _hybrid_groups(groups) if groups else None)
+        out["train"][f"{strategy}/{groups}"] = _build_train(builder, make_model(CFG))
+
+    # The same weights from both backends (and any world size) with DeterministicInit.
+    if DeterministicInit is not None:
+        for name, cls in (("fsdp1", FSDPBuilder), ("fsdp2", FullyShardBuilder)):
+            b = cls().device(CPUDevice()).wrap(Block).materialize(DeterministicInit(seed=3))
+            out[f"deterministic/{name}"] = full_state_dict(b.build(make_model(CFG, device="meta")))
+
+    # Shard-first: only local shards are allocated, and they differ across ranks.
+    shard_first = ("hybrid", "mesh") if world == 4 else ("full", None)
+    builder = _builder(shard_first[0], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
+    builder.materialize(ShardFirstReset(seed=5))
+    sharded = builder.build(make_model(CFG, device="meta"))
+    env = builder.environment
+    out["shard_first"] = {
+        "param_bytes": local_bytes(sharded),
+        "model_bytes": env.plan.nbytes,
+        "largest_unit_bytes": env.plan.largest_unit_bytes,
+        "shard_size": env.groups.world_size,
+        "initial": full_state_dict(sharded),
+    }
+    out["shard_first"]["losses"] = train(sharded, CFG, STEPS, rank, world)
+    out["raw_defect"] = _raw_reset_parameters_on_meta()
+
+    # Loading: rank 0 scatters its tensors; the others receive only their slices.
+    source = make_model(CFG, seed=7).state_dict() if rank == 0 else None
+    builder = _builder(*shard_first[:1], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
+    loaded = builder.materialize(ScatterStateDict(source)).build(make_model(CFG, device="meta"))
+    out["scatter"] = {
+        "state": full_state_dict(loaded),
+        "received": sum(r.bytes for r in builder.report.records if r.stage == "materialize"),
+        "model_bytes": builder.environment.plan.nbytes,
+        "shard_size": builder.environment.groups.world_size,
+        "losses": train(loaded, CFG, STEPS, rank, world),
+    }
+
+    # Bad meshes, refused on every rank alike.
+    names3 = ("a", "b", "c")
+    mesh3 = init_device_mesh("cpu", (1, world // 2, 2), mesh_dim_names=names3)
+    out["errors"]["meshgroups_3d"] = _expect_error(lambda: MeshGroups(mesh3), ConfigurationError)
+    out["errors"]["factory_3d"] = _expect_error(
+        lambda: _builder("full", _FixedGroups(mesh3)).build(make_model(CFG)), ConfigurationError
+    )
+    small = init_device_mesh("cpu", (world, 1), mesh_dim_names=("x", "y"))["y"]
+    out["errors"]["factory_size"] = _expect_error(
+        lambda: _builder("full", _FixedGroups(small)).build(make_model(CFG)), ConfigurationError
+    )
+    out["errors"]["meshgroups_size"] = _expect_error(
+        lambda: _builder("full", small).build(make_model(CFG)), ConfigurationError
+    )
+    if world == 2:
+        out["tied"] = _tied_scenarios()
+    return out
+
+
+class TiedLM(nn.Module):
+    """The demo blocks between an embedding and a head that share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model(CFG, device=str(torch.empty(0).device))
+        self.inner.head.weight = self.inner.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(tokens)
+
+
+def _tied_model(device: str) -> TiedLM:
+    torch.manual_seed(11)
+    with torch.device(device):
+        return TiedLM()
+
+
+def _tied_scenarios() -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, materializer in (("reset", None), ("shard_first", ShardFirstReset(seed=1))):
+        builder = FullyShardBuilder().device(CPUDevice()).wrap(Block)
+        if materializer is not None:
+            builder.materialize(materializer)
+        model = builder.build(_tied_model("meta" if materializer else "cpu"))
+        inner = model.inner  # type: ignore[union-attr]
+        results[name] = {
+            "tied": inner.head.weight is inner.embed.weight,
+            "initial": full_state_dict(model),
+            "losses": train(model, CFG, STEPS, dist.get_rank(), dist.get_world_size()),
+        }
+    return results
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world(request: pytest.FixtureRequest) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    size = request.param
+    yield size, run_ranks(rank_main, size, size, timeout=240)
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=atol, rtol=0), name
+
+
+def _reference_from(state: dict[str, torch.Tensor], world: int) -> dict[str, Any]:
+    model = make_model(CFG)
+    model.load_state_dict(state)
+    return reference(model, CFG, STEPS, world)
+
+
+def _repeated(full: torch.Tensor, parts: int) -> bool:
+    chunks = full.chunk(parts)
+    return len(chunks) == parts and all(torch.equal(chunks[0], c) for c in chunks[1:])
+
+
+def _random_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters an initializer draws at random (not constants such as zero biases)."""
+    return {k: v for k, v in state.items() if v.ndim == 2 and float(v.std()) > 0}
+
+
+# -- multi-rank results -----------------------------------------------------------------------
+
+
+def test_training_matches_single_process_reference(world: Any) -> None:
+    size, ranks = world
+    ref = reference(make_model(CFG), CFG, STEPS, size)
+    for key in ranks[0]["train"]:
+        for rank in range(size):
+            got = ranks[rank]["train"][key]
+            assert torch.allclose(
+                torch.tensor(got["losses"]), torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0
+            ), (key, rank, got["losses"], ref["losses"][rank])
+            _close(got["final"], ref["state_dict"])
+
+
+def test_strategies_map_to_meshes_and_reshard(world: Any) -> None:
+    size, ranks = world
+    train_results = ranks[0]["train"]
+    assert train_results["full/None"]["mesh"] == [size]
+    assert train_results["grad_op/None"]["mesh"] == [size]
+    assert train_results["hybrid/auto"]["mesh"] == [size // 2, 2]
+    assert train_results["hybrid/auto"]["strategy"] == "HYBRID_SHARD"
+    if size == 2:
+        assert train_results["none/None"]["mesh"] == [2, 1]
+        assert train_results["none/None"]["param_local_numel"] == CFG_NUMEL
+    for result in train_results.values():
+        assert result["fsdp_modules"] == result["units"]
+
+
+CFG_NUMEL = sum(p.numel() for p in make_model(CFG, device="meta").parameters())
+
+
+@pytest.mark.skipif(DeterministicInit is None, reason="DeterministicInit is not available yet")
+def test_deterministic_init_gives_the_same_weights_on_both_backends(world: Any) -> None:
+    size, ranks = world
+    fsdp1 = ranks[0]["deterministic/fsdp1"]
+    fsdp2 = ranks[0]["deterministic/fsdp2"]
+    assert fsdp1.keys() == fsdp2.keys()
+    for name in fsdp1:
+        assert torch.equal(fsdp1[name], fsdp2[name]), name
+    for rank in range(1, size):
+        for name in fsdp2:
+            assert torch.equal(ranks[rank]["deterministic/fsdp2"][name], fsdp2[name]), name
+
+
+def test_plain_reset_parameters_on_meta_repeats_one_shard(world: Any) -> None:
+    """The defect the shard-first materializer exists for: every rank draws the same numbers."""
+    size, ranks = world
+    weights = _random_weights(ranks[0]["raw_defect"])
+    assert weights and all(_repeated(w, size) for w in weights.values())
+
+
+def test_shard_first_shards_differ_and_replicas_agree(world: Any) -> None:
+    size, ranks = world
+    state = ranks[0]["shard_first"]["initial"]
+    shards = ranks[0]["shard_first"]["shard_size"]
+    weights = _random_weights(state)
+    assert weights
+    repeated = [k for k, w in weights.items() if _repeated(w, shards)]
+    assert not repeated, repeated
+    for rank in range(1, size):  # the gathered weights agree on every rank (replicas too)
+        for name, value in state.items():
+            assert torch.equal(ranks[rank]["shard_first"]["initial"][name], value), name
+
+
+def test_shard_first_allocates_one_shard_per_rank(world: Any) -> None:
+    size, ranks = world
+    for rank in range(size):
+        r = ranks[rank]["shard_first"]
+        expected = r["model_bytes"] / r["shard_size"]
+        assert abs(r["param_bytes"] - expected) <= 0.1 * expected + r["largest_unit_bytes"], (
+            rank,
+            r["param_bytes"],
+            expected,
+        )
+        assert r["param_bytes"] < r["model_bytes"]
+
+
+def test_shard_first_model_trains_like_the_reference(world: Any) -> None:
+    size, ranks = world
+    ref = _reference_from(ranks[0]["shard_first"]["initial"], size)
+    for rank in range(size):
+        got = torch.tensor(ranks[rank]["shard_first"]["losses"])
+        assert torch.allclose(got, torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0)
+
+
+def test_scatter_state_dict_loads_rank0_tensors(world: Any) -> None:
+    size, ranks = world
+    source = make_model(CFG, seed=7).state_dict()
+    ref = reference(make_model(CFG, seed=7), CFG, STEPS, size)
+    for rank in range(size):
+        r = ranks[rank]["scatter"]
+        for name, value in source.items():
+            assert torch.equal(r["state"][name], value), name
+        assert torch.allclose(
+            torch.tensor(r["losses"]), torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0
+        )
+    for rank in range(1, size):
+        # Each non-source rank receives about its own slices, never the whole model.
+        r = ranks[rank]["scatter"]
+        expected = r["model_bytes"] / r["shard_size"]
+        assert 0 < r["received"] <= 1.1 * expected + 1024, (rank, r["received"], expected)
+
+
+def test_bad_meshes_are_refused(world: Any) -> None:
+    size, ranks = world
+    for rank in range(size):
+        errors = ranks[rank]["errors"]
+        assert "a 3-D mesh of shape" in errors["meshgroups_3d"], errors["meshgroups_3d"]
+        assert "fully_shard takes a 1-D or 2-D mesh, got a 3-D mesh" in errors["factory_3d"]
+        for key in ("factory_size", "meshgroups_size"):
+            assert f"the mesh spans 1 ranks but the world has {size}" in errors[key], errors[key]
+
+
+def test_tied_parameters_stay_tied(world: Any) -> None:
+    size, ranks = world
+    if size != 2:
+        pytest.skip("checked on 2 ranks")
+    for name in ("reset", "shard_first"):
+        initial = ranks[0]["tied"][name]["initial"]
+        for rank in range(size):
+            r = ranks[rank]["tied"][name]
+            assert r["tied"], name
+        model = TiedLM.__new__(TiedLM)
+        nn.Module.__init__(model)
+        model.inner = make_model(CFG)
+        model.inner.head.weight = model.inner.embed.weight
+        model.load_state_dict(initial)
+        ref = reference(model, CFG, STEPS, size)
+        for rank in range(size):
+            got = torch.tensor(ranks[rank]["tied"][name]["losses"])
+            assert torch.allclose(got, torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0)
+
+
+# -- option mapping (no process group) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"limit_all_gathers": False}, "always limits in-flight all-gathers"),
+        ({"use_orig_params": False}, "always keeps the original parameters"),
+        ({"backward_prefetch": BackwardPrefetch.BACKWARD_POST}, "has no BACKWARD_POST mode"),
+        ({"backward_prefetch": None}, "has no None mode"),
+        ({"forward_prefetch": True}, "needs the forward prefetch order given explicitly"),
+        (
+            {"mixed_precision": MixedPrecision(buffer_dtype=torch.float16)},
+            "invalid `buffer_dtype`: FSDP2 keeps buffers",
+        ),
+        (
+            {"mixed_precision": MixedPrecision(keep_low_precision_grads=True)},
+            "invalid `keep_low_precision_grads`",
+        ),
+    ],
+)
+def test_refused_options(changes: dict[str, Any], match: str) -> None:
+    options = ShardingOptions().set(**changes)
+    with pytest.raises(ConfigurationError, match=match):
+        FullyShardBackend().check(options)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"limit_all_gathers": True},
+        {"use_orig_params": True},
+        {"backward_prefetch": BackwardPrefetch.BACKWARD_PRE, "forward_prefetch": False},
+        # Unset options keep their FSDP1 defaults and are not judged.
+        {},
+    ],
+)
+def test_accepted_fsdp1_options(changes: dict[str, Any]) -> None:
+    check_fsdp1_only_options(ShardingOptions().set(**changes))
+
+
+def test_mixed_precision_maps_to_policy() -> None:
+    mp = MixedPrecision(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,
+        cast_root_forward_inputs=True,
+    )
+    root = mixed_precision_policy(mp, is_root=True)
+    inner = mixed_precision_policy(mp, is_root=False)
+    assert (root.param_dtype, root.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert root.cast_forward_inputs and not inner.cast_forward_inputs
+
+
+def test_cpu_offload_maps_to_policy() -> None:
+    options = ShardingOptions().set(cpu_offload=CPUOffload(offload_params=True))
+    assert isinstance(offload_policy(options, torch.device("cuda", 0)), CPUOffloadPolicy)
+    # Computing on the CPU, the parameters are already there.
+    assert not isinstance(offload_policy(options, torch.device("cpu")), CPUOffloadPolicy)
+    assert not isinstance(
+        offload_policy(ShardingOptions(), torch.device("cuda", 0)), CPUOffloadPolicy
+    )
+
+
+def test_ignored_params_need_a_torch_that_supports_them() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    ignored = frozenset(model[0].parameters())
+
+    def old_fully_shard(module: nn.Module, *, mesh: Any = None) -> nn.Module:
+        return module
+
+    assert ignored_params_kwargs(model, ignored)["ignored_params"] == set(ignored)
+    assert ignored_params_kwargs(model, frozenset(), old_fully_shard) == {}
+    with pytest.raises(ConfigurationError, match=r"has no fully_shard\(ignored_params=...\)"):
+        ignored_params_kwargs(model, ignored, old_fully_shard)
+
+
+def test_shard_first_reset_validates_its_seed() -> None:
+    with pytest.raises(ConfigurationError, match="invalid `seed`"):
+        ShardFirstReset(seed=-1)
+    with pytest.raises(ConfigurationError, match="invalid `state`"):
+        ScatterStateDict(state=42)  # type: ignore[arg-type]
+
+
+def test_builder_refuses_fsdp1_only_options_before_any_collective(world1: None) -> None:
+    builder = FullyShardBuilder().device(CPUDevice()).limit_all_gathers(False)
+    with pytest.raises(ConfigurationError, match="always limits in-flight all-gathers"):
+        builder.build(make_model(CFG))
+
+
+def test_single_rank_build_trains(world1: None) -> None:
+    with pytest.warns(UserWarning, match="NO_SHARD instead of FULL_SHARD"):
+        model = FullyShardBuilder().device(CPUDevice()).wrap(Block).build(make_model(CFG))
+    assert isinstance(model, FSDPModule)
+    losses = train(model, CFG, STEPS, 0, 1)
+    ref = reference(make_model(CFG), CFG, STEPS, 1)
+    assert torch.allclose(torch.tensor(losses), torch.tensor(ref["losses"][0]), atol=1e-5, rtol=0)
+
+
+def test_cli_demo_runs_without_sharding() -> None:
+    """NO_SHARD is the strategy FSDP2 has no direct counterpart for; the other strategies run
+    through the same command in the multi-rank tests above (each CLI run spawns its own ranks)."""
+    cli = os.path.join(os.path.dirname(sys.executable), "fsdp-builder")
+    args = ["demo", "--backend", "fsdp2", "--strategy", "none", "--json", "--timeout", "120"]
+    done = subprocess.run([cli, *args], capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out["backend"], out["strategy"]) == ("fsdp2", "NO_SHARD")
+    ref = reference(make_model(DemoConfig()), DemoConfig(), STEPS, 2)
+    for rank, losses in enumerate(out["losses_per_rank"]):
+        assert torch.allclose(
+            torch.tensor(losses), torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0
+        )
