@@ -1,0 +1,194 @@
+"""Synchronizers and FromStateDict: configuration (no group) and one-rank gloo builds in-process."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
+
+from fsdp_builder import (
+    BroadcastFromRank0,
+    ConfigurationError,
+    CPUDevice,
+    DeterministicInit,
+    FromStateDict,
+    FSDPBuilder,
+    KeepAsIs,
+    VerifyReplicas,
+)
+from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, full_state_dict
+from fsdp_builder.synchronizers import _flatten, checksum
+
+CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
+
+
+def meta_model() -> DemoTransformer:
+    with torch.device("meta"):
+        return DemoTransformer(CFG)
+
+
+def source() -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    return {k: v.detach().clone() for k, v in DemoTransformer(CFG).state_dict().items()}
+
+
+def load(src: object) -> nn.Module:
+    return (
+        FSDPBuilder()
+        .device(CPUDevice())
+        .wrap(Block)
+        .materialize(FromStateDict(src))
+        .build(meta_model())
+    )
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True])
+def test_bucket_bytes_must_be_positive(size: object) -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"`BroadcastFromRank0` got an invalid `bucket_bytes`"
+    ):
+        BroadcastFromRank0(bucket_bytes=size)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"`FromStateDict` got an invalid `bucket_bytes`"):
+        FromStateDict(None, bucket_bytes=size)  # type: ignore[arg-type]
+
+
+def test_from_state_dict_source_type_is_checked() -> None:
+    with pytest.raises(ConfigurationError, match=r"`FromStateDict` got an invalid `source`"):
+        FromStateDict(42)
+
+
+def test_checksum_is_bit_exact() -> None:
+    a = torch.tensor([0.0, 1.0, float("nan")])
+    assert checksum(a) == checksum(a.clone())
+    assert checksum(a) != checksum(torch.tensor([-0.0, 1.0, float("nan")]))
+    assert checksum(torch.zeros(4)) != checksum(torch.zeros(2, 2))
+    assert checksum(torch.ones(2, dtype=torch.bfloat16)) != checksum(torch.ones(2))
+
+
+def test_tensor_subclasses_travel_as_their_inner_tensors() -> None:
+    t = TwoTensor(torch.ones(3), torch.zeros(3))
+    flat = list(_flatten("w", t))
+    assert [name for name, _ in flat] == ["w.a", "w.b"]
+    assert all(type(x) is torch.Tensor for _, x in flat)
+
+
+# -- one rank, in-process ---------------------------------------------------------------------
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(100, dtype=torch.float32))
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", self.inner.table)  # the same tensor, in the outer unit
+
+
+def test_a_buffer_shared_by_nested_units_is_sent_once(world1: None) -> None:
+    b = FSDPBuilder().device(CPUDevice()).wrap(Inner).synchronize(BroadcastFromRank0(64))
+    b.build(Outer())
+    sent = {r.unit: r.comm_bytes for r in b.report.records if r.stage == "synchronize"}
+    linear = (4 * 4 + 4) * 4
+    assert sent == {"inner": linear + 100 * 4, "<root>": linear}
+
+
+def test_broadcast_and_verify_on_one_rank(world1: None) -> None:
+    b = (
+        FSDPBuilder()
+        .device(CPUDevice())
+        .wrap(Block)
+        .materialize(DeterministicInit(1))
+        .synchronize(BroadcastFromRank0(bucket_bytes=1000), VerifyReplicas())
+    )
+    model = b.build(meta_model())
+    want = meta_model()
+    DeterministicInit(1).materialize_model(want)
+    got = full_state_dict(model)
+    assert all(torch.equal(got[k], v) for k, v in want.state_dict().items())
+    assert all(r.comm_bytes > 0 for r in b.report.records if r.stage == "synchronize")
+
+
+@pytest.mark.parametrize("fmt", ["mapping", "torch", "safetensors"])
+def test_from_state_dict_loads_every_format(world1: None, tmp_path: Path, fmt: str) -> None:
+    state = source()
+    src: object = state
+    if fmt == "torch":
+        src = tmp_path / "w.pt"
+        torch.save(state, src)
+    elif fmt == "safetensors":
+        src = str(tmp_path / "w.safetensors")
+        save_file(state, src)
+    got = full_state_dict(load(src))
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_from_state_dict_needs_the_source_on_rank_0(world1: None) -> None:
+    with pytest.raises(ConfigurationError, match=r"rank 0 was given None"):
+        load(None)
+
+
+def test_from_state_dict_reports_missing_keys(world1: None) -> None:
+    state = source()
+    del state["blocks.1.attn.in_proj_weight"], state["norm.bias"]
+    with pytest.raises(
+        ConfigurationError,
+        match=r"2 missing key\(s\): blocks\.1\.attn\.in_proj_weight, norm\.bias",
+    ):
+        load(state)
+
+
+def test_from_state_dict_reports_unexpected_keys_and_wrapper_prefixes(world1: None) -> None:
+    state = {f"module.{k}": v for k, v in source().items()}
+    with pytest.raises(ConfigurationError, match=r"unexpected key\(s\).*strip 'module\.'"):
+        load(state)
+
+
+def test_from_state_dict_reports_wrong_shapes(world1: None) -> None:
+    state = source()
+    state["embed.weight"] = torch.zeros(10, 32)
+    with pytest.raises(
+        ConfigurationError, match=r"'embed\.weight' is \[10, 32\] in the source but \[64, 32\]"
+    ):
+        load(state)
+
+
+def test_from_state_dict_reports_a_missing_path(world1: None, tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"the path '.*nope\.pt' does not exist on rank 0"):
+        load(tmp_path / "nope.pt")
+
+
+@pytest.mark.parametrize("content", ["text", "checkpoint", "safetensors"])
+def test_from_state_dict_reports_a_file_that_is_not_a_state_dict(
+    world1: None, tmp_path: Path, content: str
+) -> None:
+    path = tmp_path / ("x.safetensors" if content == "safetensors" else "x.pt")
+    if content == "checkpoint":
+        torch.save({"model": source(), "step": 3}, path)
+        why = r"entries 'model', 'step' are not tensors.*pass that inner dict"
+    else:
+        path.write_bytes(pickle.dumps("hello") if content == "text" else b"garbage")
+        why = r"torch\.load failed|safetensors could not read it"
+    with pytest.raises(ConfigurationError, match=rf"'.*x\.\w+' is not a state dict \(({why})"):
+        load(path)
+
+
+def test_keep_as_is_with_verify_replicas_on_real_weights(world1: None) -> None:
+    torch.manual_seed(0)
+    b = FSDPBuilder().device(CPUDevice()).materialize(KeepAsIs()).synchronize(VerifyReplicas())
+    b.build(DemoTransformer(CFG))
+    assert [r.stage for r in b.report.records].count("synchronize") == 1
