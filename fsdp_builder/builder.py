@@ -11,6 +11,7 @@ overrides an earlier choice.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
@@ -345,7 +346,8 @@ class _Pipeline:
         self.group: dist.ProcessGroup | None = None
 
     def _local(self, stage: str, fn: Callable[[], T], unit: str | None = None) -> T:
-        """Run a step that cannot communicate, then agree on its outcome across ranks."""
+        """Run a step, then agree on its outcome across ranks. A step that communicates must
+        fail on every rank alike, or only after its last collective."""
         error: BaseException | None = None
         result: T | None = None
         try:
@@ -356,6 +358,7 @@ class _Pipeline:
         return result  # type: ignore[return-value]
 
     def run(self, model: nn.Module) -> BuildResult:
+        started = time.perf_counter()
         cfg = self.config
         options = cfg.options
         resolver = cfg.device or InferredDevice()
@@ -432,6 +435,7 @@ class _Pipeline:
         logger.info(
             "build_done",
             seconds=round(report.total_seconds, 6),
+            wall_seconds=round(time.perf_counter() - started, 6),
             units=len(plan),
             backend=self.backend.name,
             strategy=options.strategy.name,
