@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from fsdp_builder.launch import free_port
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "strategies.md"
 BLOCK = re.compile(r"<!-- runnable: (?P<name>[\w-]+) -->\s*\n```python\n(?P<code>.*?)\n```", re.S)
@@ -70,16 +68,9 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
 
 
 @pytest.fixture
-def one_rank_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A default gloo process group of one rank, destroyed afterwards."""
+def one_rank_world(world1: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared one-rank world, without a device override from the environment."""
     monkeypatch.delenv("TRAIN_DEVICE", raising=False)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_runnable_block_has_a_check() -> None:
