@@ -23,6 +23,7 @@ from fsdp_builder import (
     DeterministicInit,
     FromStateDict,
     FSDPBuilder,
+    FullyShardBuilder,
     InitFn,
     KeepAsIs,
     ResetParameters,
@@ -38,6 +39,11 @@ SEED = 7
 STRATEGIES = {1: ["full", "grad_op", "none"], 2: ["full", "grad_op", "none"]}
 STRATEGIES[4] = [*STRATEGIES[2], "hybrid"]
 MATERIALIZERS = ["reset", "init_fn", "deterministic", "load"]
+BACKENDS = ["fsdp1", "fsdp2"]
+MATRIX = {
+    w: [(b, s, m) for b in BACKENDS for s in STRATEGIES[w] for m in MATERIALIZERS]
+    for w in STRATEGIES
+}
 # The source format FromStateDict reads, per strategy: each format is covered by some build.
 LOAD_FORMAT = {"full": "torch", "grad_op": "safetensors", "none": "mapping", "hybrid": "torch"}
 
@@ -73,8 +79,9 @@ def source_state(seed: int = 123) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in real_model(seed).state_dict().items()}
 
 
-def builder(strategy: str) -> ShardingBuilder:
-    b = FSDPBuilder().device(CPUDevice()).wrap(Block).sharding(strategy)
+def builder(strategy: str, backend: str = "fsdp1") -> ShardingBuilder:
+    kind = FSDPBuilder if backend == "fsdp1" else FullyShardBuilder
+    b = kind().device(CPUDevice()).wrap(Block).sharding(strategy)
     if strategy == "hybrid":
         b.groups(init_device_mesh("cpu", (2, 2)))
     return b
@@ -94,11 +101,13 @@ def materializer(name: str, strategy: str, paths: dict[str, str]) -> Any:
 
 
 def local_shards(model: nn.Module) -> list[torch.Tensor]:
-    return [
+    """What this rank keeps: FSDP1's flat-parameter shards, or FSDP2's local DTensor shards."""
+    flat = [
         m._handle.flat_param.detach().clone()
         for m in model.modules()
         if isinstance(m, FullyShardedDataParallel) and m._handle is not None
     ]
+    return flat or [p.to_local().detach().clone() for p in model.parameters()]
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
@@ -110,25 +119,24 @@ def scenarios(paths: dict[str, str]) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {"matrix": {}, "mixed": {}, "verify": {}, "bad": {}}
 
-    for strategy in STRATEGIES[world]:
-        for name in MATERIALIZERS:
-            torch.manual_seed(0)  # RNG-based materializers draw the same numbers on every rank
-            b = builder(strategy).materialize(materializer(name, strategy, paths))
-            if name == "deterministic" and strategy == "full":
-                with capture_logs() as events:
-                    sharded = b.build(meta_model())
-                out["events"] = [e for e in events if e.get("event") == "build_stage"]
-                out["shards"] = local_shards(sharded)
-            else:
+    for backend, strategy, name in MATRIX[world]:
+        torch.manual_seed(0)  # RNG-based materializers draw the same numbers on every rank
+        b = builder(strategy, backend).materialize(materializer(name, strategy, paths))
+        if name == "deterministic" and strategy == "full":
+            with capture_logs() as events:
                 sharded = b.build(meta_model())
-            initial = full_state_dict(sharded)
-            losses = train(sharded, CFG, STEPS, rank, world)
-            final = full_state_dict(sharded)  # collective: every rank gathers
-            out["matrix"][name, strategy] = {
-                "initial": initial if rank == 0 else None,
-                "final": final if rank == 0 else None,
-                "losses": losses,
-            }
+            out["events", backend] = [e for e in events if e.get("event") == "build_stage"]
+            out["shards", backend] = local_shards(sharded)
+        else:
+            sharded = b.build(meta_model())
+        initial = full_state_dict(sharded)
+        losses = train(sharded, CFG, STEPS, rank, world)
+        final = full_state_dict(sharded)  # collective: every rank gathers
+        out["matrix"][name, strategy, backend] = {
+            "initial": initial if rank == 0 else None,
+            "final": final if rank == 0 else None,
+            "losses": losses,
+        }
 
     if world > 1:
         for strategy in ("full", "hybrid") if world == 4 else ("full",):
@@ -242,10 +250,10 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
 
 def test_gathered_initial_state_equals_single_process_materialization(run: Any) -> None:
     world, ranks = run
-    for name in MATERIALIZERS:
-        want = expected_initial(name)
-        for strategy in STRATEGIES[world]:
-            assert_same(ranks[0]["matrix"][name, strategy]["initial"], want, (name, strategy))
+    wants = {name: expected_initial(name) for name in MATERIALIZERS}
+    for backend, strategy, name in MATRIX[world]:
+        got = ranks[0]["matrix"][name, strategy, backend]["initial"]
+        assert_same(got, wants[name], (name, strategy, backend))
 
 
 def test_training_matches_single_process_reference(run: Any) -> None:
@@ -254,14 +262,16 @@ def test_training_matches_single_process_reference(run: Any) -> None:
         model = DemoTransformer(CFG)
         model.load_state_dict(expected_initial(name))
         ref = reference(model, CFG, STEPS, world)
-        for strategy in STRATEGIES[world]:
-            for rank in range(world):
-                got = torch.tensor(ranks[rank]["matrix"][name, strategy]["losses"])
-                want = torch.tensor(ref["losses"][rank])
-                assert torch.allclose(got, want, atol=1e-5, rtol=0), (name, strategy, rank)
-            final = ranks[0]["matrix"][name, strategy]["final"]
-            for k, v in ref["state_dict"].items():
-                assert torch.allclose(final[k], v, atol=1e-5, rtol=0), (name, strategy, k)
+        for backend in BACKENDS:
+            for strategy in STRATEGIES[world]:
+                case = (name, strategy, backend)
+                for rank in range(world):
+                    got = torch.tensor(ranks[rank]["matrix"][case]["losses"])
+                    want = torch.tensor(ref["losses"][rank])
+                    assert torch.allclose(got, want, atol=1e-5, rtol=0), (case, rank)
+                final = ranks[0]["matrix"][case]["final"]
+                for k, v in ref["state_dict"].items():
+                    assert torch.allclose(final[k], v, atol=1e-5, rtol=0), (case, k)
 
 
 def test_deterministic_init_is_identical_across_world_sizes(run: Any) -> None:
@@ -269,9 +279,11 @@ def test_deterministic_init_is_identical_across_world_sizes(run: Any) -> None:
     if world != 4:
         pytest.skip("compares the finished runs once all world sizes are in")
     seen = [
-        r[0]["matrix"]["deterministic", s]["initial"] for r in _RUNS.values() for s in STRATEGIES[1]
+        r[0]["matrix"][name, strategy, backend]["initial"]
+        for w, r in _RUNS.items()
+        for backend, strategy, name in MATRIX[w]
+        if name == "deterministic"
     ]
-    seen += [_RUNS[4][0]["matrix"]["deterministic", "hybrid"]["initial"]]
     assert len(_RUNS) == 3
     for other in seen[1:]:
         assert_same(other, seen[0], "world-size invariance")
@@ -281,30 +293,36 @@ def test_ranks_never_hold_identical_random_shards(run: Any) -> None:
     world, ranks = run
     if world == 1:
         pytest.skip("one rank holds the whole weight")
-    # The local flat-parameter shards of each unit differ between every pair of ranks.
-    per_rank = [r["shards"] for r in ranks]
-    for unit in range(len(per_rank[0])):
-        for a in range(world):
-            for b in range(a + 1, world):
-                assert not torch.equal(per_rank[a][unit], per_rank[b][unit]), (unit, a, b)
-    # And no gathered random weight is one slice repeated (what FSDP2 + meta on CPU gives).
-    for name, weight in ranks[0]["matrix"]["deterministic", "full"]["initial"].items():
-        if weight.dim() < 2 or not weight.any():
-            continue
-        chunks = weight.reshape(-1).chunk(world)
-        assert all(not torch.equal(chunks[0], c) for c in chunks[1:]), name
+    for backend in BACKENDS:
+        # The local shards of each parameter (or flat parameter) differ between every pair of
+        # ranks wherever they hold random values.
+        per_rank = [r["shards", backend] for r in ranks]
+        for i in range(len(per_rank[0])):
+            if not per_rank[0][i].std() > 0:
+                continue  # zeros and ones are the same everywhere by design
+            for a in range(world):
+                for b in range(a + 1, world):
+                    assert not torch.equal(per_rank[a][i], per_rank[b][i]), (backend, i, a, b)
+        # And no gathered random weight is one slice repeated (what FSDP2 + meta on CPU gives).
+        initial = ranks[0]["matrix"]["deterministic", "full", backend]["initial"]
+        for name, weight in initial.items():
+            if weight.dim() < 2 or not weight.any():
+                continue
+            chunks = weight.reshape(-1).chunk(world)
+            assert all(not torch.equal(chunks[0], c) for c in chunks[1:]), (backend, name)
 
 
 def test_per_unit_order_materialize_move_sync_shard(run: Any) -> None:
     world, ranks = run
     units = ["blocks.0", "blocks.1", "<root>"]
-    for rank in range(world):
-        events = ranks[rank]["events"]
-        assert all(e["rank"] == rank and e["world_size"] == world for e in events)
-        got = [(e["unit"], e["stage"]) for e in events]
-        assert got == [
-            (u, s) for u in units for s in ("materialize", "move", "synchronize", "shard")
-        ]
+    for backend in BACKENDS:
+        for rank in range(world):
+            events = ranks[rank]["events", backend]
+            assert all(e["rank"] == rank and e["world_size"] == world for e in events)
+            got = [(e["unit"], e["stage"]) for e in events]
+            assert got == [
+                (u, s) for u in units for s in ("materialize", "move", "synchronize", "shard")
+            ], backend
 
 
 def test_rank0_real_others_meta_is_filled_by_broadcast(run: Any) -> None:
