@@ -14,7 +14,7 @@ import os
 import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import structlog
@@ -29,6 +29,7 @@ from fsdp_builder.errors import ConfigurationError, MaterializationError, config
 from fsdp_builder.ignored import IgnoredStates, clean_name
 from fsdp_builder.materializers import BaseMaterializer, allocate_empty, unit_modules
 from fsdp_builder.plan import Unit, UnitPlan
+from fsdp_builder.sharded_init import scatter_unit_state
 from fsdp_builder.synchronizers import (
     DEFAULT_BUCKET_BYTES,
     agreement_group,
@@ -278,6 +279,8 @@ class FromStateDict(BaseMaterializer):
 
     source: Any = attrs.field(validator=_check_source_type)
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES)
+    # Honoured by backends that shard on meta (FSDP2): rank 0 then scatters only the slices.
+    shard_first: ClassVar[bool] = True
     _loading: _Loading = attrs.field(factory=_Loading, init=False, eq=False, repr=False)
 
     @bucket_bytes.validator
@@ -325,6 +328,8 @@ class FromStateDict(BaseMaterializer):
                 "`FromStateDict.materialize` ran before `prepare`; build through a builder, "
                 "which calls prepare(env) first."
             )
+        if env.backend == "fsdp2":
+            return self._scatter(unit, env, reader)
         modules = unit_modules(unit.module, env.ignored.modules)
         device = collective_device(agreement_group(env))
         allocate_empty(modules, device)
@@ -351,3 +356,28 @@ class FromStateDict(BaseMaterializer):
             self._loading.reader = None  # the build is done with the source
         log.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _scatter(self, unit: Unit, env: Environment, reader: _Reader | None) -> int:
+        """The unit is already sharded (on meta): rank 0 reads this unit's tensors and sends each
+        rank only its slices; the source was validated in prepare, so no rank fails half-way."""
+        state: dict[str, torch.Tensor] | None = None
+        error: BaseException | None = None
+        if reader is not None:
+            keys = set(reader.keys())
+            try:
+                state = {
+                    name: reader.get(name)
+                    for entry in _unit_entries(unit, env.ignored)
+                    for name in entry.names
+                    if name in keys
+                }
+            except Exception as exc:  # the other ranks are about to wait for this unit
+                error = MaterializationError(
+                    f"`FromStateDict` could not read unit '{unit.label}' out of "
+                    f"{reader.describe}: {type(exc).__name__}: {exc}. {_FIX_SOURCE}."
+                )
+        agree("materialize (load)", error, unit=unit.label, group=agreement_group(env))
+        received = scatter_unit_state(unit, env, state)
+        if unit.is_root:
+            self._loading.reader = None
+        return received

@@ -35,6 +35,7 @@ from fsdp_builder import (
     BaseGroupFactory,
     ConfigurationError,
     CPUDevice,
+    FromStateDict,
     FSDPBuilder,
     FullyShardBuilder,
     MeshGroups,
@@ -176,6 +177,17 @@ def rank_main(world: int) -> dict[str, Any]:
     builder = _builder(*shard_first[:1], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
     loaded = builder.materialize(ScatterStateDict(source)).build(make_model(CFG, device="meta"))
     out["scatter"] = {
+        "state": full_state_dict(loaded),
+        "received": sum(r.bytes for r in builder.report.records if r.stage == "materialize"),
+        "model_bytes": builder.environment.plan.nbytes,
+        "shard_size": builder.environment.groups.world_size,
+        "losses": train(loaded, CFG, STEPS, rank, world),
+    }
+
+    # The same through FromStateDict, which scatters when the backend shards first.
+    builder = _builder(*shard_first[:1], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
+    loaded = builder.materialize(FromStateDict(source)).build(make_model(CFG, device="meta"))
+    out["from_state_dict"] = {
         "state": full_state_dict(loaded),
         "received": sum(r.bytes for r in builder.report.records if r.stage == "materialize"),
         "model_bytes": builder.environment.plan.nbytes,
@@ -353,12 +365,13 @@ def test_shard_first_model_trains_like_the_reference(world: Any) -> None:
         assert torch.allclose(got, torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0)
 
 
-def test_scatter_state_dict_loads_rank0_tensors(world: Any) -> None:
+@pytest.mark.parametrize("materializer", ["scatter", "from_state_dict"])
+def test_state_dict_is_scattered_from_rank0(world: Any, materializer: str) -> None:
     size, ranks = world
     source = make_model(CFG, seed=7).state_dict()
     ref = reference(make_model(CFG, seed=7), CFG, STEPS, size)
     for rank in range(size):
-        r = ranks[rank]["scatter"]
+        r = ranks[rank][materializer]
         for name, value in source.items():
             assert torch.equal(r["state"][name], value), name
         assert torch.allclose(
@@ -366,7 +379,7 @@ def test_scatter_state_dict_loads_rank0_tensors(world: Any) -> None:
         )
     for rank in range(1, size):
         # Each non-source rank receives about its own slices, never the whole model.
-        r = ranks[rank]["scatter"]
+        r = ranks[rank][materializer]
         expected = r["model_bytes"] / r["shard_size"]
         assert 0 < r["received"] <= 1.1 * expected + 1024, (rank, r["received"], expected)
 
