@@ -64,6 +64,13 @@ class Chain(BaseSynchronizer):
 
     steps: tuple[StateSynchronizer, ...] = attrs.field(converter=_to_steps)
 
+    def prepare(self, env: Environment) -> None:
+        """Pass the once-per-build hook on to the steps that have one."""
+        for step in self.steps:
+            prepare = getattr(step, "prepare", None)
+            if callable(prepare):
+                prepare(env)
+
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
         return sum(step.synchronize(unit, env) for step in self.steps)

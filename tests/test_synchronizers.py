@@ -192,3 +192,19 @@ def test_keep_as_is_with_verify_replicas_on_real_weights(world1: None) -> None:
     b = FSDPBuilder().device(CPUDevice()).materialize(KeepAsIs()).synchronize(VerifyReplicas())
     b.build(DemoTransformer(CFG))
     assert [r.stage for r in b.report.records].count("synchronize") == 1
+
+
+def test_chain_passes_prepare_on_to_its_steps() -> None:
+    from fsdp_builder.synchronizers import BaseSynchronizer, Chain, NoSync
+
+    seen: list[str] = []
+
+    class Prepared(BaseSynchronizer):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def prepare(self, env: object) -> None:
+            seen.append(self.name)
+
+    Chain((Prepared("a"), NoSync(), Prepared("b"))).prepare(None)  # type: ignore[arg-type]
+    assert seen == ["a", "b"]
