@@ -1,0 +1,189 @@
+"""Plain-PyTorch baselines, written the way users write them today.
+
+Deliberately free of any ``fsdp_builder`` import: these are what the builder is measured against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from benchmarks.common import Job, Outcome, Recipe
+from benchmarks.models import BenchTransformer, Block, make_model, reset_module
+
+
+def _fsdp1_kwargs(job: Job) -> dict[str, object]:
+    # FSDP1 refuses to run on CPU unless device_id says so explicitly.
+    return {"auto_wrap_policy": ModuleWrapPolicy({Block}), "device_id": job.device}
+
+
+def fsdp1_full(job: Job) -> Outcome:
+    """Every rank builds and initializes the whole model, then FSDP1 shards it."""
+    model = make_model(job.cfg, job.device, seed=job.seed)
+    return Outcome(module=FullyShardedDataParallel(model, **_fsdp1_kwargs(job)), comm_bytes=0)  # type: ignore[arg-type]
+
+
+def _param_init_fn(device: torch.device) -> object:
+    def init(module: nn.Module) -> None:
+        # FSDP1 calls this per module of a unit; recurse=False keeps each call to its own states.
+        module.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            reset_module(module)
+
+    return init
+
+
+def fsdp1_meta(job: Job) -> Outcome:
+    """The model on meta; FSDP1's ``param_init_fn`` does to_empty + reset_parameters per unit."""
+    torch.manual_seed(job.seed)
+    model = make_model(job.cfg, "meta", seed=job.seed)
+    wrapped = FullyShardedDataParallel(
+        model,
+        param_init_fn=_param_init_fn(job.device),  # type: ignore[arg-type]
+        **_fsdp1_kwargs(job),  # type: ignore[arg-type]
+    )
+    return Outcome(module=wrapped, comm_bytes=0)
+
+
+def _fully_shard_meta(job: Job) -> BenchTransformer:
+    mesh: DeviceMesh = init_device_mesh(job.device.type, (job.world_size,))
+    model = make_model(job.cfg, "meta", seed=job.seed)
+    assert isinstance(model, BenchTransformer)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=job.device)
+    return model
+
+
+def fsdp2_meta(job: Job) -> Outcome:
+    """FSDP2 on meta, then ``to_empty`` and ``reset_parameters`` on the sharded model."""
+    model = _fully_shard_meta(job)
+    with torch.no_grad():
+        for module in model.modules():
+            reset_module(module)
+    return Outcome(module=model, comm_bytes=0)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _shapes(job: Job) -> dict[str, torch.Tensor]:
+    return make_model(job.cfg, "meta").state_dict()
+
+
+def fsdp2_load_bcast(job: Job) -> Outcome:
+    """FSDP2 on meta, then rank 0's full state dict via ``set_model_state_dict`` with
+    ``broadcast_from_rank0=True`` (every full tensor goes to every rank)."""
+    model = _fully_shard_meta(job)
+    full: dict[str, Any] = dict(job.source) if job.rank == 0 and job.source is not None else {}
+    set_model_state_dict(
+        model,
+        full,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    return Outcome(module=model, comm_bytes=_nbytes(_shapes(job)))
+
+
+def broadcast_floor(job: Job) -> Outcome:
+    """The same bytes as the model, one ``dist.broadcast`` per tensor from rank 0."""
+    if job.rank == 0:
+        assert job.source is not None
+        tensors = job.source
+    else:
+        tensors = {
+            k: torch.empty(v.shape, dtype=v.dtype, device=job.device)
+            for k, v in _shapes(job).items()
+        }
+    for t in tensors.values():
+        dist.broadcast(t, src=0)
+    return Outcome(comm_bytes=_nbytes(tensors), phase_comm_bytes={"broadcast": _nbytes(tensors)})
+
+
+def scatter_floor(job: Job) -> Outcome:
+    """Each rank gets only its dim-0 shard of every tensor, one ``dist.scatter`` per tensor
+    (shards padded to equal size, as FSDP2 lays them out)."""
+    world, rank = job.world_size, job.rank
+    sent = 0
+    received = 0
+    for name, meta in _shapes(job).items():
+        rows = meta.shape[0]
+        per = -(-rows // world)
+        out = torch.empty((per, *meta.shape[1:]), dtype=meta.dtype, device=job.device)
+        chunks: list[torch.Tensor] | None = None
+        if rank == 0:
+            assert job.source is not None
+            full = job.source[name]
+            chunks = []
+            for r in range(world):
+                part = full[r * per : (r + 1) * per]
+                if part.shape[0] < per:
+                    padded = torch.zeros_like(out)
+                    padded[: part.shape[0]] = part
+                    part = padded
+                chunks.append(part.contiguous())
+            sent += sum(c.numel() * c.element_size() for c in chunks[1:])
+        else:
+            received += out.numel() * out.element_size()
+        dist.scatter(out, chunks, src=0)
+    return Outcome(comm_bytes=sent if rank == 0 else received)
+
+
+BASELINES: tuple[Recipe, ...] = (
+    Recipe(
+        "fsdp1_full",
+        "baseline",
+        "init",
+        fsdp1_full,
+        "FSDP1, full model built on every rank",
+        deterministic=True,
+    ),
+    Recipe(
+        "fsdp1_meta",
+        "baseline",
+        "init",
+        fsdp1_meta,
+        "FSDP1 on meta, param_init_fn: to_empty + reset_parameters",
+        per_unit=True,
+    ),
+    Recipe(
+        "fsdp2_meta",
+        "baseline",
+        "init",
+        fsdp2_meta,
+        "FSDP2 on meta, then to_empty + reset_parameters",
+    ),
+    Recipe(
+        "fsdp2_load_bcast",
+        "baseline",
+        "load",
+        fsdp2_load_bcast,
+        "FSDP2 + set_model_state_dict(broadcast_from_rank0=True)",
+        needs_source=True,
+        deterministic=True,
+    ),
+    Recipe(
+        "broadcast_floor",
+        "baseline",
+        "sync",
+        broadcast_floor,
+        "raw dist.broadcast of the model's bytes (sync floor)",
+        needs_source=True,
+    ),
+    Recipe(
+        "scatter_floor",
+        "baseline",
+        "load",
+        scatter_floor,
+        "plain dist.scatter of the same shards (load floor)",
+        needs_source=True,
+    ),
+)

@@ -1,0 +1,563 @@
+"""The benchmark harness behind ``fsdp-builder bench``.
+
+Every measurement runs in freshly started ranks (gloo on CPU, NCCL when CUDA is available) and
+records, per rank: seconds from the start of the build to the sharded model being ready (after a
+barrier), peak memory above the rank's pre-build baseline (resident memory on CPU, the CUDA
+allocator's peak on GPU), bytes communicated where known, and for deterministic recipes a
+checksum of the gathered weights. Recipes are interleaved round-robin inside each repeat, so
+machine drift hits them all alike. Outputs: JSON records, a markdown table, a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from tqdm import tqdm
+
+from benchmarks.baselines import BASELINES
+from benchmarks.common import Job, Outcome, Recipe
+from benchmarks.models import BenchConfig, largest_unit_bytes, model_bytes
+from benchmarks.recipes import builder_recipes
+
+log = structlog.get_logger("benchmarks")
+
+MIB = 1024 * 1024
+DEFAULT_SIZES = "50M,200M"
+FULL_SIZES = "50M,200M,500M"
+SMOKE_SIZES = "1M,2M"
+
+# -- recipes ---------------------------------------------------------------------------------
+
+
+def all_recipes() -> tuple[dict[str, Recipe], list[str]]:
+    """Every recipe by name (baselines first), and notes on the builder recipes skipped."""
+    found, notes = builder_recipes()
+    return {r.name: r for r in (*BASELINES, *found)}, notes
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def _hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's resident high-water mark; True when the reset took effect.
+
+    ru_maxrss cannot be reset, and its high-water mark already includes the imports.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _hwm_bytes() <= _rss_bytes() + 4 * MIB
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak memory above the level at :meth:`start`, for this process."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.method = ""
+        self.baseline = 0
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.method = "cuda_max_memory_allocated"
+            self.baseline = int(torch.cuda.memory_allocated(self.device))
+            return
+        self.baseline = _rss_bytes()
+        if _reset_hwm():
+            self.method = "VmHWM"
+            return
+        # Without clear_refs, sample the resident set; misses spikes shorter than the interval.
+        self.method = "statm_sampling"
+        self._peak = self.baseline
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._peak = max(self._peak, _rss_bytes())
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device)) - self.baseline
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            return max(self._peak, _rss_bytes()) - self.baseline
+        return _hwm_bytes() - self.baseline
+
+
+# -- one measurement, on one rank ------------------------------------------------------------
+
+
+def checksum(module: torch.nn.Module) -> str | None:
+    """CRC32 over the gathered full state dict (names sorted); rank 0 only, None elsewhere."""
+    sd = get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+    )
+    if dist.get_rank() != 0:
+        return None
+    crc = 0
+    for name in sorted(sd):
+        t = sd[name]
+        if not isinstance(t, torch.Tensor):
+            continue
+        crc = zlib.crc32(name.encode(), crc)
+        flat = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        crc = zlib.crc32(flat.numpy().data, crc)
+    return f"{crc:08x}"
+
+
+def _quiet_logging() -> None:
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+WARMUP = BenchConfig(vocab=256, dim=64, heads=1, layers=2)
+
+
+def make_source(cfg: BenchConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The full state dict that load recipes start from (rank 0's copy of the weights)."""
+    from benchmarks.models import make_model
+
+    return {k: v.detach() for k, v in make_model(cfg, "cpu", seed).state_dict().items()}
+
+
+def measure(
+    recipe_name: str,
+    cfg: BenchConfig,
+    seed: int,
+    want_checksum: bool,
+    warmup: bool = True,
+    source_path: str | None = None,
+) -> dict[str, Any]:
+    """One rank of one measurement (runs inside a fresh rank)."""
+    setup_start = time.perf_counter()
+    _quiet_logging()
+    # Objects inherited from the fork server never become garbage; keep collections off them.
+    gc.freeze()
+    recipes, _ = all_recipes()
+    recipe = recipes[recipe_name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if warmup:
+        # One tiny build first: one-time costs (lazy imports, first-call caches, communicator
+        # set-up) are paid once per process whatever the model size, so they are not timed.
+        tiny = make_source(WARMUP, seed) if recipe.needs_source and rank == 0 else None
+        recipe.run(Job(cfg=WARMUP, rank=rank, world_size=world, device=device, source=tiny))
+        del tiny
+    source: dict[str, torch.Tensor] | None = None
+    if recipe.needs_source and rank == 0:
+        # The state dict to load is already in rank 0's memory (say, read from a checkpoint);
+        # reading it is not part of the job being timed.
+        if source_path is not None:
+            source = torch.load(source_path, map_location=device, weights_only=True)
+        else:
+            source = {k: v.to(device) for k, v in make_source(cfg, seed).items()}
+    job = Job(cfg=cfg, rank=rank, world_size=world, device=device, seed=seed, source=source)
+    gc.collect()
+    memory = PeakMemory(device)
+    dist.barrier()
+    setup_seconds = time.perf_counter() - setup_start
+    memory.start()
+    start = time.perf_counter()
+    outcome: Outcome = recipe.run(job)
+    if cuda:
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    peak = memory.stop()
+    digest = None
+    check_start = time.perf_counter()
+    if want_checksum and recipe.deterministic and outcome.module is not None:
+        digest = checksum(outcome.module)
+    return {
+        "rank": rank,
+        "seconds": seconds,
+        "peak_bytes": peak,
+        "baseline_bytes": memory.baseline,
+        "memory_method": memory.method,
+        "comm_bytes": outcome.comm_bytes,
+        "bucket_bytes": outcome.bucket_bytes,
+        "phases": outcome.phases,
+        "phase_comm_bytes": outcome.phase_comm_bytes,
+        "checksum": digest,
+        "setup_seconds": setup_seconds,
+        "checksum_seconds": time.perf_counter() - check_start,
+    }
+
+
+# -- launching fresh ranks -------------------------------------------------------------------
+
+# Modules torch imports lazily on first use (torch._dynamo alone takes over a second on the first
+# meta-device normal_); importing them once in the fork server keeps that out of every rank.
+_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint.state_dict",
+    "benchmarks.harness",
+]
+
+
+def _rank_entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float,
+    backend: str,
+    method: str = "forkserver",
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` fresh ranks; per-rank results, or RankFailure.
+
+    ``spawn`` is fsdp_builder.launch.run_ranks. ``forkserver`` (the default) forks each rank
+    from a server that has only imported torch and the recipes: every measurement still gets
+    brand-new processes, without paying about 3 s of imports per rank on a 2-core machine.
+    """
+    from fsdp_builder.launch import RankFailure, free_port, run_ranks
+
+    if method == "spawn":
+        return run_ranks(fn, world_size, *args, timeout=timeout, backend=backend)
+    ctx = mp.get_context("forkserver")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_entry,
+            args=(rank, world_size, port, backend, timeout, fn, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple[bool, Any]] = {}
+    while len(got) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, payload = results.get(
+                timeout=min(1.0, max(0.01, deadline - time.monotonic()))
+            )
+            got[rank] = (ok, payload)
+        except queue_mod.Empty:
+            if any(not p.is_alive() and p.exitcode not in (None, 0) for p in procs):
+                break  # a rank died without reporting: the others cannot finish
+    for p in procs:
+        p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    missing = [r for r in range(world_size) if r not in got]
+    failed = {r: payload for r, (ok, payload) in got.items() if not ok}
+    if missing or failed:
+        parts = [f"rank {r} did not finish within {timeout:.0f}s" for r in missing]
+        parts += [f"rank {r} raised:\n{tb}" for r, tb in sorted(failed.items())]
+        raise RankFailure("\n".join(parts))
+    return [got[r][1] for r in range(world_size)]
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMBG" else text
+    return int(float(number) * scale)
+
+
+def machine_info(backend: str) -> dict[str, Any]:
+    mem_total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": mem_total,
+        "backend": backend,
+        "cuda_device": torch.cuda.get_device_name(0) if backend == "nccl" else None,
+    }
+
+
+def _plan(
+    recipes: Sequence[Recipe], sizes: Sequence[int], worlds: Sequence[int], repeats: int
+) -> list[tuple[int, int, int, Recipe]]:
+    """Measurement order: repeats outermost, recipes round-robin (rotated each repeat so no
+    recipe always runs right after the same neighbour)."""
+    order = []
+    for repeat in range(repeats):
+        for size in sizes:
+            for world in worlds:
+                shift = repeat % len(recipes)
+                for recipe in [*recipes[shift:], *recipes[:shift]]:
+                    order.append((repeat, size, world, recipe))
+    return order
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fsdp-builder bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path, help="where to write the JSON records")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    p.add_argument("--repeats", type=int, help="measurements per recipe and size (default 3)")
+    p.add_argument("--sizes", help=f"model sizes in parameters (default {DEFAULT_SIZES})")
+    p.add_argument("--world-size", type=int, action="append", help="ranks (repeatable)")
+    p.add_argument("--full", action="store_true", help=f"sizes {FULL_SIZES}, world sizes 2, 4")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat")
+    p.add_argument("--recipes", help="comma-separated recipe names (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
+    p.add_argument("--launcher", choices=("forkserver", "spawn"), default="forkserver")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="time the first build of each rank")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="log every measurement")
+    return p
+
+
+def _configure_logging(verbose: bool) -> None:
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.INFO if verbose else logging.WARNING
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    _configure_logging(args.verbose)
+    sizes_text = args.sizes or (
+        SMOKE_SIZES if args.smoke else FULL_SIZES if args.full else DEFAULT_SIZES
+    )
+    sizes = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
+    worlds = args.world_size or ([2, 4] if args.full else [2])
+    repeats = args.repeats or (1 if args.smoke else 3)
+    if repeats < 1 or any(w < 1 for w in worlds) or not sizes:
+        print("--repeats and --world-size must be at least 1, --sizes non-empty", file=sys.stderr)
+        return 2
+    available, notes = all_recipes()
+    if args.recipes:
+        wanted = [n.strip() for n in args.recipes.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in available]
+        notes += [f"{n}: skipped, not available in this version" for n in unknown]
+        recipes = [available[n] for n in wanted if n in available]
+    else:
+        recipes = list(available.values())
+    if not recipes:
+        print("no recipe to run", file=sys.stderr)
+        return 2
+
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if cuda and max(worlds) > torch.cuda.device_count():
+        print(f"NCCL needs one GPU per rank; have {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    if args.launcher == "forkserver":
+        mp.set_forkserver_preload(_PRELOAD)
+
+    configs = {size: BenchConfig.for_params(size) for size in sizes}
+    scratch = tempfile.TemporaryDirectory(prefix="fsdp-bench-")
+    sources: dict[int, str] = {}
+    if any(r.needs_source for r in recipes):
+        for size, cfg in configs.items():
+            # Written once, read by rank 0 of each load measurement: initializing a large model
+            # again in every measurement would cost more than the measurements themselves.
+            sources[size] = os.path.join(scratch.name, f"source-{size}.pt")
+            torch.save(make_source(cfg, args.seed), sources[size])
+    labels = {size: label for size, label in zip(sizes, sizes_text.split(","), strict=True)}
+    order = _plan(recipes, sizes, worlds, repeats)
+    records: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    bar = tqdm(order, desc="bench", unit="run", disable=args.quiet, dynamic_ncols=True)
+    for index, (repeat, size, world, recipe) in enumerate(bar):
+        cfg = configs[size]
+        bar.set_postfix_str(f"{recipe.name} {labels[size].strip()} w{world}")
+        record: dict[str, Any] = {
+            "recipe": recipe.name,
+            "family": recipe.family,
+            "job": recipe.job,
+            "description": recipe.description,
+            "per_unit": recipe.per_unit,
+            "bucket_bytes": recipe.bucket_bytes,
+            "deterministic": recipe.deterministic,
+            "size": labels[size].strip(),
+            "params": cfg.params,
+            "model_bytes": model_bytes(cfg),
+            "largest_unit_bytes": largest_unit_bytes(cfg),
+            "config": asdict(cfg),
+            "world_size": world,
+            "repeat": repeat,
+            "order": index,
+            "backend": backend,
+        }
+        launched = time.perf_counter()
+        try:
+            ranks = launch(
+                measure,
+                world,
+                recipe.name,
+                cfg,
+                args.seed,
+                repeat == 0,
+                not args.no_warmup,
+                sources.get(size) if recipe.needs_source else None,
+                timeout=args.timeout,
+                backend=backend,
+                method=args.launcher,
+            )
+            record.update(
+                seconds=max(r["seconds"] for r in ranks),
+                peak_bytes=max(r["peak_bytes"] for r in ranks),
+                peak_bytes_nonzero_ranks=max((r["peak_bytes"] for r in ranks[1:]), default=None),
+                comm_bytes=ranks[0]["comm_bytes"],
+                bucket_bytes=ranks[0]["bucket_bytes"] or recipe.bucket_bytes,
+                checksum=ranks[0]["checksum"],
+                ranks=ranks,
+                error=None,
+            )
+            record["wall_seconds"] = time.perf_counter() - launched
+            log.info("measured", **{k: record[k] for k in ("recipe", "size", "seconds")})
+        except Exception as exc:  # a failed recipe is a result too; the others still run
+            record.update(seconds=None, peak_bytes=None, ranks=[], error=str(exc)[-4000:])
+            log.warning("measurement_failed", recipe=recipe.name, size=record["size"], error=exc)
+        records.append(record)
+    bar.close()
+    scratch.cleanup()
+
+    result = {
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(backend),
+        "torch_version": torch.__version__,
+        "settings": {
+            "sizes": [labels[s].strip() for s in sizes],
+            "world_sizes": worlds,
+            "repeats": repeats,
+            "seed": args.seed,
+            "launcher": args.launcher,
+            "warmup": not args.no_warmup,
+            "wall_seconds": round(time.perf_counter() - started, 1),
+        },
+        "recipes": {
+            r.name: {"family": r.family, "job": r.job, "description": r.description}
+            for r in recipes
+        },
+        "notes": notes,
+        "records": records,
+    }
+    from benchmarks.report import render_markdown, render_plot
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.json or args.out / "bench.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "bench.md").write_text(render_markdown(result))
+    if not args.no_plot:
+        render_plot(result, args.out / "bench.png")
+    failed = [r for r in records if r["error"]]
+    print(f"wrote {json_path}, {args.out / 'bench.md'}" + ("" if args.no_plot else ", bench.png"))
+    for r in failed:
+        print(f"FAILED {r['recipe']} {r['size']} w{r['world_size']}: {r['error'][-300:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

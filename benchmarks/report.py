@@ -1,0 +1,351 @@
+"""Turn benchmark records into medians, target checks, a markdown table and a plot."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MIB = 1024 * 1024
+REFERENCE = "fsdp1_full"
+# Builder recipe -> the plain-PyTorch baseline doing the same job (overhead target).
+SAME_JOB = {
+    "builder_fsdp1_reset": "fsdp1_meta",
+    "builder_fsdp2_reset": "fsdp2_meta",
+}
+SPEED_SIZE = 200e6  # the issue's speed targets are stated at ~200M parameters, world size 2
+
+
+Key = tuple[str, str, int]  # recipe, size label, world size
+
+
+def medians(result: dict[str, Any]) -> dict[Key, dict[str, Any]]:
+    """Per recipe, size and world size: medians over the successful repeats."""
+    groups: dict[Key, list[dict[str, Any]]] = {}
+    for r in result["records"]:
+        groups.setdefault((r["recipe"], r["size"], r["world_size"]), []).append(r)
+    out: dict[Key, dict[str, Any]] = {}
+    for key, recs in groups.items():
+        ok = [r for r in recs if not r["error"]]
+        first = recs[0]
+        row: dict[str, Any] = {
+            "recipe": first["recipe"],
+            "family": first["family"],
+            "job": first["job"],
+            "description": first["description"],
+            "per_unit": first["per_unit"],
+            "bucket_bytes": first.get("bucket_bytes", 0),
+            "size": first["size"],
+            "params": first["params"],
+            "model_bytes": first["model_bytes"],
+            "largest_unit_bytes": first["largest_unit_bytes"],
+            "world_size": first["world_size"],
+            "runs": len(ok),
+            "failed": len(recs) - len(ok),
+            "seconds": _median(r["seconds"] for r in ok),
+            "peak_bytes": _median(r["peak_bytes"] for r in ok),
+            "peak_bytes_nonzero_ranks": _median(r.get("peak_bytes_nonzero_ranks") for r in ok),
+            "comm_bytes": _median(r.get("comm_bytes") for r in ok),
+            "sync_seconds": _median(_phase(r, "synchronize") for r in ok),
+            "checksum": next((r["checksum"] for r in ok if r.get("checksum")), None),
+        }
+        out[key] = row
+    return out
+
+
+def _median(values: Iterable[float | int | None]) -> float | None:
+    present = [float(v) for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _phase(record: dict[str, Any], name: str) -> float | None:
+    times = [r["phases"][name] for r in record.get("ranks", []) if name in r.get("phases", {})]
+    return max(times) if times else None
+
+
+def unit_bound(row: dict[str, Any]) -> float:
+    """What a per-unit build should hold at its peak: its shards plus one full unit."""
+    return float(row["model_bytes"] / row["world_size"] + row["largest_unit_bytes"])
+
+
+def _closest_size(rows: dict[Key, dict[str, Any]], world: int) -> str | None:
+    sizes = {(row["size"], row["params"]) for row in rows.values() if row["world_size"] == world}
+    if not sizes:
+        return None
+    label, params = min(sizes, key=lambda s: abs(math.log(s[1] / SPEED_SIZE)))
+    return label if 0.5 <= params / SPEED_SIZE <= 2 else None
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured value and whether it is met."""
+    rows = medians(result)
+    out: list[dict[str, Any]] = []
+
+    def add(target: str, where: str, value: float | None, op: str, limit: float) -> None:
+        met = None if value is None else (value <= limit if op == "<=" else value >= limit)
+        out.append(
+            {
+                "target": target,
+                "where": where,
+                "measured": value,
+                "op": op,
+                "threshold": limit,
+                "met": met,
+            }
+        )
+
+    def get(recipe: str, size: str, world: int) -> dict[str, Any] | None:
+        row = rows.get((recipe, size, world))
+        return row if row and row["seconds"] is not None else None
+
+    sizes = sorted({(r["params"], r["size"], r["world_size"]) for r in rows.values()})
+    for _, size, world in sizes:
+        where = f"{size}, W={world}"
+        for builder, baseline in SAME_JOB.items():
+            b, p = get(builder, size, world), get(baseline, size, world)
+            if b and p:
+                add(
+                    f"overhead: {builder} ÷ {baseline} time",
+                    where,
+                    b["seconds"] / p["seconds"],
+                    "<=",
+                    1.05,
+                )
+        for row in rows.values():
+            if (row["size"], row["world_size"]) != (size, world) or row["peak_bytes"] is None:
+                continue
+            if row["family"] == "builder" and row["per_unit"]:
+                add(
+                    f"memory: {row['recipe']} peak ÷ (model/W + largest unit)",
+                    where,
+                    row["peak_bytes"] / unit_bound(row),
+                    "<=",
+                    1.15,
+                )
+        full = get(REFERENCE, size, world)
+        if full and full["peak_bytes"] is not None:
+            expected = full["model_bytes"] * (1 + 1 / world)
+            out.append(
+                {
+                    "target": f"memory: {REFERENCE} peak ÷ (model + model/W), expected ≈ 1",
+                    "where": where,
+                    "measured": full["peak_bytes"] / expected,
+                    "op": "≈",
+                    "threshold": 1.0,
+                    "met": None,
+                }
+            )
+        load = get("builder_fsdp2_load", size, world)
+        if load and load["peak_bytes_nonzero_ranks"] is not None:
+            bucket = float(load.get("bucket_bytes") or 0)
+            add(
+                "streamed load: non-zero ranks' peak ÷ (shards + unit + bucket)",
+                where,
+                load["peak_bytes_nonzero_ranks"] / (unit_bound(load) + bucket),
+                "<=",
+                1.0,
+            )
+        sync, floor = get("builder_fsdp1_bcast", size, world), get("broadcast_floor", size, world)
+        if sync and floor and sync["sync_seconds"]:
+            add(
+                "sync throughput: builder broadcast ÷ raw dist.broadcast",
+                where,
+                floor["seconds"] / sync["sync_seconds"],
+                ">=",
+                0.9,
+            )
+
+    for world in sorted({r["world_size"] for r in rows.values()}):
+        size = _closest_size(rows, world)
+        if size is None:
+            continue
+        where = f"{size}, W={world}"
+        load, bcast = get("builder_fsdp2_load", size, world), get("fsdp2_load_bcast", size, world)
+        scatter = get("scatter_floor", size, world)
+        if load and bcast:
+            add(
+                "load from rank 0: set_model_state_dict(broadcast) ÷ builder time",
+                where,
+                bcast["seconds"] / load["seconds"],
+                ">=",
+                2.5,
+            )
+        if load and scatter:
+            add(
+                "load from rank 0: builder ÷ plain dist.scatter time",
+                where,
+                load["seconds"] / scatter["seconds"],
+                "<=",
+                1.3,
+            )
+        full = get(REFERENCE, size, world)
+        built = [
+            r
+            for r in rows.values()
+            if (r["size"], r["world_size"]) == (size, world)
+            and r["family"] == "builder"
+            and r["job"] == "init"
+            and r["seconds"] is not None
+        ]
+        if full and built:
+            best = min(built, key=lambda r: r["seconds"])
+            add(
+                f"speed: {REFERENCE} ÷ best builder init ({best['recipe']}) time",
+                where,
+                full["seconds"] / best["seconds"],
+                ">=",
+                2.0,
+            )
+    return out
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def targets_table(result: dict[str, Any]) -> str:
+    lines = ["| target | where | measured | target | met |", "|---|---|---:|:---:|:---:|"]
+    for t in targets(result):
+        met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
+        lines.append(
+            f"| {t['target']} | {t['where']} | {_fmt(t['measured'])} | "
+            f"{t['op']} {t['threshold']:g} | {met} |"
+        )
+    return "\n".join(lines)
+
+
+def medians_table(result: dict[str, Any]) -> str:
+    rows = medians(result)
+    lines = [
+        "| W | size | recipe | time (s) | time ÷ fsdp1_full | peak MiB | "
+        "peak ÷ (model/W + unit) | comm MiB | checksum |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    order = sorted(
+        rows.values(),
+        key=lambda r: (r["world_size"], r["params"], r["family"] != "baseline", r["recipe"]),
+    )
+    for r in order:
+        ref = rows.get((REFERENCE, r["size"], r["world_size"]))
+        rel = (
+            r["seconds"] / ref["seconds"]
+            if ref and ref["seconds"] and r["seconds"] is not None
+            else None
+        )
+        peak = r["peak_bytes"]
+        name = r["recipe"] if r["family"] == "baseline" else f"**{r['recipe']}**"
+        if r["failed"]:
+            name += f" ({r['failed']} failed)"
+        lines.append(
+            f"| {r['world_size']} | {r['size']} ({r['params'] / 1e6:.0f}M) | {name} | "
+            f"{_fmt(r['seconds'])} | {_fmt(rel)} | {_fmt(None if peak is None else peak / MIB, 0)}"
+            f" | {_fmt(None if peak is None else peak / unit_bound(r))} | "
+            f"{_fmt(None if r['comm_bytes'] is None else r['comm_bytes'] / MIB, 0)} | "
+            f"{r['checksum'] or ''} |"
+        )
+    return "\n".join(lines)
+
+
+def recipes_list(result: dict[str, Any]) -> str:
+    return "\n".join(
+        f"- `{name}` ({info['family']}, job: {info['job']}): {info['description']}"
+        for name, info in result["recipes"].items()
+    )
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    s = result["settings"]
+    parts = [
+        "# Benchmark results",
+        "",
+        f"{m['cpu']}, {m['cpu_count']} cores, {m['memory_bytes'] / 2**30:.0f} GiB; "
+        f"torch {m['torch']}, {m['backend']}; sizes {', '.join(s['sizes'])}; world sizes "
+        f"{', '.join(map(str, s['world_sizes']))}; median of {s['repeats']} interleaved "
+        f"repeat(s); {s['wall_seconds']:.0f} s in all; {result['created']}.",
+        "",
+        "## Targets",
+        "",
+        targets_table(result),
+        "",
+        "## Medians",
+        "",
+        "Time: build start to sharded model ready (after a barrier), slowest rank. Peak: memory "
+        "above the rank's pre-build baseline, largest rank. Comm: bytes rank 0 sent or "
+        "received where known. Equal checksums mean bit-identical gathered weights. Builder "
+        "recipes in bold.",
+        "",
+        medians_table(result),
+        "",
+        "## Recipes",
+        "",
+        recipes_list(result),
+    ]
+    if result["notes"]:
+        parts += ["", "## Notes", "", *(f"- {n}" for n in result["notes"])]
+    return "\n".join(parts) + "\n"
+
+
+def render_plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = medians(result)
+    worlds = sorted({r["world_size"] for r in rows.values()})
+    recipes = list(result["recipes"])
+    cmap = plt.get_cmap("tab20")
+    colors = {name: cmap(i % 20) for i, name in enumerate(recipes)}
+    fig, axes = plt.subplots(len(worlds), 2, figsize=(13, 4.6 * len(worlds)), squeeze=False)
+    for (ax_t, ax_m), world in zip(axes, worlds, strict=True):
+        for name in recipes:
+            pts = sorted(
+                (r["params"] / 1e6, r["seconds"], r["peak_bytes"])
+                for r in rows.values()
+                if r["recipe"] == name and r["world_size"] == world and r["seconds"] is not None
+            )
+            if not pts:
+                continue
+            family = result["recipes"][name]["family"]
+            style = {
+                "linestyle": "--" if family == "baseline" else "-",
+                "marker": "o",
+                "color": colors[name],
+                "label": name,
+            }
+            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], **style)
+            ax_m.plot([p[0] for p in pts], [p[2] / MIB for p in pts], **style)
+        bound = sorted(
+            {
+                (r["params"] / 1e6, unit_bound(r) / MIB)
+                for r in rows.values()
+                if r["world_size"] == world
+            }
+        )
+        ax_m.plot(
+            [b[0] for b in bound],
+            [b[1] for b in bound],
+            ":",
+            color="black",
+            label="model/W + largest unit",
+        )
+        ax_t.set_title(f"time to sharded model, world size {world}")
+        ax_t.set_ylabel("seconds (median)")
+        ax_m.set_title(f"peak memory above baseline per rank, world size {world}")
+        ax_m.set_ylabel("MiB (median of max over ranks)")
+        for ax in (ax_t, ax_m):
+            ax.set_xlabel("model parameters (millions)")
+            ax.grid(True, alpha=0.3)
+            ax.set_ylim(bottom=0)
+    handles, labels = axes[0][1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9, frameon=False)
+    fig.suptitle(
+        f"fsdp_builder vs plain PyTorch (dashed): {result['machine']['cpu_count']} CPU cores, "
+        f"{result['machine']['backend']}, torch {result['torch_version']}"
+    )
+    fig.tight_layout(rect=(0, 0.1 if len(worlds) == 1 else 0.06, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

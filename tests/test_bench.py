@@ -1,0 +1,73 @@
+"""A smoke run of the benchmark harness: tiny model, one repeat, world size 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_builder.cli import main
+
+RANK_FIELDS = {"rank", "seconds", "peak_bytes", "baseline_bytes", "comm_bytes", "checksum"}
+RECORD_FIELDS = {
+    "recipe", "family", "job", "size", "params", "model_bytes", "largest_unit_bytes",
+    "world_size", "repeat", "seconds", "peak_bytes", "comm_bytes", "checksum", "ranks", "error",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
+    tmp = tmp_path_factory.mktemp("bench")
+    rc = main(
+        ["bench", "--smoke", "--sizes", "1M", "--world-size", "2", "--quiet",
+         "--timeout", "60", "--json", str(tmp / "records.json"), "--out", str(tmp / "out")]
+    )  # fmt: skip
+    return rc, json.loads((tmp / "records.json").read_text()), tmp / "out"
+
+
+@pytest.mark.timeout(180)
+def test_smoke_run_writes_records(smoke: tuple[int, dict, Path]) -> None:
+    rc, result, _ = smoke
+    failed = [(r["recipe"], r["error"]) for r in result["records"] if r["error"]]
+    assert rc == 0, failed
+    assert result["torch_version"]
+    assert {"cpu_count", "platform", "torch", "backend"} <= set(result["machine"])
+    names = {r["recipe"] for r in result["records"]}
+    assert {"fsdp1_full", "fsdp1_meta", "fsdp2_meta", "fsdp2_load_bcast", "broadcast_floor",
+            "scatter_floor", "builder_fsdp1_reset"} <= names  # fmt: skip
+    assert len(result["records"]) == len(names)  # one size, one world size, one repeat
+    for r in result["records"]:
+        assert RECORD_FIELDS <= set(r), r["recipe"]
+        assert (r["world_size"], r["repeat"], r["size"]) == (2, 0, "1M")
+        assert r["seconds"] > 0 and r["peak_bytes"] >= 0
+        assert [x["rank"] for x in r["ranks"]] == [0, 1]
+        for x in r["ranks"]:
+            assert RANK_FIELDS <= set(x)
+            assert 0 < x["seconds"] <= r["seconds"]
+        if r["deterministic"]:
+            assert isinstance(r["checksum"], str), r["recipe"]
+
+
+@pytest.mark.timeout(30)
+def test_deterministic_recipes_agree(smoke: tuple[int, dict, Path]) -> None:
+    _, result, _ = smoke
+    sums = {r["recipe"]: r["checksum"] for r in result["records"] if r["checksum"]}
+    # Loading rank 0's state dict gives the weights that seeded construction gives.
+    loaded = [
+        sums[n] for n in ("fsdp1_full", "fsdp2_load_bcast", "builder_fsdp2_load") if n in sums
+    ]
+    assert len(loaded) >= 2 and len(set(loaded)) == 1, sums
+    # Deterministic init is the same whichever backend shards it.
+    det = [sums[n] for n in ("builder_fsdp1_det", "builder_fsdp2_det") if n in sums]
+    assert len(set(det)) <= 1, sums
+
+
+@pytest.mark.timeout(30)
+def test_smoke_run_writes_table_and_plot(smoke: tuple[int, dict, Path]) -> None:
+    _, result, out = smoke
+    md = (out / "bench.md").read_text()
+    assert "| target |" in md and "| recipe |" in md.replace("| W | size | recipe |", "| recipe |")
+    for r in result["records"]:
+        assert r["recipe"] in md
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
