@@ -527,3 +527,18 @@ def test_cli_demo_runs_without_sharding() -> None:
         assert torch.allclose(
             torch.tensor(losses), torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0
         )
+
+
+def test_ignored_parameters_and_modules_stay_unsharded(world1: None) -> None:
+    model = make_model(CFG)
+    head = model.head
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).ignore(modules=[head])
+    sharded = builder.build(model)
+    assert not isinstance(head.weight, DTensor) and not isinstance(head.bias, DTensor)
+    assert isinstance(sharded.embed.weight, DTensor)  # type: ignore[union-attr]
+
+    model = make_model(CFG)
+    norm_weight = model.norm.weight
+    FullyShardBuilder().device(CPUDevice()).ignore(states=[norm_weight]).build(model)
+    assert model.norm.weight is norm_weight and not isinstance(norm_weight, DTensor)
+    assert isinstance(model.norm.bias, DTensor)
