@@ -15,7 +15,14 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from fsdp_builder.demo import Block, DemoConfig, make_model, train
+from fsdp_builder import (
+    AutoHybridGroups,
+    DeterministicInit,
+    FSDPBuilder,
+    FullyShardBuilder,
+    ShardingBuilder,
+)
+from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, train
 
 STRATEGIES = ("full", "grad_op", "hybrid", "none")
 
@@ -35,21 +42,17 @@ def configure_logging(verbose: bool) -> None:
     )
 
 
-def build_demo(backend: str, strategy: str) -> Any:
-    """The builder the demo uses, for one backend and strategy."""
-    from fsdp_builder import AutoHybridGroups, CPUDevice, FSDPBuilder
+DEMO_SEED = 0
 
-    if backend == "fsdp2":
-        try:
-            from fsdp_builder import FullyShardBuilder  # type: ignore[attr-defined]
-        except ImportError:
-            raise SystemExit("backend fsdp2 is not available in this version yet") from None
-        builder = FullyShardBuilder()
-    else:
-        builder = FSDPBuilder()
+
+def build_demo(backend: str, strategy: str) -> ShardingBuilder:
+    """The builder the demo uses: the model comes from meta, each unit initialized from a
+    per-name seed, so the weights are the same whatever the world size."""
+    builder: ShardingBuilder = FullyShardBuilder() if backend == "fsdp2" else FSDPBuilder()
     cuda = dist.get_backend() == "nccl"
-    builder.device(torch.device("cuda", torch.cuda.current_device()) if cuda else CPUDevice())
-    builder.wrap(Block).sharding(strategy)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    builder.device(device).wrap(Block).sharding(strategy)
+    builder.materialize(DeterministicInit(seed=DEMO_SEED))
     if strategy == "hybrid":
         world = dist.get_world_size()
         per_node = 2 if world % 2 == 0 and world > 2 else world
@@ -61,7 +64,8 @@ def demo_rank(backend: str, strategy: str, steps: int, verbose: bool) -> dict[st
     """One rank of the demo: build, train, return the report and losses."""
     configure_logging(verbose)
     cfg = DemoConfig()
-    model = make_model(cfg)
+    with torch.device("meta"):
+        model = DemoTransformer(cfg)
     builder = build_demo(backend, strategy)
     sharded = builder.build(model)
     losses = train(sharded, cfg, steps, dist.get_rank(), dist.get_world_size())

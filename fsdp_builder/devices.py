@@ -30,7 +30,10 @@ CPU = torch.device("cpu")
 class DeviceResolver(Protocol):
     """Resolves the compute device of this rank. ``explicit`` devices allow CPU+GPU modules."""
 
-    explicit: bool
+    @property
+    def explicit(self) -> bool:
+        """True when the device was named by the user (a CPU part may then be moved there)."""
+        ...
 
     def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
         """Return the compute device. Must not communicate (it runs before ranks agree)."""
