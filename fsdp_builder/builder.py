@@ -394,6 +394,10 @@ class _Pipeline:
 
         groups = self._local("groups", lambda: self.factory.create(options.strategy, device))
         options, groups = effective_strategy(options, groups)
+        prepare_groups = getattr(self.backend, "prepare_groups", None)
+        if callable(prepare_groups):
+            # The backend's view of the groups (FSDP2: the mesh), resolved once per build.
+            groups = self._local("groups", partial(prepare_groups, groups, options, device))
         env = Environment(
             rank=rank,
             world_size=dist.get_world_size(),

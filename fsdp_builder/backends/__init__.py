@@ -23,7 +23,12 @@ class Backend(Protocol):
         ...
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
-        """Shard ``unit.module``; return the module that takes its place in the parent."""
+        """Shard ``unit.module``; return the module that takes its place in the parent.
+
+        A backend may also define ``prepare_groups(groups, options, device) -> ProcessGroups``
+        (called once, on every rank, before the first unit; may communicate) and
+        ``supports_shard_first``.
+        """
         ...
 
 

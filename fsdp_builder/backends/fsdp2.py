@@ -43,7 +43,6 @@ than the one asked for.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -73,10 +72,6 @@ from fsdp_builder.plan import Unit
 log = structlog.get_logger(__name__)
 
 MESH_DIM_NAMES = ("replicate", "shard")
-
-# One mesh per resolved groups object: built on the first unit, reused by the others, dropped
-# with the build's environment.
-_MESHES: weakref.WeakKeyDictionary[ProcessGroups, DeviceMesh] = weakref.WeakKeyDictionary()
 
 
 def _where() -> str:
@@ -302,12 +297,15 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
 
 
 def mesh_for(env: Environment) -> DeviceMesh:
-    """The build's mesh, created on the first unit and reused for the rest."""
-    mesh = _MESHES.get(env.groups)
-    if mesh is None:
-        mesh = build_mesh(env.groups, env.options, env.device.type)
-        _MESHES[env.groups] = mesh
-    return mesh
+    """The build's mesh, set on the environment's groups by ``FullyShardBackend.prepare_groups``."""
+    if env.groups.mesh is None:
+        raise config_error(
+            f"{_where()}.groups",
+            "groups",
+            "the environment has no device mesh; FullyShardBackend.prepare_groups was not run",
+            "Build through FullyShardBuilder, which prepares the mesh before the first unit.",
+        )
+    return env.groups.mesh
 
 
 def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
@@ -341,6 +339,12 @@ class FullyShardBackend:
         # Both the root and the other units take the same dtype fields: check them once here,
         # before any collective.
         mixed_precision_policy(options.mixed_precision, is_root=True)
+
+    def prepare_groups(
+        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
+    ) -> ProcessGroups:
+        """The groups with the mesh ``fully_shard`` runs on (collective: every rank calls it)."""
+        return attrs.evolve(groups, mesh=build_mesh(groups, options, device.type))
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         kwargs = fully_shard_kwargs(unit, env)
