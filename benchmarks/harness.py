@@ -371,7 +371,16 @@ def machine_info(backend: str) -> dict[str, Any]:
         "memory_bytes": mem_total,
         "backend": backend,
         "cuda_device": torch.cuda.get_device_name(0) if backend == "nccl" else None,
+        # Other work on the machine skews timings; this says how busy it was.
+        "loadavg_start": _loadavg(),
     }
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _plan(
@@ -454,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.launcher == "forkserver":
         mp.set_forkserver_preload(_PRELOAD)
 
+    machine = machine_info(backend)
     configs = {size: BenchConfig.for_params(size) for size in sizes}
     scratch = tempfile.TemporaryDirectory(prefix="fsdp-bench-")
     sources: dict[int, str] = {}
@@ -523,9 +533,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bar.close()
     scratch.cleanup()
 
+    machine["loadavg_end"] = _loadavg()
     result = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(backend),
+        "machine": machine,
         "torch_version": torch.__version__,
         "settings": {
             "sizes": [labels[s].strip() for s in sizes],

@@ -5,20 +5,38 @@ Recipes whose classes this version of the library does not have yet are skipped 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import fsdp_builder
 from benchmarks.common import Job, Outcome, Recipe
 from benchmarks.models import Block, make_model
 
+# Where a class may live when the package does not export it (yet).
+_SUBMODULES = ("fsdp_builder.sharded_init", "fsdp_builder.loading")
+
+
+def _find(name: str) -> Any | None:
+    found = getattr(fsdp_builder, name, None)
+    for module_name in _SUBMODULES:
+        if found is not None:
+            break
+        try:
+            found = getattr(importlib.import_module(module_name), name, None)
+        except ImportError:
+            continue
+    return found
+
 
 def _has(*names: str) -> list[str]:
     """The names this version of fsdp_builder lacks."""
-    return [n for n in names if not hasattr(fsdp_builder, n)]
+    return [n for n in names if _find(n) is None]
 
 
 def _cls(name: str) -> Any:
-    return getattr(fsdp_builder, name)
+    found = _find(name)
+    assert found is not None, name
+    return found
 
 
 def _build(job: Job, backend: str, materializer: Any, *synchronizers: Any) -> Outcome:
@@ -31,9 +49,7 @@ def _build(job: Job, backend: str, materializer: Any, *synchronizers: Any) -> Ou
     stages = builder.report.stages()
     comm = sum(int(s["comm_bytes"]) for s in stages)
     # The report counts synchronizer traffic; a loading materializer's is not reported.
-    loads = hasattr(fsdp_builder, "FromStateDict") and isinstance(
-        materializer, _cls("FromStateDict")
-    )
+    loads = not _has("FromStateDict") and isinstance(materializer, _cls("FromStateDict"))
     return Outcome(
         module=module,
         comm_bytes=None if loads and comm == 0 else comm,
@@ -49,6 +65,10 @@ def fsdp1_reset(job: Job) -> Outcome:
 
 def fsdp2_reset(job: Job) -> Outcome:
     return _build(job, "fsdp2", fsdp_builder.ResetParameters())
+
+
+def fsdp2_shard_first(job: Job) -> Outcome:
+    return _build(job, "fsdp2", _cls("ShardFirstReset")(seed=job.seed))
 
 
 def fsdp1_deterministic(job: Job) -> Outcome:
@@ -86,10 +106,21 @@ _CANDIDATES: tuple[tuple[Recipe, tuple[str, ...]], ...] = (
             "builder",
             "init",
             fsdp2_reset,
-            "FullyShardBuilder, ResetParameters from meta (shard-first)",
+            "FullyShardBuilder, per-unit ResetParameters from meta",
             per_unit=True,
         ),
         ("FullyShardBuilder",),
+    ),
+    (
+        Recipe(
+            "builder_fsdp2_shard_first",
+            "builder",
+            "init",
+            fsdp2_shard_first,
+            "FullyShardBuilder, ShardFirstReset: shard on meta, initialize local shards only",
+            per_unit=True,
+        ),
+        ("FullyShardBuilder", "ShardFirstReset"),
     ),
     (
         Recipe(

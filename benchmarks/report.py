@@ -14,6 +14,7 @@ REFERENCE = "fsdp1_full"
 SAME_JOB = {
     "builder_fsdp1_reset": "fsdp1_meta",
     "builder_fsdp2_reset": "fsdp2_meta",
+    "builder_fsdp2_shard_first": "fsdp2_meta",
 }
 SPEED_SIZE = 200e6  # the speed targets are stated at ~200M parameters, world size 2
 
@@ -264,7 +265,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{m['cpu']}, {m['cpu_count']} cores, {m['memory_bytes'] / 2**30:.0f} GiB; "
         f"torch {m['torch']}, {m['backend']}; sizes {', '.join(s['sizes'])}; world sizes "
         f"{', '.join(map(str, s['world_sizes']))}; median of {s['repeats']} interleaved "
-        f"repeat(s); {s['wall_seconds']:.0f} s in all; {result['created']}.",
+        f"repeat(s); {s['wall_seconds']:.0f} s in all; {result['created']}; load average "
+        f"{m.get('loadavg_start', '?')} before, {m.get('loadavg_end', '?')} after.",
         "",
         "## Targets",
         "",
@@ -297,9 +299,9 @@ def render_plot(result: dict[str, Any], path: Path) -> None:
     rows = medians(result)
     worlds = sorted({r["world_size"] for r in rows.values()})
     recipes = list(result["recipes"])
-    cmap = plt.get_cmap("tab20")
-    colors = {name: cmap(i % 20) for i, name in enumerate(recipes)}
-    fig, axes = plt.subplots(len(worlds), 2, figsize=(13, 4.6 * len(worlds)), squeeze=False)
+    palette = [*(f"C{i}" for i in range(10)), "black", "gold", "navy", "lime"]
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(recipes)}
+    fig, axes = plt.subplots(len(worlds), 2, figsize=(15, 4.8 * len(worlds)), squeeze=False)
     for (ax_t, ax_m), world in zip(axes, worlds, strict=True):
         for name in recipes:
             pts = sorted(
@@ -312,7 +314,7 @@ def render_plot(result: dict[str, Any], path: Path) -> None:
             family = result["recipes"][name]["family"]
             style = {
                 "linestyle": "--" if family == "baseline" else "-",
-                "marker": "o",
+                "marker": "s" if family == "baseline" else "o",
                 "color": colors[name],
                 "label": name,
             }
@@ -341,11 +343,11 @@ def render_plot(result: dict[str, Any], path: Path) -> None:
             ax.grid(True, alpha=0.3)
             ax.set_ylim(bottom=0)
     handles, labels = axes[0][1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9, frameon=False)
+    fig.legend(handles, labels, loc="center right", fontsize=9, frameon=False)
     fig.suptitle(
         f"fsdp_builder vs plain PyTorch (dashed): {result['machine']['cpu_count']} CPU cores, "
         f"{result['machine']['backend']}, torch {result['torch_version']}"
     )
-    fig.tight_layout(rect=(0, 0.1 if len(worlds) == 1 else 0.06, 1, 0.96))
+    fig.tight_layout(rect=(0, 0, 0.82, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
