@@ -11,6 +11,7 @@ machine drift hits them all alike. Outputs: JSON records, a markdown table, a PN
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
@@ -159,6 +160,21 @@ def _quiet_logging() -> None:
     )
 
 
+def _fixed_malloc_threshold() -> None:
+    """Pin glibc's mmap threshold so that every large tensor is its own mapping.
+
+    By default glibc raises the threshold (up to 32 MiB) each time an mmapped block is freed;
+    tensors allocated after that come from the heap and linger there after being freed, so
+    peak RSS would vary with allocation history instead of with what a recipe holds.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB, fixed
+    except (OSError, AttributeError):
+        pass
+
+
+DEFAULT_MALLOC_ENV = "FSDP_BENCH_DEFAULT_MALLOC"
 WARMUP = BenchConfig(vocab=256, dim=64, heads=1, layers=2)
 
 
@@ -179,6 +195,8 @@ def measure(
 ) -> dict[str, Any]:
     """One rank of one measurement (runs inside a fresh rank)."""
     setup_start = time.perf_counter()
+    if os.environ.get(DEFAULT_MALLOC_ENV) != "1":
+        _fixed_malloc_threshold()
     _quiet_logging()
     # Objects inherited from the fork server never become garbage; keep collections off them.
     gc.freeze()
@@ -412,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
     p.add_argument("--launcher", choices=("forkserver", "spawn"), default="forkserver")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's adaptive mmap threshold (peak RSS then depends on allocation history)",
+    )
     p.add_argument("--no-warmup", action="store_true", help="time the first build of each rank")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="log every measurement")
@@ -460,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cuda and max(worlds) > torch.cuda.device_count():
         print(f"NCCL needs one GPU per rank; have {torch.cuda.device_count()}", file=sys.stderr)
         return 2
+    if args.default_malloc:
+        os.environ[DEFAULT_MALLOC_ENV] = "1"  # read by every rank; set before any starts
     if args.launcher == "forkserver":
         mp.set_forkserver_preload(_PRELOAD)
 
@@ -545,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seed": args.seed,
             "launcher": args.launcher,
             "warmup": not args.no_warmup,
+            "malloc": "glibc default" if args.default_malloc else "mmap threshold fixed at 1 MiB",
             "wall_seconds": round(time.perf_counter() - started, 1),
         },
         "recipes": {

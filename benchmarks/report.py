@@ -117,7 +117,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         for row in rows.values():
             if (row["size"], row["world_size"]) != (size, world) or row["peak_bytes"] is None:
                 continue
-            if row["family"] == "builder" and row["per_unit"]:
+            if row["family"] == "builder" and row["per_unit"] and row["job"] == "init":
                 add(
                     f"memory: {row['recipe']} peak ÷ (model/W + largest unit)",
                     where,
@@ -266,7 +266,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"torch {m['torch']}, {m['backend']}; sizes {', '.join(s['sizes'])}; world sizes "
         f"{', '.join(map(str, s['world_sizes']))}; median of {s['repeats']} interleaved "
         f"repeat(s); {s['wall_seconds']:.0f} s in all; {result['created']}; load average "
-        f"{m.get('loadavg_start', '?')} before, {m.get('loadavg_end', '?')} after.",
+        f"{m.get('loadavg_start', '?')} before, {m.get('loadavg_end', '?')} after; malloc: "
+        f"{s.get('malloc', 'glibc default')}.",
         "",
         "## Targets",
         "",
