@@ -114,6 +114,7 @@ def scatter_floor(job: Job) -> Outcome:
     world, rank = job.world_size, job.rank
     sent = 0
     received = 0
+    shards: dict[str, torch.Tensor] = {}  # what this rank keeps, as a loaded model would
     for name, meta in _shapes(job).items():
         rows = meta.shape[0]
         per = -(-rows // world)
@@ -134,7 +135,10 @@ def scatter_floor(job: Job) -> Outcome:
         else:
             received += out.numel() * out.element_size()
         dist.scatter(out, chunks, src=0)
-    return Outcome(comm_bytes=sent if rank == 0 else received)
+        shards[name] = out
+    outcome = Outcome(comm_bytes=sent if rank == 0 else received)
+    del shards  # held until every shard has arrived, so the peak counts them all
+    return outcome
 
 
 BASELINES: tuple[Recipe, ...] = (
