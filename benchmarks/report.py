@@ -85,7 +85,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def add(target: str, where: str, value: float | None, op: str, limit: float) -> None:
-        met = None if value is None else (value <= limit if op == "<=" else value >= limit)
+        met = None if value is None else (value <= limit if op == "≤" else value >= limit)
         out.append(
             {
                 "target": target,
@@ -111,7 +111,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     f"overhead: {builder} ÷ {baseline} time",
                     where,
                     b["seconds"] / p["seconds"],
-                    "<=",
+                    "≤",
                     1.05,
                 )
         for row in rows.values():
@@ -122,7 +122,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     f"memory: {row['recipe']} peak ÷ (model/W + largest unit)",
                     where,
                     row["peak_bytes"] / unit_bound(row),
-                    "<=",
+                    "≤",
                     1.15,
                 )
         full = get(REFERENCE, size, world)
@@ -145,7 +145,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "streamed load: non-zero ranks' peak ÷ (shards + unit + bucket)",
                 where,
                 load["peak_bytes_nonzero_ranks"] / (unit_bound(load) + bucket),
-                "<=",
+                "≤",
                 1.0,
             )
         sync, floor = get("builder_fsdp1_bcast", size, world), get("broadcast_floor", size, world)
@@ -154,7 +154,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "sync throughput: builder broadcast ÷ raw dist.broadcast",
                 where,
                 floor["seconds"] / sync["sync_seconds"],
-                ">=",
+                "≥",
                 0.9,
             )
 
@@ -170,7 +170,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "load from rank 0: set_model_state_dict(broadcast) ÷ builder time",
                 where,
                 bcast["seconds"] / load["seconds"],
-                ">=",
+                "≥",
                 2.5,
             )
         if load and scatter:
@@ -178,7 +178,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "load from rank 0: builder ÷ plain dist.scatter time",
                 where,
                 load["seconds"] / scatter["seconds"],
-                "<=",
+                "≤",
                 1.3,
             )
         full = get(REFERENCE, size, world)
@@ -196,7 +196,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 f"speed: {REFERENCE} ÷ best builder init ({best['recipe']}) time",
                 where,
                 full["seconds"] / best["seconds"],
-                ">=",
+                "≥",
                 2.0,
             )
     return out
@@ -214,6 +214,30 @@ def targets_table(result: dict[str, Any]) -> str:
             f"| {t['target']} | {t['where']} | {_fmt(t['measured'])} | "
             f"{t['op']} {t['threshold']:g} | {met} |"
         )
+    return "\n".join(lines)
+
+
+def compact_targets_table(result: dict[str, Any]) -> str:
+    """One row per target, one column per place it was measured (size, world size)."""
+    found = targets(result)
+    wheres = list(dict.fromkeys(t["where"] for t in found))
+    rows: dict[str, dict[str, Any]] = {}
+    for t in found:
+        rows.setdefault(t["target"], {"op": t["op"], "threshold": t["threshold"]})[t["where"]] = t
+    lines = [
+        "| target | " + " | ".join(wheres) + " | target |",
+        "|---|" + "---:|" * len(wheres) + ":---:|",
+    ]
+    for name, row in rows.items():
+        cells = []
+        for where in wheres:
+            hit = row.get(where)
+            if hit is None:
+                cells.append("")
+                continue
+            mark = {True: " ✓", False: " ✗", None: ""}[hit["met"]]
+            cells.append(f"{_fmt(hit['measured'])}{mark}")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {row['op']} {row['threshold']:g} |")
     return "\n".join(lines)
 
 
@@ -270,6 +294,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{s.get('malloc', 'glibc default')}.",
         "",
         "## Targets",
+        "",
+        "✓ met, ✗ not met.",
+        "",
+        compact_targets_table(result),
         "",
         targets_table(result),
         "",
