@@ -18,16 +18,14 @@ import logging
 import multiprocessing as mp
 import os
 import platform
-import queue as queue_mod
 import sys
 import tempfile
 import threading
 import time
-import traceback
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -266,39 +264,6 @@ _PRELOAD = [
 ]
 
 
-def _rank_entry(
-    rank: int,
-    world_size: int,
-    port: int,
-    backend: str,
-    timeout: float,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    results: Any,
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
-        results.put((rank, True, fn(*args)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch(
     fn: Callable[..., Any],
     world_size: int,
@@ -309,50 +274,13 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh ranks; per-rank results, or RankFailure.
 
-    ``spawn`` is fsdp_builder.launch.run_ranks. ``forkserver`` (the default) forks each rank
-    from a server that has only imported torch and the recipes: every measurement still gets
-    brand-new processes, without paying about 3 s of imports per rank on a 2-core machine.
+    ``forkserver`` (the default) forks each rank from a server that has only imported torch and
+    the recipes: every measurement still gets brand-new processes, without paying about 3 s of
+    imports per rank on a 2-core machine; ``spawn`` starts each from scratch.
     """
-    from fsdp_builder.launch import RankFailure, free_port, run_ranks
+    from fsdp_builder.launch import run_ranks
 
-    if method == "spawn":
-        return run_ranks(fn, world_size, *args, timeout=timeout, backend=backend)
-    ctx = mp.get_context("forkserver")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_entry,
-            args=(rank, world_size, port, backend, timeout, fn, args, results),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    got: dict[int, tuple[bool, Any]] = {}
-    while len(got) < world_size and time.monotonic() < deadline:
-        try:
-            rank, ok, payload = results.get(
-                timeout=min(1.0, max(0.01, deadline - time.monotonic()))
-            )
-            got[rank] = (ok, payload)
-        except queue_mod.Empty:
-            if any(not p.is_alive() and p.exitcode not in (None, 0) for p in procs):
-                break  # a rank died without reporting: the others cannot finish
-    for p in procs:
-        p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-        if p.is_alive():
-            p.kill()
-            p.join()
-    missing = [r for r in range(world_size) if r not in got]
-    failed = {r: payload for r, (ok, payload) in got.items() if not ok}
-    if missing or failed:
-        parts = [f"rank {r} did not finish within {timeout:.0f}s" for r in missing]
-        parts += [f"rank {r} raised:\n{tb}" for r, tb in sorted(failed.items())]
-        raise RankFailure("\n".join(parts))
-    return [got[r][1] for r in range(world_size)]
+    return run_ranks(fn, world_size, *args, timeout=timeout, backend=backend, start_method=method)
 
 
 # -- the run ---------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ def _worker(
     )
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
@@ -77,10 +79,13 @@ def run_ranks(
     *args: Any,
     timeout: float = 180.0,
     backend: str = "gloo",
+    start_method: str = "spawn",
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned ranks with an initialized process group;
-    return the per-rank results. ``fn`` must be importable (module level)."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(*args)`` on ``world_size`` new ranks with an initialized process group;
+    return the per-rank results. ``fn`` must be importable (module level). ``start_method``
+    "forkserver" forks ranks from a server that has already imported what
+    ``multiprocessing.set_forkserver_preload`` named, saving the imports of each rank."""
+    ctx: Any = mp.get_context(start_method)  # every context has Process and Queue
     results = ctx.Queue()
     port = free_port()
     procs = [
