@@ -9,6 +9,7 @@ rank's problem never leaves the others blocked in a broadcast.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -163,59 +164,111 @@ def sync_stages(env: Environment) -> list[tuple[dist.ProcessGroup | None, int]]:
     return stages
 
 
+# Tensors at least this large (or at least a bucket) are broadcast in place, one collective each:
+# staging them in a flat buffer would copy every byte twice (pack on the source, unpack on the
+# others), which costs more than the broadcast itself on CPU. Smaller ones are coalesced, where
+# one collective per tensor would cost more than the copy.
+COALESCE_BELOW_BYTES = 1024 * 1024
+
+
 def broadcast_tensors(
     tensors: list[torch.Tensor],
     src: int,
     group: dist.ProcessGroup | None,
     bucket_bytes: int,
 ) -> int:
-    """Broadcast ``tensors`` from global rank ``src`` in buckets of about ``bucket_bytes``
-    (same-dtype tensors packed into one flat buffer on the group's collective device; a tensor
-    larger than a bucket travels alone). Returns the bytes broadcast."""
+    """Broadcast ``tensors`` from global rank ``src``; returns the bytes broadcast.
+
+    A tensor of at least ``min(bucket_bytes, COALESCE_BELOW_BYTES)`` travels alone, in place when
+    it is contiguous on the group's collective device. Smaller ones are packed, per dtype, into
+    flat buffers of about ``bucket_bytes`` on that device. Which tensors travel alone or together
+    depends only on their sizes and dtypes, so every rank issues the same collectives whatever its
+    tensors' layout. The broadcasts are issued asynchronously and waited for in order, so
+    unpacking one bucket overlaps the next transfer; at most about one bucket of staging memory
+    is held beyond the one being filled."""
     device = collective_device(group)
-    sent = 0
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(t)
+    alone_from = min(bucket_bytes, COALESCE_BELOW_BYTES)
     is_src = dist.get_rank() == src
-    for dtype in sorted(by_dtype, key=str):
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for t in by_dtype[dtype]:
+    sent = 0
+    small: dict[torch.dtype, list[torch.Tensor]] = {}
+    pipe = _Pipeline(src, group, device, is_src, bucket_bytes)
+    with torch.no_grad():
+        for t in tensors:
             nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                sent += _broadcast_bucket(bucket, src, group, device, is_src)
-                bucket, size = [], 0
-            bucket.append(t)
-            size += nbytes
-        if bucket:
-            sent += _broadcast_bucket(bucket, src, group, device, is_src)
+            if not nbytes:
+                continue
+            sent += nbytes
+            if nbytes >= alone_from:
+                pipe.send([t], nbytes)
+            else:
+                small.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(small, key=str):
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for t in small[dtype]:
+                nbytes = t.numel() * t.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    pipe.send(bucket, size)
+                    bucket, size = [], 0
+                bucket.append(t)
+                size += nbytes
+            if bucket:
+                pipe.send(bucket, size)
+        pipe.finish()
     return sent
 
 
-def _broadcast_bucket(
-    bucket: list[torch.Tensor],
-    src: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    is_src: bool,
-) -> int:
-    with torch.no_grad():
-        if len(bucket) == 1 and bucket[0].is_contiguous() and bucket[0].device == device:
-            dist.broadcast(bucket[0], src=src, group=group)
-            return bucket[0].numel() * bucket[0].element_size()
-        if is_src:
-            flat = torch.cat([t.reshape(-1).to(device) for t in bucket])
+class _Pipeline:
+    """Asynchronous broadcasts from ``src``, completed in the order they were issued."""
+
+    def __init__(
+        self,
+        src: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        is_src: bool,
+        bucket_bytes: int,
+    ) -> None:
+        self.src, self.group, self.device, self.is_src = src, group, device, is_src
+        self.limit = bucket_bytes
+        # (work, the tensors, the buffer on the wire, whether to unpack it into them, staged bytes)
+        self.pending: deque[tuple[Any, list[torch.Tensor], torch.Tensor, bool, int]] = deque()
+        self.staged = 0
+
+    def send(self, tensors: list[torch.Tensor], nbytes: int) -> None:
+        first = tensors[0]
+        unpack = False
+        if len(tensors) == 1 and first.device == self.device and first.is_contiguous():
+            buffer = first
+        elif self.is_src:
+            if len(tensors) == 1:
+                buffer = first.reshape(-1).to(self.device)
+            else:
+                buffer = torch.cat([t.reshape(-1).to(self.device) for t in tensors])
         else:
-            flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
-        dist.broadcast(flat, src=src, group=group)
-        if not is_src:
+            numel = sum(t.numel() for t in tensors)
+            buffer = torch.empty(numel, dtype=first.dtype, device=self.device)
+            unpack = True
+        work = dist.broadcast(buffer, src=self.src, group=self.group, async_op=True)
+        staged = 0 if buffer is first else nbytes
+        self.pending.append((work, tensors, buffer, unpack, staged))
+        self.staged += staged
+        while self.staged > self.limit and len(self.pending) > 1:
+            self._complete()
+
+    def _complete(self) -> None:
+        work, tensors, buffer, unpack, staged = self.pending.popleft()
+        work.wait()
+        if unpack:
             offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            for t in tensors:
+                t.copy_(buffer[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
-        return flat.numel() * flat.element_size()
+        self.staged -= staged
+
+    def finish(self) -> None:
+        while self.pending:
+            self._complete()
 
 
 def _check_bucket_bytes(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -233,9 +286,9 @@ class BroadcastFromRank0(BaseSynchronizer):
     """Every rank ends with global rank 0's parameters and buffers (every replica too, under
     hybrid sharding). Works on CPU/gloo as on GPU/NCCL.
 
-    The unit's own states are packed into buckets of ``bucket_bytes``; tensor subclasses travel as
-    their inner tensors; a buffer shared with a nested unit was sent with that unit and is not
-    sent again.
+    Large states are broadcast in place, small ones packed into buckets of ``bucket_bytes`` (see
+    ``broadcast_tensors``); tensor subclasses travel as their inner tensors; a buffer shared with
+    a nested unit was sent with that unit and is not sent again.
     """
 
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=_check_bucket_bytes)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
@@ -208,3 +209,49 @@ def test_chain_passes_prepare_on_to_its_steps() -> None:
 
     Chain((Prepared("a"), NoSync(), Prepared("b"))).prepare(None)  # type: ignore[arg-type]
     assert seen == ["a", "b"]
+
+
+# -- two ranks ----------------------------------------------------------------------------------
+
+
+def _mixed_tensors(rank: int) -> list[torch.Tensor]:
+    """Rank 0 holds values, the others zeros; sizes on both sides of the coalescing threshold,
+    several dtypes, an empty tensor, and layouts that differ between ranks."""
+    g = torch.Generator().manual_seed(5)
+
+    def make(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.randn(*shape, generator=g).to(dtype)
+        return t if rank == 0 else torch.zeros_like(t)
+
+    big = make(640, 512)  # 1.25 MiB: travels alone, in place
+    wide = make(512, 640)
+    small = [make(7), make(3, 5), make(33, dtype=torch.float16), make(0), make(4, 4)]
+    ints = (torch.arange(50) if rank == 0 else torch.zeros(50, dtype=torch.int64)).clone()
+    # Non-contiguous on rank 0 only (large) and on every rank (small): staged, then copied back.
+    odd_big = wide.t() if rank == 0 else wide.t().contiguous()
+    odd_small = small[4].t()
+    return [big, *small[:4], odd_big, ints, odd_small, make(300, 300)]
+
+
+def _broadcast_mixed(bucket_bytes: int) -> tuple[int, list[torch.Tensor]]:
+    from fsdp_builder.synchronizers import broadcast_tensors
+
+    tensors = _mixed_tensors(dist.get_rank())
+    ptrs = [t.data_ptr() for t in tensors]
+    sent = broadcast_tensors(tensors, 0, None, bucket_bytes)
+    # Every tensor was written in place (none replaced), whatever way it travelled.
+    assert [t.data_ptr() for t in tensors] == ptrs
+    return sent, [t.contiguous() for t in tensors]
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, 250 * 1024 * 1024])
+def test_broadcast_tensors_on_two_ranks(bucket_bytes: int) -> None:
+    from fsdp_builder.launch import run_ranks
+
+    ranks = run_ranks(_broadcast_mixed, 2, bucket_bytes, timeout=120)
+    want = [t.contiguous() for t in _mixed_tensors(0)]
+    total = sum(t.numel() * t.element_size() for t in want)
+    for sent, got in ranks:
+        assert sent == total
+        assert len(got) == len(want)
+        assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
