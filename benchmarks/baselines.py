@@ -5,6 +5,7 @@ Deliberately free of any ``fsdp_builder`` import: these are what the builder is 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -94,18 +95,29 @@ def fsdp2_load_bcast(job: Job) -> Outcome:
 
 
 def broadcast_floor(job: Job) -> Outcome:
-    """The same bytes as the model, one ``dist.broadcast`` per tensor from rank 0."""
+    """The same bytes as the model, one ``dist.broadcast`` per tensor from rank 0.
+
+    Its "synchronize" phase times the broadcasts alone, into receive buffers already written
+    once, as a synchronizer finds them after materialization.
+    """
     if job.rank == 0:
         assert job.source is not None
         tensors = job.source
     else:
         tensors = {
-            k: torch.empty(v.shape, dtype=v.dtype, device=job.device)
+            k: torch.zeros(v.shape, dtype=v.dtype, device=job.device)
             for k, v in _shapes(job).items()
         }
+    dist.barrier()
+    start = time.perf_counter()
     for t in tensors.values():
         dist.broadcast(t, src=0)
-    return Outcome(comm_bytes=_nbytes(tensors), phase_comm_bytes={"broadcast": _nbytes(tensors)})
+    elapsed = time.perf_counter() - start
+    return Outcome(
+        comm_bytes=_nbytes(tensors),
+        phases={"synchronize": elapsed},
+        phase_comm_bytes={"broadcast": _nbytes(tensors)},
+    )
 
 
 def scatter_floor(job: Job) -> Outcome:
