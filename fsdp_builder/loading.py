@@ -358,26 +358,35 @@ class FromStateDict(BaseMaterializer):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _scatter(self, unit: Unit, env: Environment, reader: _Reader | None) -> int:
-        """The unit is already sharded (on meta): rank 0 reads this unit's tensors and sends each
-        rank only its slices; the source was validated in prepare, so no rank fails half-way."""
+        """The unit is already sharded (on meta): rank 0 reads this unit's tensors, once per
+        storage (tied names share it), and sends each rank only its slices. The source was
+        validated in prepare; should reading still fail, rank 0 sends zeros in place of what it
+        could not read and raises only after the unit's last collective, so no rank is left
+        waiting (the builder then raises on every rank)."""
         state: dict[str, torch.Tensor] | None = None
-        error: BaseException | None = None
+        error: MaterializationError | None = None
         if reader is not None:
+            state = {}
             keys = set(reader.keys())
             try:
-                state = {
-                    name: reader.get(name)
-                    for entry in _unit_entries(unit, env.ignored)
-                    for name in entry.names
-                    if name in keys
-                }
-            except Exception as exc:  # the other ranks are about to wait for this unit
+                for entry in _unit_entries(unit, env.ignored):
+                    present = [n for n in entry.names if n in keys]
+                    if present:
+                        tensor = reader.get(present[0])
+                        state.update(dict.fromkeys(present, tensor))
+            except Exception as exc:
                 error = MaterializationError(
                     f"`FromStateDict` could not read unit '{unit.label}' out of "
                     f"{reader.describe}: {type(exc).__name__}: {exc}. {_FIX_SOURCE}."
                 )
-        agree("materialize (load)", error, unit=unit.label, group=agreement_group(env))
-        received = scatter_unit_state(unit, env, state)
+        try:
+            received = scatter_unit_state(unit, env, state)
+        except MaterializationError:
+            if error is None:
+                raise
+            received = 0  # the read error below says more than the entries it left out
+        if error is not None:
+            raise error
         if unit.is_root:
             self._loading.reader = None
         return received

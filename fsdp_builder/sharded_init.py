@@ -20,6 +20,7 @@ on the meta device, then calls the materializer. Two materializers work on such 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -193,8 +194,20 @@ def _relative(unit: Unit, name: str) -> str:
     return name[len(unit.fqn) + 1 :] if unit.fqn else name
 
 
-def _mesh_groups(tensor: DTensor) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, int]:
-    """(shard group, replicate group or None, the tensor dim that is sharded)."""
+@frozen
+class _Layout:
+    """Where one parameter's slices go: what the scatter and broadcasts need, computed once per
+    (mesh, placements) of a unit."""
+
+    shard: dist.ProcessGroup
+    replicate: dist.ProcessGroup | None
+    dim: int  # the tensor dim that is sharded
+    src_replica: int  # the replica (mesh row) holding the source rank
+    src_shard: int  # the source rank's index in its shard group
+    my_replica: int
+
+
+def _layout(tensor: DTensor, src: int) -> _Layout:
     mesh = tensor.device_mesh
     placements = tensor.placements
     last = placements[-1]
@@ -207,31 +220,45 @@ def _mesh_groups(tensor: DTensor) -> tuple[dist.ProcessGroup, dist.ProcessGroup 
         raise MaterializationError(
             f"scatter_unit_state expects Replicate on mesh dim 0, got {placements}."
         )
-    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
-    return mesh.get_group(mesh.ndim - 1), replicate, last.dim
-
-
-def _coordinates(tensor: DTensor, src: int) -> tuple[int, int] | None:
-    """(replicate index, shard index) of global rank ``src`` in the tensor's mesh."""
-    layout = tensor.device_mesh.mesh
-    if layout.ndim == 1:
-        layout = layout.view(1, -1)
-    hits = (layout == src).nonzero().tolist()
-    return (int(hits[0][0]), int(hits[0][1])) if hits else None
+    rows = mesh.mesh.tolist() if mesh.ndim == 2 else [mesh.mesh.tolist()]
+    where = next(((i, row.index(src)) for i, row in enumerate(rows) if src in row), None)
+    if where is None:
+        raise MaterializationError(
+            f"Rank {src} holds the state dict but is not in the parameter's mesh "
+            f"{mesh.mesh.tolist()}; load from a rank of the mesh."
+        )
+    return _Layout(
+        shard=mesh.get_group(mesh.ndim - 1),
+        replicate=mesh.get_group(0) if mesh.ndim == 2 else None,
+        dim=last.dim,
+        src_replica=where[0],
+        src_shard=where[1],
+        my_replica=mesh.get_local_rank(0) if mesh.ndim == 2 else 0,
+    )
 
 
 def _padded_chunks(full: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
-    """``full`` split as ``fully_shard`` does (torch.chunk), each chunk zero-padded to one size so
-    that every rank receives an equal-size message."""
-    size = -(-full.size(dim) // parts)
+    """``full`` split as ``fully_shard`` does (torch.chunk: ``ceil(n / parts)`` along ``dim``),
+    each chunk zero-padded to that size so that every rank receives an equal-size message.
+
+    Full-size chunks of a contiguous tensor split along dim 0 are views of ``full`` (no copy);
+    only a short or missing last chunk gets a padded buffer of its own."""
+    rows = full.size(dim)
+    size = -(-rows // parts)
+    shape = list(full.shape)
+    shape[dim] = size
+    views = dim == 0 and full.is_contiguous()
     out = []
-    chunks = list(torch.chunk(full, parts, dim=dim))
     for i in range(parts):
-        shape = list(full.shape)
-        shape[dim] = size
+        start = i * size
+        length = max(0, min(size, rows - start))
+        if length == size:
+            chunk = full.narrow(dim, start, size)
+            out.append(chunk if views else chunk.contiguous())
+            continue
         buf = full.new_zeros(shape)
-        if i < len(chunks):
-            buf.narrow(dim, 0, chunks[i].size(dim)).copy_(chunks[i])
+        if length > 0:
+            buf.narrow(dim, 0, length).copy_(full.narrow(dim, start, length))
         out.append(buf)
     return out
 
@@ -243,38 +270,85 @@ def _broadcast_into(target: torch.Tensor, group: dist.ProcessGroup, group_src: i
         target.copy_(buf)
 
 
-def _scatter_param(param: DTensor, full: torch.Tensor | None, src: int, rank: int) -> int:
-    """Fill ``param``'s local shard from ``full`` (given on ``src`` only); returns the bytes
-    this rank received."""
-    shard, replicate, dim = _mesh_groups(param)
-    where = _coordinates(param, src)
-    if where is None:
-        raise MaterializationError(
-            f"Rank {src} holds the state dict but is not in the parameter's mesh "
-            f"{param.device_mesh.mesh.tolist()}; load from a rank of the mesh."
-        )
-    src_replica, src_shard = where
-    local = param.to_local()
-    mesh = param.device_mesh
-    my_replica = mesh.get_local_rank(0) if mesh.ndim == 2 else 0
+@attrs.define
+class _Incoming:
+    """A parameter's scatter in flight: where its slice lands and where it belongs."""
+
+    work: dist.Work | None
+    recv: torch.Tensor
+    local: torch.Tensor
+    dim: int
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.recv is not self.local and self.local.numel() > 0:
+            self.local.copy_(self.recv.narrow(self.dim, 0, self.local.size(self.dim)))
+
+
+def _start_scatter(
+    local: torch.Tensor, padded_shape: list[int], layout: _Layout, full: torch.Tensor | None
+) -> _Incoming:
+    """Start scattering ``full`` (given on the source rank only) over the source's shard group.
+
+    The slice lands straight in the local shard when it has the padded size (every rank but
+    those holding a short last chunk); the source sends views of ``full``, so its own slice is
+    copied once, by the scatter, into its shard."""
+    dim = layout.dim
+    direct = list(local.shape) == padded_shape and local.is_contiguous()
+    recv = local if direct else local.new_empty(padded_shape)
+    scatter_list = None
+    if full is not None:
+        source = full.detach().to(device=local.device, dtype=local.dtype)
+        scatter_list = _padded_chunks(source, layout.shard.size(), dim)
+    if layout.shard.size() == 1:
+        assert scatter_list is not None
+        recv.copy_(scatter_list[0])
+        return _Incoming(None, recv, local, dim)
+    work = dist.scatter(
+        recv, scatter_list, group=layout.shard, group_src=layout.src_shard, async_op=True
+    )
+    return _Incoming(work, recv, local, dim)
+
+
+def _scatter_params(
+    params: list[tuple[DTensor, _Layout, torch.Tensor | None]], is_src: bool
+) -> int:
+    """Fill each parameter's local shard from its full tensor (given on the source rank only);
+    returns the bytes this rank received.
+
+    The source's shard group scatters every parameter of the unit (all in flight at once, so
+    the sends of one overlap the preparation of the next); under hybrid sharding each member
+    of that group then broadcasts its slices over its replicate group."""
     received = 0
-    if my_replica == src_replica:
-        parts = shard.size()
-        recv_shape = list(param.shape)
-        recv_shape[dim] = -(-recv_shape[dim] // parts)
-        recv = torch.empty(recv_shape, dtype=local.dtype, device=local.device)
-        scatter_list = None
-        if rank == src:
-            assert full is not None
-            source = full.detach().to(device=local.device, dtype=local.dtype)
-            scatter_list = _padded_chunks(source, parts, dim)
-        dist.scatter(recv, scatter_list, group=shard, group_src=src_shard)
-        local.copy_(recv.narrow(dim, 0, local.size(dim)))
-        received = 0 if rank == src else recv.numel() * recv.element_size()
-    elif replicate is not None:
-        received = local.numel() * local.element_size()
-    if replicate is not None and replicate.size() > 1:
-        _broadcast_into(local, replicate, src_replica)
+    incoming: list[_Incoming] = []
+    for param, layout, full in params:
+        local = param.to_local()
+        if layout.my_replica == layout.src_replica:
+            padded_shape = list(local.shape)
+            padded_shape[layout.dim] = -(-param.shape[layout.dim] // layout.shard.size())
+            incoming.append(_start_scatter(local, padded_shape, layout, full))
+            if not is_src:
+                received += math.prod(padded_shape) * local.element_size()
+        elif layout.replicate is not None:
+            received += local.numel() * local.element_size()
+    for pending in incoming:
+        pending.finish()
+    works: list[dist.Work] = []
+    for param, layout, _ in params:
+        if layout.replicate is None or layout.replicate.size() == 1:
+            continue
+        local = param.to_local()
+        if local.is_contiguous():
+            work = dist.broadcast(
+                local, group=layout.replicate, group_src=layout.src_replica, async_op=True
+            )
+            assert work is not None
+            works.append(work)
+        else:
+            _broadcast_into(local, layout.replicate, layout.src_replica)
+    for work in works:
+        work.wait()
     return received
 
 
@@ -354,6 +428,8 @@ def scatter_unit_state(
             "Pass the full state dict on the source rank and None elsewhere.",
         )
     received = 0
+    layouts: dict[tuple[int, tuple[Any, ...]], _Layout] = {}
+    params: list[tuple[DTensor, _Layout, torch.Tensor | None]] = []
     with torch.no_grad():
         for info in unit.params:
             param = unit.module.get_parameter(_relative(unit, info.name))
@@ -362,8 +438,12 @@ def scatter_unit_state(
                     f"'{info.name}' is not a DTensor: scatter_unit_state fills units sharded "
                     "by fully_shard (FullyShardBuilder)."
                 )
-            full = source(info.name, info.shape, info.dtype)
-            received += _scatter_param(param, full, src, env.rank)
+            key = (id(param.device_mesh), tuple(param.placements))
+            layout = layouts.get(key)
+            if layout is None:
+                layout = layouts[key] = _layout(param, src)
+            params.append((param, layout, source(info.name, info.shape, info.dtype)))
+        received += _scatter_params(params, is_src)
         for info in unit.buffers:
             rel = _relative(unit, info.name)
             owner_name, _, leaf = rel.rpartition(".")

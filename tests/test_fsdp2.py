@@ -135,6 +135,81 @@ def _raw_reset_parameters_on_meta() -> dict[str, torch.Tensor]:
     return full_state_dict(model)
 
 
+class OddBlock(nn.Module):
+    """Parameters whose first dim does not split evenly: 5 rows, and 1 row (most ranks hold
+    nothing of it); BatchNorm brings buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 5)
+        self.down = nn.Linear(5, 1)
+        self.norm = nn.BatchNorm1d(1)
+
+
+class OddModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(OddBlock() for _ in range(2))
+        self.table = nn.Embedding(3, 7)
+
+
+def _odd_model(device: str) -> OddModel:
+    torch.manual_seed(13)
+    with torch.device(device):
+        return OddModel()
+
+
+def _odd_source() -> dict[str, torch.Tensor]:
+    """Distinct values everywhere (running stats included), some in float64 and one stored
+    transposed (not contiguous): the load converts and slices what it is given."""
+    state = _odd_model("cpu").state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for i, (name, value) in enumerate(state.items()):
+        if value.is_floating_point():
+            value = value + i
+            value = value.double() if i % 2 else value
+        out[name] = value
+    out["blocks.0.up.weight"] = out["blocks.0.up.weight"].t().contiguous().t()
+    return out
+
+
+class _FailingState(dict[str, torch.Tensor]):
+    """Reads fine while the source is checked, then fails on one key when the weights are read."""
+
+    def __init__(self, state: dict[str, torch.Tensor], bad: str) -> None:
+        super().__init__(state)
+        self.bad = bad
+        self.reads = 0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key == self.bad:
+            self.reads += 1
+            if self.reads > 1:
+                raise OSError("disk went away")
+        return super().__getitem__(key)
+
+
+def _load_scenarios(strategy: str, groups: Any) -> dict[str, Any]:
+    """Uneven shapes, converted dtypes and a source that fails half-way, through both loading
+    materializers."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    source = _odd_source() if rank == 0 else None
+    for name, make in (("scatter", ScatterStateDict), ("from_state_dict", FromStateDict)):
+        builder = FullyShardBuilder().device(CPUDevice()).wrap(OddBlock).sharding(strategy)
+        if groups is not None:
+            builder.groups(groups)
+        loaded = builder.materialize(make(source)).build(_odd_model("meta"))
+        out[f"odd/{name}"] = full_state_dict(loaded)
+    failing = _FailingState(_odd_source(), "blocks.1.up.weight") if rank == 0 else None
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(OddBlock).sharding(strategy)
+    if groups is not None:
+        builder.groups(groups)
+    builder.materialize(FromStateDict(failing))
+    out["read_error"] = _expect_error(lambda: builder.build(_odd_model("meta")), Exception)
+    return out
+
+
 def rank_main(world: int) -> dict[str, Any]:
     """Everything one world size checks, in one spawn."""
     rank = dist.get_rank()
@@ -194,6 +269,10 @@ def rank_main(world: int) -> dict[str, Any]:
         "shard_size": builder.environment.groups.world_size,
         "losses": train(loaded, CFG, STEPS, rank, world),
     }
+
+    # Uneven shards, dtype conversion and a failing read, on the same groups.
+    groups = _hybrid_groups(shard_first[1]) if shard_first[1] else None
+    out["load"] = _load_scenarios(shard_first[0], groups)
 
     # Bad meshes, refused on every rank alike.
     names3 = ("a", "b", "c")
@@ -382,6 +461,26 @@ def test_state_dict_is_scattered_from_rank0(world: Any, materializer: str) -> No
         r = ranks[rank][materializer]
         expected = r["model_bytes"] / r["shard_size"]
         assert 0 < r["received"] <= 1.1 * expected + 1024, (rank, r["received"], expected)
+
+
+def test_uneven_shards_load_exactly(world: Any) -> None:
+    size, ranks = world
+    source = _odd_source()
+    for rank in range(size):
+        for name in ("scatter", "from_state_dict"):
+            got = ranks[rank]["load"][f"odd/{name}"]
+            assert got.keys() == source.keys()
+            for key, value in source.items():
+                assert got[key].dtype == _odd_model("meta").state_dict()[key].dtype, key
+                assert torch.equal(got[key], value.to(got[key].dtype)), (name, key)
+
+
+def test_a_failing_read_raises_on_every_rank(world: Any) -> None:
+    size, ranks = world
+    for rank in range(size):
+        message = ranks[rank]["load"]["read_error"]
+        assert "could not read unit 'blocks.1'" in message, message
+        assert "disk went away" in message, message
 
 
 def test_bad_meshes_are_refused(world: Any) -> None:
