@@ -83,6 +83,17 @@ def demo_model() -> DemoTransformer:
     return DemoTransformer(DemoConfig())
 
 
+def deterministic_model(cfg: DemoConfig | None = None, seed: int = 0) -> DemoTransformer:
+    """The model ``fsdp-builder demo`` builds, on one process: from meta, each Block unit
+    initialized by ``DeterministicInit(seed)`` (the same weights at any world size)."""
+    from fsdp_builder.materializers import DeterministicInit
+
+    with torch.device("meta"):
+        model = DemoTransformer(cfg or DemoConfig())
+    DeterministicInit(seed=seed).materialize_model(model, wrap=Block)
+    return model
+
+
 def batch(cfg: DemoConfig, step: int, size: int, seed: int = 1234) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed + step)
     return torch.randint(0, cfg.vocab, (size, cfg.seq + 1), generator=gen)

@@ -7,19 +7,10 @@ import subprocess
 import sys
 
 import torch
-from torch import nn
 
-from fsdp_builder import DeterministicInit
 from fsdp_builder.cli import DEMO_SEED
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, reference
+from fsdp_builder.demo import DemoConfig, deterministic_model, reference
 from fsdp_builder.launch import free_port
-
-
-def demo_reference_model() -> nn.Module:
-    """The demo's model on one process: from meta, materialized like the demo does."""
-    with torch.device("meta"):
-        model = DemoTransformer(DemoConfig())
-    return DeterministicInit(seed=DEMO_SEED).materialize_model(model, wrap=Block)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,7 +31,7 @@ def test_demo_json_report_matches_reference() -> None:
     assert report["strategy"] == "SHARD_GRAD_OP"
     assert [s["name"] for s in report["stages"]] == ["materialize", "move", "synchronize", "shard"]
     assert all(s["seconds"] >= 0 and s["peak_bytes"] > 0 for s in report["stages"])
-    ref = reference(demo_reference_model(), DemoConfig(), 3, 2)
+    ref = reference(deterministic_model(seed=DEMO_SEED), DemoConfig(), 3, 2)
     for rank, losses in enumerate(report["losses_per_rank"]):
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref["losses"][rank]), atol=1e-5)
 
@@ -80,5 +71,5 @@ def test_demo_under_torchrun_uses_its_environment() -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["world_size"] == 2 and "losses_per_rank" not in report
-    ref = reference(demo_reference_model(), DemoConfig(), 3, 2)
+    ref = reference(deterministic_model(seed=DEMO_SEED), DemoConfig(), 3, 2)
     assert torch.allclose(torch.tensor(report["losses"]), torch.tensor(ref["losses"][0]), atol=1e-5)

@@ -49,7 +49,16 @@ from fsdp_builder.backends.fsdp2 import (
     mixed_precision_policy,
     offload_policy,
 )
-from fsdp_builder.demo import Block, DemoConfig, full_state_dict, make_model, reference, train
+from fsdp_builder.cli import DEMO_SEED
+from fsdp_builder.demo import (
+    Block,
+    DemoConfig,
+    deterministic_model,
+    full_state_dict,
+    make_model,
+    reference,
+    train,
+)
 from fsdp_builder.launch import run_ranks
 from fsdp_builder.sharded_init import ScatterStateDict, ShardFirstReset, local_bytes
 
@@ -621,7 +630,7 @@ def test_cli_demo_runs_without_sharding() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert (out["backend"], out["strategy"]) == ("fsdp2", "NO_SHARD")
-    ref = reference(make_model(DemoConfig()), DemoConfig(), STEPS, 2)
+    ref = reference(deterministic_model(seed=DEMO_SEED), DemoConfig(), STEPS, 2)
     for rank, losses in enumerate(out["losses_per_rank"]):
         assert torch.allclose(
             torch.tensor(losses), torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0
