@@ -329,13 +329,14 @@ class InitFn(BaseMaterializer):
         self.fn(module)
 
 
-def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def check_seed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator: a seed is an int in [0, 2**63)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
         raise config_error(
             type(instance).__name__,
             attribute.name,
             f"expected an int in [0, 2**63), got {value!r}",
-            "Pass a non-negative integer seed, e.g. DeterministicInit(seed=0).",
+            f"Pass a non-negative integer seed, e.g. {type(instance).__name__}(seed=0).",
         )
 
 
@@ -350,7 +351,7 @@ class DeterministicInit(ResetParameters):
     on one process. States that are already real are re-initialized too (the seed decides).
     """
 
-    seed: int = attrs.field(default=0, validator=_check_seed)
+    seed: int = attrs.field(default=0, validator=check_seed)
     reinitialize: bool = attrs.field(default=True, init=False)
     # Initializing on the CPU keeps the values independent of the compute device's RNG.
     storage_device: torch.device | None = attrs.field(

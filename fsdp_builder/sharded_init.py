@@ -41,6 +41,7 @@ from fsdp_builder.ignored import IgnoredStates
 from fsdp_builder.materializers import (
     ResetParameters,
     allocate_empty,
+    check_seed,
     initializer_of,
     needs_materialization,
     unit_modules,
@@ -91,18 +92,6 @@ def _owned_bytes(modules: list[nn.Module]) -> int:
     return total
 
 
-def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise config_error(
-            type(instance).__name__,
-            attribute.name,
-            f"expected None or an int in [0, 2**63), got {value!r}",
-            "Pass a non-negative integer seed, e.g. ShardFirstReset(seed=0).",
-        )
-
-
 def _fork_devices(device: torch.device) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
@@ -120,7 +109,7 @@ class ShardFirstReset:
     Random buffers would differ across shard indices: add a synchronizer if a module has them.
     """
 
-    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
     shard_first: ClassVar[bool] = True
     # The seed agreed in prepare(); a frozen config still needs one slot it can fill per build.
     _agreed: dict[str, int] = attrs.field(factory=dict, init=False, repr=False, eq=False)
