@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import structlog
 import torch.distributed as dist
 
 from fsdp_builder.launch import free_port
@@ -20,3 +21,11 @@ def world1() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    """Entry points configure structlog (the CLI filters below WARNING); tests that call them
+    in-process must not change what later tests capture."""
+    yield
+    structlog.reset_defaults()
