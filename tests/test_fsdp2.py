@@ -35,6 +35,7 @@ from fsdp_builder import (
     BaseGroupFactory,
     ConfigurationError,
     CPUDevice,
+    DeterministicInit,
     FromStateDict,
     FSDPBuilder,
     FullyShardBuilder,
@@ -64,7 +65,6 @@ from fsdp_builder.sharded_init import ScatterStateDict, ShardFirstReset, local_b
 
 STEPS = 3
 CFG = DemoConfig(layers=2)
-DeterministicInit = getattr(materializers, "DeterministicInit", None)
 
 
 # -- helpers run inside the ranks ----------------------------------------------------------------
@@ -235,10 +235,9 @@ def rank_main(world: int) -> dict[str, Any]:
         out["train"][f"{strategy}/{groups}"] = _build_train(builder, make_model(CFG))
 
     # The same weights from both backends (and any world size) with DeterministicInit.
-    if DeterministicInit is not None:
-        for name, cls in (("fsdp1", FSDPBuilder), ("fsdp2", FullyShardBuilder)):
-            b = cls().device(CPUDevice()).wrap(Block).materialize(DeterministicInit(seed=3))
-            out[f"deterministic/{name}"] = full_state_dict(b.build(make_model(CFG, device="meta")))
+    for name, cls in (("fsdp1", FSDPBuilder), ("fsdp2", FullyShardBuilder)):
+        b = cls().device(CPUDevice()).wrap(Block).materialize(DeterministicInit(seed=3))
+        out[f"deterministic/{name}"] = full_state_dict(b.build(make_model(CFG, device="meta")))
 
     # Shard-first: only local shards are allocated, and they differ across ranks.
     shard_first = ("hybrid", "mesh") if world == 4 else ("full", None)
@@ -399,7 +398,6 @@ def test_strategies_map_to_meshes_and_reshard(world: Any) -> None:
 CFG_NUMEL = sum(p.numel() for p in make_model(CFG, device="meta").parameters())
 
 
-@pytest.mark.skipif(DeterministicInit is None, reason="DeterministicInit is not available yet")
 def test_deterministic_init_gives_the_same_weights_on_both_backends(world: Any) -> None:
     size, ranks = world
     fsdp1 = ranks[0]["deterministic/fsdp1"]

@@ -86,7 +86,6 @@ def test_deterministic_seed_is_validated(seed: object) -> None:
 
 
 def test_deferred_init_without_torchdistx_is_a_configuration_error() -> None:
-    pytest.importorskip("torch")  # keeps the import-order explicit
     try:
         import torchdistx  # noqa: F401
     except ImportError:
