@@ -344,6 +344,8 @@ class _Pipeline:
         self.backend = backend
         self.factory = config.groups or DefaultGroups()
         self.group: dist.ProcessGroup | None = None
+        # A local step's failure, held until the next agreement (see _step).
+        self.pending: tuple[str, BaseException] | None = None
 
     def _local(self, stage: str, fn: Callable[[], T], unit: str | None = None) -> T:
         """Run a step, then agree on its outcome across ranks. A step that communicates must
@@ -356,6 +358,27 @@ class _Pipeline:
             error = exc
         agree(stage, error, unit=unit, group=self.group)
         return result  # type: ignore[return-value]
+
+    def _flush(self, unit: str) -> None:
+        """Agree on the local steps run since the last agreement."""
+        stage, error = self.pending or ("unit", None)
+        self.pending = None
+        agree(stage, error, unit=unit, group=self.group)
+
+    def _step(self, stage: str, fn: Callable[[], T], unit: str, communicates: bool) -> T | None:
+        """Run one per-unit step. A step that communicates is preceded by an agreement on the
+        local steps before it; a local step only records its failure (and the rank skips its
+        next local steps), so ranks agree once per unit unless a strategy communicates."""
+        if communicates:
+            self._flush(unit)
+            return self._local(stage, fn, unit)
+        if self.pending is not None:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            self.pending = (stage, exc)
+            return None
 
     def run(self, model: nn.Module) -> BuildResult:
         started = time.perf_counter()
@@ -479,21 +502,29 @@ class _Pipeline:
                 m.bytes = unit.param_bytes
             return wrapped
 
-        # Steps that communicate (synchronizers, loading materializers) run under the same
-        # agreement: they must fail on every rank alike, or only after their last collective.
+        # A strategy without `communicates = False` is assumed to communicate: it then runs
+        # under its own agreement and must fail on every rank alike, or only after its last
+        # collective.
+        steps: list[tuple[str, Callable[[], Any], bool]] = [
+            ("materialize", materialize_and_move, _communicates(materializer)),
+            ("synchronize", synchronize, _communicates(synchronizer)),
+            ("shard", shard, bool(getattr(self.backend, "shard_communicates", True))),
+        ]
         if shard_first:
             # Shard the unit while it is still on meta, then give only the local shards values.
-            wrapped = self._local("shard", shard, unit.label)
-            self._local("materialize", materialize_and_move, unit.label)
-            self._local("synchronize", synchronize, unit.label)
-        else:
-            self._local("materialize", materialize_and_move, unit.label)
-            self._local("synchronize", synchronize, unit.label)
-            wrapped = self._local("shard", shard, unit.label)
+            steps = [steps[2], steps[0], steps[1]]
+        outcomes = {stage: self._step(stage, fn, unit.label, comm) for stage, fn, comm in steps}
+        self._flush(unit.label)
+        wrapped = outcomes["shard"]
+        assert isinstance(wrapped, nn.Module)  # every step ran: the agreement raised otherwise
         if wrapped is not unit.module:
             for parent, name in slots.get(id(unit.module), []):
                 setattr(parent, name, wrapped)
         return wrapped
+
+
+def _communicates(strategy: object) -> bool:
+    return bool(getattr(strategy, "communicates", True))
 
 
 def _check_no_meta(model: nn.Module) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 import structlog
@@ -168,6 +168,9 @@ class BaseMaterializer:
 
     reinitialize: bool = False
     storage_device: torch.device | None = None
+    # Whether ``materialize`` runs collectives (the pipeline then agrees before it); a subclass
+    # that only works locally sets False and saves ranks an agreement per unit.
+    communicates: ClassVar[bool] = True
 
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
         return None
@@ -278,6 +281,8 @@ class ResetParameters(BaseMaterializer):
     Values come from each rank's global RNG: seed every rank alike, or follow with a synchronizer.
     """
 
+    communicates: ClassVar[bool] = False
+
     @override
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
         missing = _uninitializable(plan, ignored, meta_only=True)
@@ -312,6 +317,8 @@ class InitFn(BaseMaterializer):
     """Calls ``fn(module)`` for every module of a unit that has a state on meta, children first,
     after storage was allocated on the compute device (the seed's ``param_init_fn``; ``fn`` need
     not call ``to_empty`` itself, and tied parameters are already re-tied)."""
+
+    communicates: ClassVar[bool] = False
 
     fn: Callable[[nn.Module], object] = attrs.field(validator=_check_callable)
 
@@ -380,6 +387,8 @@ class DeferredInit(BaseMaterializer):
     """Materializes modules built under torchdistX's ``deferred_init`` by replaying their
     recorded construction. Needs the optional ``torchdistx`` package."""
 
+    communicates: ClassVar[bool] = False
+
     def __attrs_post_init__(self) -> None:
         try:
             import torchdistx.deferred_init  # noqa: F401
@@ -408,6 +417,8 @@ class DeferredInit(BaseMaterializer):
 @frozen
 class KeepAsIs(BaseMaterializer):
     """Materializes nothing; a model with meta states is refused before any collective."""
+
+    communicates: ClassVar[bool] = False
 
     @override
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:

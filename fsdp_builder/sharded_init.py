@@ -111,6 +111,7 @@ class ShardFirstReset:
 
     seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
     shard_first: ClassVar[bool] = True
+    communicates: ClassVar[bool] = False  # only prepare() communicates
     # The seed agreed in prepare(); a frozen config still needs one slot it can fill per build.
     _agreed: dict[str, int] = attrs.field(factory=dict, init=False, repr=False, eq=False)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 import structlog
@@ -50,6 +50,8 @@ class BaseSynchronizer:
 class NoSync(BaseSynchronizer):
     """Leaves states as they are (every rank built the same values itself)."""
 
+    communicates: ClassVar[bool] = False
+
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
         return 0
@@ -64,6 +66,10 @@ class Chain(BaseSynchronizer):
     """Runs several synchronizers in order, e.g. broadcast then verify."""
 
     steps: tuple[StateSynchronizer, ...] = attrs.field(converter=_to_steps)
+
+    @property
+    def communicates(self) -> bool:
+        return any(bool(getattr(step, "communicates", True)) for step in self.steps)
 
     def prepare(self, env: Environment) -> None:
         """Pass the once-per-build hook on to the steps that have one."""

@@ -82,3 +82,22 @@ def test_no_process_group_is_a_clear_error() -> None:
         ConfigurationError, match=r"initialized default process group.*init_process_group"
     ):
         FSDPBuilder().device(CPUDevice()).build(make_model(CFG))
+
+
+def test_local_strategies_cost_one_agreement_per_unit(
+    world1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsdp_builder.builder as builder_module
+
+    stages: list[str] = []
+    real = builder_module.agree
+
+    def counting(stage: str, *args: object, **kwargs: object) -> None:
+        stages.append(stage)
+        real(stage, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builder_module, "agree", counting)
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
+    builder.build(make_model(CFG))
+    # configure, groups, one per unit, finish.
+    assert stages == ["configure", "groups", "unit", "unit", "unit", "finish"]

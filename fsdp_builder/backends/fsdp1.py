@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 from attrs import frozen
@@ -51,6 +51,8 @@ class FSDP1Backend:
     """Wraps each unit with torch's FullyShardedDataParallel."""
 
     name: str = attrs.field(default="fsdp1", init=False)
+    # FullyShardedDataParallel's constructor runs no collectives once states are in place.
+    shard_communicates: ClassVar[bool] = False
 
     def check(self, options: ShardingOptions) -> None:
         return None

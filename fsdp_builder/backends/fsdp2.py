@@ -333,6 +333,8 @@ class FullyShardBackend:
 
     name: str = attrs.field(default="fsdp2", init=False)
     supports_shard_first: ClassVar[bool] = True
+    # fully_shard only lays out shards; its collectives start with the first forward.
+    shard_communicates: ClassVar[bool] = False
 
     def check(self, options: ShardingOptions) -> None:
         check_fsdp1_only_options(options)
