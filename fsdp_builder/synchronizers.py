@@ -197,7 +197,7 @@ def broadcast_tensors(
     is_src = dist.get_rank() == src
     sent = 0
     small: dict[torch.dtype, list[torch.Tensor]] = {}
-    pipe = _Pipeline(src, group, device, is_src, bucket_bytes)
+    pipe = _BroadcastQueue(src, group, device, is_src, bucket_bytes)
     with torch.no_grad():
         for t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -224,7 +224,7 @@ def broadcast_tensors(
     return sent
 
 
-class _Pipeline:
+class _BroadcastQueue:
     """Asynchronous broadcasts from ``src``, completed in the order they were issued."""
 
     def __init__(
