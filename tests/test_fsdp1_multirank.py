@@ -16,7 +16,7 @@ from fsdp_builder.launch import run_ranks
 
 STEPS = 3
 CFG = DemoConfig(layers=2)
-SCENARIOS = {
+SCENARIOS: dict[int, list[tuple[str, str | None]]] = {
     2: [("full", None), ("grad_op", None), ("none", None)],
     4: [("full", None), ("grad_op", None), ("none", None), ("hybrid", "mesh"), ("hybrid", "auto")],
 }

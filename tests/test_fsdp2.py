@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -54,6 +54,7 @@ from fsdp_builder.cli import DEMO_SEED
 from fsdp_builder.demo import (
     Block,
     DemoConfig,
+    DemoTransformer,
     deterministic_model,
     full_state_dict,
     make_model,
@@ -88,6 +89,12 @@ def _sharded_modules(model: nn.Module) -> int:
     return sum(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _first_mlp_weight(model: nn.Module) -> DTensor:
+    """The first block's first MLP weight of a demo model after fully_shard: a DTensor."""
+    block = cast(Block, cast(DemoTransformer, model).blocks[0])
+    return cast(DTensor, cast(nn.Linear, block.mlp[0]).weight)
+
+
 def _build_train(builder: FullyShardBuilder, model: nn.Module) -> dict[str, Any]:
     sharded = builder.build(model)
     env = builder.environment
@@ -98,7 +105,7 @@ def _build_train(builder: FullyShardBuilder, model: nn.Module) -> dict[str, Any]
     losses = train(sharded, CFG, STEPS, dist.get_rank(), dist.get_world_size())
     return {
         "strategy": env.strategy.name,
-        "mesh": list(sharded.blocks[0].mlp[0].weight.device_mesh.shape),
+        "mesh": list(_first_mlp_weight(sharded).device_mesh.shape),
         "fsdp_modules": _sharded_modules(sharded),
         "units": len(env.plan),
         "initial": initial,
@@ -326,7 +333,7 @@ def _tied_scenarios() -> dict[str, Any]:
         if materializer is not None:
             builder.materialize(materializer)
         model = builder.build(_tied_model("meta" if materializer else "cpu"))
-        inner = model.inner  # type: ignore[union-attr]
+        inner = cast(DemoTransformer, model.inner)
         results[name] = {
             "tied": inner.head.weight is inner.embed.weight,
             "initial": full_state_dict(model),

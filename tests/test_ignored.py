@@ -34,7 +34,7 @@ def test_states_must_be_uniform() -> None:
 def test_modules_must_be_modules() -> None:
     net = Net()
     with pytest.raises(ConfigurationError, match=r"`modules`.*nn.Module elements.*Parameter"):
-        resolve_ignored(net, modules=[net.b.weight])
+        resolve_ignored(net, modules=[net.b.weight])  # type: ignore[list-item]
 
 
 def test_subtrees_are_expanded_with_params_and_buffer_names() -> None:

@@ -7,7 +7,7 @@ them with single-process references computed here.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 
 from fsdp_builder import (
     BroadcastFromRank0,
@@ -107,7 +108,7 @@ def local_shards(model: nn.Module) -> list[torch.Tensor]:
         for m in model.modules()
         if isinstance(m, FullyShardedDataParallel) and m._handle is not None
     ]
-    return flat or [p.to_local().detach().clone() for p in model.parameters()]
+    return flat or [cast(DTensor, p).to_local().detach().clone() for p in model.parameters()]
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
@@ -117,7 +118,7 @@ def _error(exc: BaseException) -> tuple[str, str]:
 def scenarios(paths: dict[str, str]) -> dict[str, Any]:
     """Everything one rank does; returns what the tests compare."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict[str, Any] = {"matrix": {}, "mixed": {}, "verify": {}, "bad": {}}
+    out: dict[Any, Any] = {"matrix": {}, "mixed": {}, "verify": {}, "bad": {}}
 
     for backend, strategy, name in MATRIX[world]:
         torch.manual_seed(0)  # RNG-based materializers draw the same numbers on every rank
@@ -150,7 +151,8 @@ def scenarios(paths: dict[str, str]) -> dict[str, Any]:
                 model = real_model(0)
                 if rank == world - 1:
                     with torch.no_grad():
-                        model.blocks[1].mlp[0].weight[0, 0] += 1.0
+                        first = cast(Block, model.blocks[1]).mlp[0]
+                        cast(nn.Linear, first).weight[0, 0] += 1.0
                 return model
 
             caught: tuple[str, str] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -23,9 +24,10 @@ from fsdp_builder.demo import Block, DemoConfig, DemoTransformer
 from fsdp_builder.materializers import derived_seed
 
 CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
+M = TypeVar("M", bound=nn.Module)
 
 
-def on_meta(factory: Callable[..., nn.Module], *args: object, **kwargs: object) -> nn.Module:
+def on_meta(factory: Callable[..., M], *args: object, **kwargs: object) -> M:
     with torch.device("meta"):
         return factory(*args, **kwargs)
 
@@ -147,7 +149,7 @@ def _check_like_construction(meta_built: nn.Module, reference: nn.Module) -> Non
 
 @pytest.mark.parametrize("materializer", [ResetParameters(), DeterministicInit(3)])
 def test_transformer_on_meta_matches_construction(materializer: ResetParameters) -> None:
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "d_model": 64,
         "nhead": 4,
         "num_encoder_layers": 2,

@@ -85,6 +85,8 @@ def test_tensor_subclasses_travel_as_their_inner_tensors() -> None:
 
 
 class Inner(nn.Module):
+    table: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
