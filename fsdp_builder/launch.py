@@ -61,8 +61,15 @@ def _worker(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
+        )
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
         )
         value = fn(*args)
         results.put((rank, True, _encode(value)))
@@ -87,7 +94,17 @@ def run_ranks(
     ``multiprocessing.set_forkserver_preload`` named, saving the imports of each rank."""
     ctx: Any = mp.get_context(start_method)  # every context has Process and Queue
     results = ctx.Queue()
-    port = free_port()
+    # The parent hosts the rendezvous store on a port the OS picks and keeps it bound until the
+    # ranks are done, so no other process can take the port between choosing and using it.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    port = store.port
     procs = [
         ctx.Process(
             target=_worker,

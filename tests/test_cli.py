@@ -10,7 +10,6 @@ import torch
 
 from fsdp_builder.cli import DEMO_SEED
 from fsdp_builder.demo import DemoConfig, deterministic_model, reference
-from fsdp_builder.launch import free_port
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -56,8 +55,7 @@ def test_demo_under_torchrun_uses_its_environment() -> None:
             "torch.distributed.run",
             "--nproc-per-node",
             "2",
-            "--master-port",
-            str(free_port()),
+            "--standalone",  # torchrun picks its own free port: no race with other tests
             "-m",
             "fsdp_builder.cli",
             "demo",
