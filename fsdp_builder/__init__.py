@@ -42,6 +42,7 @@ from fsdp_builder.materializers import (
 )
 from fsdp_builder.plan import Unit, UnitPlan, plan_units
 from fsdp_builder.report import BuildReport, StageRecord
+from fsdp_builder.sharded_init import ShardFirstReset
 from fsdp_builder.synchronizers import (
     BaseSynchronizer,
     BroadcastFromRank0,
@@ -85,6 +86,7 @@ __all__ = [
     "ProcessGroups",
     "RankDisagreementError",
     "ResetParameters",
+    "ShardFirstReset",
     "ShardingBuilder",
     "ShardingOptions",
     "StageRecord",

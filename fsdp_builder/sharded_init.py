@@ -12,16 +12,16 @@ on the meta device, then calls the materializer. Two materializers work on such 
   statistically the distribution the initializer asks for but not bit-identical across world
   sizes; for world-size-invariant weights use ``DeterministicInit``, which materializes each
   unit in full and lets ``fully_shard`` slice it (one full unit at a time per rank).
-- :class:`ScatterStateDict` fills the local shards from full tensors held by one rank, which
-  sends each rank only its slices (:func:`scatter_unit_state`); other ranks never hold a full
-  tensor of a sharded parameter.
+- :func:`scatter_unit_state` fills the local shards from full tensors held by one rank, which
+  sends each rank only its slices; other ranks never hold a full tensor of a sharded parameter.
+  ``FromStateDict`` uses it when the backend shards first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_builder.agreement import collective_device
 from fsdp_builder.backends.fsdp2 import mesh_for
 from fsdp_builder.environment import Environment
-from fsdp_builder.errors import FSDPBuilderError, MaterializationError, config_error
+from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.ignored import IgnoredStates
 from fsdp_builder.materializers import (
     ResetParameters,
@@ -453,67 +453,7 @@ def scatter_unit_state(
     return received
 
 
-def _check_state_source(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not isinstance(value, Mapping) and not callable(value):
-        raise config_error(
-            type(instance).__name__,
-            attribute.name,
-            f"expected a mapping of name to tensor, a callable returning one, or None, got "
-            f"{type(value).__name__}",
-            "Pass model.state_dict() (or a loader function) on the source rank, None elsewhere.",
-        )
-
-
-@frozen
-class ScatterStateDict:
-    """Shard-first loading for ``FullyShardBuilder``: rank ``src`` holds the full state dict
-    (``state``: a mapping, or a callable returning one, called once) and scatters each unit's
-    slices to their ranks (:func:`scatter_unit_state`); other ranks pass ``state=None``."""
-
-    state: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = (
-        attrs.field(default=None, validator=_check_state_source)
-    )
-    src: int = 0
-    shard_first: ClassVar[bool] = True
-    _loaded: dict[str, Mapping[str, torch.Tensor]] = attrs.field(
-        factory=dict, init=False, repr=False, eq=False
-    )
-
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        return None
-
-    def prepare(self, env: Environment) -> None:
-        if env.backend != "fsdp2":
-            raise config_error(
-                "ScatterStateDict",
-                "backend",
-                f"it fills fully_shard shards, but the builder uses '{env.backend}'",
-                "Use FullyShardBuilder, or a state-dict materializer made for that backend.",
-            )
-        if env.rank == self.src and self.state is None:
-            raise config_error(
-                "ScatterStateDict",
-                "state",
-                f"rank {self.src} is the source but got no state dict",
-                "Pass the full state dict on the source rank and None elsewhere.",
-            )
-
-    def _state(self, env: Environment) -> Mapping[str, torch.Tensor] | None:
-        if env.rank != self.src:
-            return None
-        if "state" not in self._loaded:
-            state = self.state() if callable(self.state) else self.state
-            if state is None:
-                raise FSDPBuilderError("ScatterStateDict's loader returned None.")
-            self._loaded["state"] = state
-        return self._loaded["state"]
-
-    def materialize(self, unit: Unit, env: Environment) -> int:
-        return scatter_unit_state(unit, env, self._state(env), self.src)
-
-
 __all__ = [
-    "ScatterStateDict",
     "ShardFirstReset",
     "local_bytes",
     "scatter_unit_state",

@@ -62,7 +62,7 @@ from fsdp_builder.demo import (
     train,
 )
 from fsdp_builder.launch import run_ranks
-from fsdp_builder.sharded_init import ScatterStateDict, ShardFirstReset, local_bytes
+from fsdp_builder.sharded_init import ShardFirstReset, local_bytes
 
 STEPS = 3
 CFG = DemoConfig(layers=2)
@@ -211,7 +211,7 @@ def _load_scenarios(strategy: str, groups: Any) -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
     source = _odd_source() if rank == 0 else None
-    for name, make in (("scatter", ScatterStateDict), ("from_state_dict", FromStateDict)):
+    for name, make in (("from_state_dict", FromStateDict),):
         builder = FullyShardBuilder().device(CPUDevice()).wrap(OddBlock).sharding(strategy)
         if groups is not None:
             builder.groups(groups)
@@ -262,19 +262,9 @@ def rank_main(world: int) -> dict[str, Any]:
     out["shard_first"]["losses"] = train(sharded, CFG, STEPS, rank, world)
     out["raw_defect"] = _raw_reset_parameters_on_meta()
 
-    # Loading: rank 0 scatters its tensors; the others receive only their slices.
+    # Loading: FromStateDict shards first with FSDP2, so rank 0 scatters its tensors and the
+    # others receive only their slices.
     source = make_model(CFG, seed=7).state_dict() if rank == 0 else None
-    builder = _builder(*shard_first[:1], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
-    loaded = builder.materialize(ScatterStateDict(source)).build(make_model(CFG, device="meta"))
-    out["scatter"] = {
-        "state": full_state_dict(loaded),
-        "received": sum(r.bytes for r in builder.report.records if r.stage == "materialize"),
-        "model_bytes": builder.environment.plan.nbytes,
-        "shard_size": builder.environment.groups.world_size,
-        "losses": train(loaded, CFG, STEPS, rank, world),
-    }
-
-    # The same through FromStateDict, which scatters when the backend shards first.
     builder = _builder(*shard_first[:1], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
     loaded = builder.materialize(FromStateDict(source)).build(make_model(CFG, device="meta"))
     out["from_state_dict"] = {
@@ -458,9 +448,9 @@ def test_shard_first_model_trains_like_the_reference(world: Any) -> None:
         assert torch.allclose(got, torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("materializer", ["scatter", "from_state_dict"])
-def test_state_dict_is_scattered_from_rank0(world: Any, materializer: str) -> None:
+def test_state_dict_is_scattered_from_rank0(world: Any) -> None:
     size, ranks = world
+    materializer = "from_state_dict"
     source = make_model(CFG, seed=7).state_dict()
     ref = reference(make_model(CFG, seed=7), CFG, STEPS, size)
     for rank in range(size):
@@ -481,7 +471,7 @@ def test_uneven_shards_load_exactly(world: Any) -> None:
     size, ranks = world
     source = _odd_source()
     for rank in range(size):
-        for name in ("scatter", "from_state_dict"):
+        for name in ("from_state_dict",):
             got = ranks[rank]["load"][f"odd/{name}"]
             assert got.keys() == source.keys()
             for key, value in source.items():
@@ -607,8 +597,6 @@ def test_ignored_params_need_a_torch_that_supports_them() -> None:
 def test_shard_first_reset_validates_its_seed() -> None:
     with pytest.raises(ConfigurationError, match="invalid `seed`"):
         ShardFirstReset(seed=-1)
-    with pytest.raises(ConfigurationError, match="invalid `state`"):
-        ScatterStateDict(state=42)  # type: ignore[arg-type]
 
 
 def test_builder_refuses_fsdp1_only_options_before_any_collective(world1: None) -> None:
