@@ -159,7 +159,10 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         harness = importlib.import_module("benchmarks.harness")
     except ImportError as exc:
-        raise SystemExit(f"the benchmark harness is not installed: {exc}") from None
+        raise SystemExit(
+            f"`fsdp-builder bench` cannot start: {exc}. Install the harness and its extras "
+            "from the repository with `pip install -e '.[bench]'`."
+        ) from None
     return int(harness.main(rest))
 
 
