@@ -44,6 +44,7 @@ from fsdp_builder.materializers import (
     check_seed,
     initializer_of,
     needs_materialization,
+    seed_generators,
     unit_modules,
 )
 from fsdp_builder.plan import Unit, UnitPlan
@@ -165,7 +166,7 @@ class ShardFirstReset:
                 fqn = ".".join(x for x in (unit.fqn, names.get(id(module), "")) if x)
                 try:
                     with torch.random.fork_rng(devices=_fork_devices(env.device)):
-                        torch.manual_seed(shard_seed(base, index, fqn))
+                        seed_generators(shard_seed(base, index, fqn), env.device)
                         init()
                 except Exception as exc:
                     raise MaterializationError(
