@@ -41,6 +41,17 @@ def is_wrapped(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def is_replicated(module: nn.Module) -> bool:
+    """True for a module under torch's composable ``replicate`` (DDP), which cannot also be
+    sharded: FSDP ignores its subtree, and so do we."""
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # a torch without composable APIs has no replicated modules
+        return False
+    registry = _get_registry(module)
+    return registry is not None and "replicate" in registry
+
+
 def _is_flattened(param: nn.Parameter) -> bool:
     return bool(getattr(param, "_is_flat_param", False) or getattr(param, "_fsdp_flattened", False))
 
@@ -140,9 +151,10 @@ def resolve_ignored(
     elif state_list:
         module_list = state_list
 
+    roots = module_list + [m for m in root.modules() if is_replicated(m)]
     ignored_modules = {
         child
-        for m in module_list
+        for m in roots
         for child in m.modules()
         if not isinstance(child, FullyShardedDataParallel)
     }

@@ -78,3 +78,14 @@ def test_already_wrapped_modules_pass_on_their_ignored_sets(world1: None) -> Non
     assert "a.1.running_mean" in ignored.buffer_names
     with pytest.raises(ConfigurationError, match=r"already a sharded wrapper"):
         resolve_ignored(net, modules=[net.a])
+
+
+def test_modules_under_replicate_are_ignored_with_their_subtree(world1: None) -> None:
+    from torch.distributed._composable import replicate
+
+    net = Net()
+    replicate(net.a)
+    ignored = resolve_ignored(net)
+    assert {net.a, net.a[0], net.a[1]} <= set(ignored.modules)
+    assert set(net.a.parameters()) <= set(ignored.params)
+    assert net.b not in ignored.modules
