@@ -6,6 +6,7 @@ wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
@@ -31,6 +32,9 @@ class WrapPolicy:
     classes: tuple[type[nn.Module], ...] = ()
     predicate: WrapPredicate | None = None
     torch_policy: _Policy | None = None
+    # FSDP1's callable policies, e.g. partial(transformer_auto_wrap_policy, ...): called as
+    # (module, recurse, nonwrapped_numel).
+    legacy_policy: Callable[..., bool] | None = None
 
     @classmethod
     def of(cls, spec: Any) -> WrapPolicy:
@@ -55,12 +59,16 @@ class WrapPolicy:
                 )
             return cls(classes=tuple(items))
         if callable(spec):
+            if _is_legacy_policy(spec):
+                return cls(legacy_policy=spec)
             return cls(predicate=spec)
         raise config_error(
             "ShardingBuilder.wrap",
             "policy",
             f"{type(spec).__name__} is not a wrap policy",
-            "Pass module classes, a callable (module, fqn) -> bool, or a torch ModuleWrapPolicy.",
+            "Pass module classes, a callable (module, fqn) -> bool, or a torch wrap policy "
+            "(ModuleWrapPolicy, CustomPolicy, or a callable such as "
+            "partial(transformer_auto_wrap_policy, ...)).",
         )
 
     def select(self, root: nn.Module, ignored_modules: frozenset[nn.Module]) -> set[nn.Module]:
@@ -70,6 +78,8 @@ class WrapPolicy:
             # do not apply per unit, so only the selected modules matter here.
             chosen = self.torch_policy._run_policy(root, set(ignored_modules), {})
             return {m for m in chosen if m is not root}
+        if self.legacy_policy is not None:
+            return _legacy_select(root, self.legacy_policy, ignored_modules)
         selected: set[nn.Module] = set()
         for fqn, module in root.named_modules():
             if module is root or module in ignored_modules:
@@ -83,11 +93,48 @@ class WrapPolicy:
     def describe(self) -> str:
         if self.torch_policy is not None:
             return type(self.torch_policy).__name__
+        if self.legacy_policy is not None:
+            func = getattr(self.legacy_policy, "func", self.legacy_policy)
+            return getattr(func, "__name__", "policy")
         if self.classes:
             return ",".join(c.__name__ for c in self.classes)
         if self.predicate is not None:
             return getattr(self.predicate, "__name__", "predicate")
         return "root-only"
+
+
+def _is_legacy_policy(fn: Callable[..., Any]) -> bool:
+    """FSDP1's callable policies take ``recurse`` and ``nonwrapped_numel``; predicates do not."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "recurse" in params and "nonwrapped_numel" in params
+
+
+def _legacy_select(
+    root: nn.Module, policy: Callable[..., bool], ignored_modules: frozenset[nn.Module]
+) -> set[nn.Module]:
+    """The modules FSDP1's recursive auto-wrap would wrap with ``policy``, without wrapping:
+    a module is entered when the policy says ``recurse=True`` for its parameter count, and
+    wrapped when, after its children, it says ``recurse=False`` for the count they left."""
+    ignored_params = {p for m in ignored_modules for p in m.parameters()}
+    selected: set[nn.Module] = set()
+
+    def visit(module: nn.Module, is_root: bool) -> int:
+        numel = sum(p.numel() for p in module.parameters() if p not in ignored_params)
+        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+            return 0
+        wrapped = sum(
+            visit(child, False) for child in module.children() if child not in ignored_modules
+        )
+        if not is_root and policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped):
+            selected.add(module)
+            return numel
+        return wrapped
+
+    visit(root, True)
+    return selected
 
 
 __all__ = ["WrapPolicy", "WrapPredicate", "WrapSpec", "attrs"]

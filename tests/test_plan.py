@@ -111,3 +111,39 @@ def test_tied_weights_split_across_units_name_both_and_the_fix() -> None:
         match=r"'head.weight' \(unit 'head'\) and 'embed.weight' \(unit '<root>'\).*together",
     ):
         plan_units(Tied(), WrapPolicy.of(nn.Linear), IgnoredStates())
+
+
+@pytest.mark.parametrize("min_params", [10_000, 20_000, 40_000, 60_000])
+def test_fsdp1_callable_policies_select_what_fsdp1_wraps(world1: None, min_params: int) -> None:
+    from functools import partial
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    from fsdp_builder.ignored import clean_name
+
+    policy = partial(size_based_auto_wrap_policy, min_num_params=min_params)
+    plan = plan_units(demo("meta"), WrapPolicy.of(policy), IgnoredStates())
+    wrapped = FullyShardedDataParallel(
+        demo("cpu"), auto_wrap_policy=policy, device_id=torch.device("cpu")
+    )
+    fsdp1_units = {
+        clean_name(name)
+        for name, m in wrapped.named_modules()
+        if isinstance(m, FullyShardedDataParallel) and m is not wrapped
+    }
+    assert {u.fqn for u in plan.units[:-1]} == fsdp1_units
+
+
+def test_transformer_policy_selects_like_classes() -> None:
+    from functools import partial
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    model = demo("meta")
+    policy = partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    by_policy = plan_units(model, WrapPolicy.of(policy), IgnoredStates())
+    assert (
+        by_policy.describe() == plan_units(model, WrapPolicy.of(Block), IgnoredStates()).describe()
+    )
+    assert WrapPolicy.of(policy).describe() == "transformer_auto_wrap_policy"
