@@ -63,7 +63,7 @@ def _with_index(device: torch.device, rank: int) -> torch.device:
             f"Device 'cuda' on rank {rank} has no explicit index; using the current device "
             f"cuda:{current}. Call torch.cuda.set_device() first or pass 'cuda:<index>'.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=5,  # the user's build() call
         )
         return torch.device("cuda", current)
     return device

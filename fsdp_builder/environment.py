@@ -52,7 +52,7 @@ def effective_strategy(
             warnings.warn(
                 f"Using NO_SHARD instead of {strategy.name} since the world size is 1.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the user's build() call
             )
         return attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD), groups
     if options.is_hybrid and groups.world_size == 1 and groups.replicate_group is not None:
@@ -60,7 +60,7 @@ def effective_strategy(
             f"Using NO_SHARD over the replicate group instead of {strategy.name} since each "
             "shard group has one rank.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the user's build() call
         )
         return (
             attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD),
@@ -71,6 +71,6 @@ def effective_strategy(
             "The NO_SHARD sharding strategy is deprecated by PyTorch; prefer "
             "DistributedDataParallel if you hit issues with it.",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=4,  # the user's build() call
         )
     return options, groups
