@@ -293,8 +293,7 @@ def rank_main(world: int) -> dict[str, Any]:
     out["errors"]["meshgroups_size"] = _expect_error(
         lambda: _builder("full", small).build(make_model(CFG)), ConfigurationError
     )
-    if world == 2:
-        out["tied"] = _tied_scenarios()
+    out["tied"] = _tied_scenarios()
     return out
 
 
@@ -499,8 +498,6 @@ def test_bad_meshes_are_refused(world: Any) -> None:
 
 def test_tied_parameters_stay_tied(world: Any) -> None:
     size, ranks = world
-    if size != 2:
-        pytest.skip("checked on 2 ranks")
     for name in ("reset", "shard_first"):
         initial = ranks[0]["tied"][name]["initial"]
         for rank in range(size):

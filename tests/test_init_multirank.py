@@ -222,11 +222,24 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 _RUNS: dict[int, list[dict[str, Any]]] = {}
 
 
+def _ranks(world: int, files: dict[str, str]) -> list[dict[str, Any]]:
+    """The scenarios on ``world`` ranks, run once per module whichever test asks first."""
+    if world not in _RUNS:
+        _RUNS[world] = run_ranks(scenarios, world, files, timeout=240)
+    return _RUNS[world]
+
+
 @pytest.fixture(scope="module", params=[1, 2, 4])
 def run(request: pytest.FixtureRequest, files: dict[str, str]) -> tuple[int, list[dict[str, Any]]]:
-    world = request.param
-    _RUNS[world] = run_ranks(scenarios, world, files, timeout=240)
-    return world, _RUNS[world]
+    return request.param, _ranks(request.param, files)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def multi(
+    request: pytest.FixtureRequest, files: dict[str, str]
+) -> tuple[int, list[dict[str, Any]]]:
+    """Like ``run``, for the checks that need several ranks."""
+    return request.param, _ranks(request.param, files)
 
 
 def expected_initial(name: str) -> dict[str, torch.Tensor]:
@@ -276,25 +289,21 @@ def test_training_matches_single_process_reference(run: Any) -> None:
                     assert torch.allclose(final[k], v, atol=1e-5, rtol=0), (case, k)
 
 
-def test_deterministic_init_is_identical_across_world_sizes(run: Any) -> None:
-    world, _ = run
-    if world != 4:
-        pytest.skip("compares the finished runs once all world sizes are in")
+def test_deterministic_init_is_identical_across_world_sizes(files: dict[str, str]) -> None:
+    runs = {w: _ranks(w, files) for w in (1, 2, 4)}
     seen = [
         r[0]["matrix"][name, strategy, backend]["initial"]
-        for w, r in _RUNS.items()
+        for w, r in runs.items()
         for backend, strategy, name in MATRIX[w]
         if name == "deterministic"
     ]
-    assert len(_RUNS) == 3
+    assert len(seen) >= 3
     for other in seen[1:]:
         assert_same(other, seen[0], "world-size invariance")
 
 
-def test_ranks_never_hold_identical_random_shards(run: Any) -> None:
-    world, ranks = run
-    if world == 1:
-        pytest.skip("one rank holds the whole weight")
+def test_ranks_never_hold_identical_random_shards(multi: Any) -> None:
+    world, ranks = multi
     for backend in BACKENDS:
         # The local shards of each parameter (or flat parameter) differ between every pair of
         # ranks wherever they hold random values.
@@ -327,20 +336,16 @@ def test_per_unit_order_materialize_move_sync_shard(run: Any) -> None:
             ], backend
 
 
-def test_rank0_real_others_meta_is_filled_by_broadcast(run: Any) -> None:
-    world, ranks = run
-    if world == 1:
-        pytest.skip("needs several ranks")
+def test_rank0_real_others_meta_is_filled_by_broadcast(multi: Any) -> None:
+    world, ranks = multi
     want = real_model(5).state_dict()
     for rank in range(world):
         for strategy, state in ranks[rank]["mixed"].items():
             assert_same(state, dict(want), (rank, strategy))
 
 
-def test_verify_replicas_catches_a_planted_divergence_and_broadcast_fixes_it(run: Any) -> None:
-    world, ranks = run
-    if world == 1:
-        pytest.skip("needs several ranks")
+def test_verify_replicas_catches_a_planted_divergence_and_broadcast_fixes_it(multi: Any) -> None:
+    world, ranks = multi
     want = dict(real_model(0).state_dict())
     strategies = ("full", "hybrid") if world == 4 else ("full",)
     for strategy in strategies:
@@ -354,10 +359,8 @@ def test_verify_replicas_catches_a_planted_divergence_and_broadcast_fixes_it(run
             assert_same(ranks[rank]["verify"][strategy]["fixed"], want, (rank, strategy))
 
 
-def test_tied_weights_stay_tied(run: Any) -> None:
-    world, ranks = run
-    if world == 1:
-        pytest.skip("covered by the pure tests")
+def test_tied_weights_stay_tied(multi: Any) -> None:
+    _, ranks = multi
     model = meta_model(TiedDemo)
     DeterministicInit(SEED).materialize_model(model)
     initial, trained = ranks[0]["tied"]
@@ -376,10 +379,8 @@ BAD = {
 }
 
 
-def test_bad_sources_raise_the_same_clear_error_on_every_rank_before_writing(run: Any) -> None:
-    world, ranks = run
-    if world == 1:
-        pytest.skip("covered in-process by test_synchronizers")
+def test_bad_sources_raise_the_same_clear_error_on_every_rank_before_writing(multi: Any) -> None:
+    world, ranks = multi
     for case, pattern in BAD.items():
         seen = {ranks[r]["bad"][case] for r in range(world)}
         assert len(seen) == 1, (case, seen)
