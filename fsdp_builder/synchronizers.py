@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import attrs
 import structlog
@@ -86,21 +86,56 @@ class Chain(BaseSynchronizer):
 # -- the unit's states ----------------------------------------------------------------------
 
 
-def _flatten(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Plain tensors for ``tensor``: traceable subclasses (DTensor, float8 wrappers) travel as
-    their inner tensors, which hold the actual storage."""
+Stages = tuple[tuple[dist.ProcessGroup | None, int], ...]
+
+
+@frozen(eq=False)
+class SyncState:
+    """One plain tensor to synchronize, and the (group, global source rank) broadcasts that
+    carry the first replica's values to every rank that must hold the same ones."""
+
+    name: str
+    tensor: torch.Tensor
+    stages: Stages
+
+
+def _replica_stages(tensor: Any) -> Stages:
+    """For a DTensor's local shard: the mesh dimensions it is replicated over. Shards along the
+    other dimensions differ by design and are never synchronized with each other."""
+    mesh = tensor.device_mesh
+    stages: list[tuple[dist.ProcessGroup | None, int]] = []
+    for dim, placement in enumerate(tensor.placements):
+        group = mesh.get_group(dim)
+        if placement.is_replicate() and group.size() > 1:
+            stages.append((group, dist.get_global_rank(group, 0)))
+    return tuple(stages)
+
+
+def _flatten(name: str, tensor: torch.Tensor, stages: Stages) -> Iterator[SyncState]:
+    """Plain tensors for ``tensor``: a DTensor travels as its local shard, among its replicas
+    only; other traceable subclasses (float8 wrappers) as their inner tensors."""
     detached = tensor.detach()
-    if is_traceable_wrapper_subclass(detached):
+    if _is_dtensor(detached):
+        yield SyncState(name, cast(Any, detached).to_local(), _replica_stages(detached))
+    elif is_traceable_wrapper_subclass(detached):
         attrs_, _ = detached.__tensor_flatten__()
         for attr in attrs_:
-            yield from _flatten(f"{name}.{attr}", getattr(detached, attr))
+            inner = getattr(detached, attr)
+            if isinstance(inner, torch.Tensor):
+                yield from _flatten(f"{name}.{attr}", inner, stages)
     else:
-        yield name, detached
+        yield SyncState(name, detached, stages)
 
 
-def unit_states(
-    unit: Unit, env: Environment, skip: set[int] | None = None
-) -> list[tuple[str, torch.Tensor]]:
+def by_stages(states: list[SyncState]) -> list[tuple[Stages, list[SyncState]]]:
+    """States grouped by how they travel, in first-seen order (the same on every rank)."""
+    groups: dict[Stages, list[SyncState]] = {}
+    for s in states:
+        groups.setdefault(s.stages, []).append(s)
+    return list(groups.items())
+
+
+def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> list[SyncState]:
     """The unit's own parameters and buffers as ``(fully-qualified name, plain tensor)``, each
     storage once (tied parameters, buffers registered twice). Buffers whose id is in ``skip``
     (already handled with a nested unit) are left out; the ids of those taken are added to it."""
@@ -123,7 +158,8 @@ def unit_states(
             if skip is not None:
                 skip.add(id(b))
             buffers.append((f"{prefix}.{bname}" if prefix else bname, b))
-    return [flat for name, t in params + buffers for flat in _flatten(name, t)]
+    plain = tuple(sync_stages(env))
+    return [flat for name, t in params + buffers for flat in _flatten(name, t, plain)]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -134,8 +170,8 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _check_real(states: list[tuple[str, torch.Tensor]], who: str, unit: Unit) -> None:
-    meta = [name for name, t in states if t.is_meta]
+def _check_real(states: list[SyncState], who: str, unit: Unit) -> None:
+    meta = [s.name for s in states if s.tensor.is_meta]
     if meta:
         raise FSDPBuilderError(
             f"`{who}` cannot synchronize unit '{unit.label}': {', '.join(meta[:8])}"
@@ -306,7 +342,7 @@ class BroadcastFromRank0(BaseSynchronizer):
         sent_before = self._sent.setdefault(id(env), set())
         skip = set(sent_before)
         error: BaseException | None = None
-        states: list[tuple[str, torch.Tensor]] = []
+        states: list[SyncState] = []
         try:
             states = unit_states(unit, env, skip)
             _check_real(states, "BroadcastFromRank0", unit)
@@ -314,16 +350,17 @@ class BroadcastFromRank0(BaseSynchronizer):
             error = exc
         agree("synchronize (check)", error, unit=unit.label, group=agreement_group(env))
         sent_before |= skip
-        tensors = [t for _, t in states]
         total = 0
-        for group, src in sync_stages(env):
-            total += broadcast_tensors(tensors, src, group, self.bucket_bytes)
+        for stages, members in by_stages(states):
+            tensors = [s.tensor for s in members]
+            for group, src in stages:
+                total += broadcast_tensors(tensors, src, group, self.bucket_bytes)
         if unit.is_root:
             self._sent.pop(id(env), None)
         log.debug(
             "broadcast_from_rank0",
             unit=unit.label,
-            tensors=len(tensors),
+            tensors=len(states),
             bytes=total,
             rank=env.rank,
         )
@@ -338,15 +375,6 @@ def checksum(tensor: torch.Tensor) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
-def _verify_groups(
-    env: Environment, states: list[tuple[str, torch.Tensor]]
-) -> list[dist.ProcessGroup | None]:
-    if any(_is_dtensor(t) for _, t in states):
-        # Already sharded: shards differ by design; only replicas must match.
-        return [] if env.groups.replicate_group is None else [env.groups.replicate_group]
-    return [group for group, _ in sync_stages(env)]
-
-
 @frozen
 class VerifyReplicas(BaseSynchronizer):
     """Checks that every rank holds the same values for the unit's states (a checksum per
@@ -357,24 +385,26 @@ class VerifyReplicas(BaseSynchronizer):
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
         error: BaseException | None = None
-        sums: list[int] = []
-        states: list[tuple[str, torch.Tensor]] = []
+        states: list[SyncState] = []
         try:
             states = unit_states(unit, env)
             _check_real(states, "VerifyReplicas", unit)
-            sums = [checksum(t) for _, t in states]
         except Exception as exc:
             error = exc
         agree("synchronize (check)", error, unit=unit.label, group=agreement_group(env))
         total = 0
-        for group in _verify_groups(env, states):
-            total += self._compare(unit, states, sums, group)
+        # Each state is compared among the ranks that must hold it alike: all ranks for plain
+        # tensors, a shard's replicas for sharded ones.
+        for stages, members in by_stages(states):
+            sums = [checksum(s.tensor) for s in members]
+            for group, _ in stages:
+                total += self._compare(unit, members, sums, group)
         return total
 
     def _compare(
         self,
         unit: Unit,
-        states: list[tuple[str, torch.Tensor]],
+        states: list[SyncState],
         sums: list[int],
         group: dist.ProcessGroup | None,
     ) -> int:
@@ -399,7 +429,7 @@ class VerifyReplicas(BaseSynchronizer):
             count = int(differs.sum())
             raise StateMismatchError(
                 f"`VerifyReplicas` found different values across ranks in unit '{unit.label}': "
-                f"the first differing state is '{states[index][0]}', where rank(s) "
+                f"the first differing state is '{states[index].name}', where rank(s) "
                 f"{', '.join(map(str, odd))} differ from rank(s) "
                 f"{', '.join(map(str, agreeing))} ({count} state(s) of this unit differ). "
                 "Synchronize before verifying, e.g. .synchronize(BroadcastFromRank0(), "

@@ -33,6 +33,7 @@ import fsdp_builder.materializers as materializers
 from fsdp_builder import (
     AutoHybridGroups,
     BaseGroupFactory,
+    BroadcastFromRank0,
     ConfigurationError,
     CPUDevice,
     DeterministicInit,
@@ -42,6 +43,7 @@ from fsdp_builder import (
     MeshGroups,
     ProcessGroups,
     ShardingOptions,
+    VerifyReplicas,
 )
 from fsdp_builder.backends.fsdp2 import (
     FullyShardBackend,
@@ -260,6 +262,12 @@ def rank_main(world: int) -> dict[str, Any]:
         "initial": full_state_dict(sharded),
     }
     out["shard_first"]["losses"] = train(sharded, CFG, STEPS, rank, world)
+
+    # Synchronizers on sharded units: a shard travels among its replicas only, so broadcasting
+    # keeps distinct shards distinct, and verification passes where replicas agree.
+    builder = _builder(shard_first[0], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
+    builder.materialize(ShardFirstReset(seed=5)).synchronize(BroadcastFromRank0(), VerifyReplicas())
+    out["shard_first_synced"] = full_state_dict(builder.build(make_model(CFG, device="meta")))
     out["raw_defect"] = _raw_reset_parameters_on_meta()
 
     # Loading: FromStateDict shards first with FSDP2, so rank 0 scatters its tensors and the
@@ -424,6 +432,12 @@ def test_shard_first_shards_differ_and_replicas_agree(world: Any) -> None:
     for rank in range(1, size):  # the gathered weights agree on every rank (replicas too)
         for name, value in state.items():
             assert torch.equal(ranks[rank]["shard_first"]["initial"][name], value), name
+
+
+def test_synchronizers_keep_shard_first_shards(world: Any) -> None:
+    size, ranks = world
+    for rank in range(size):
+        _close(ranks[rank]["shard_first_synced"], ranks[0]["shard_first"]["initial"], atol=0)
 
 
 def test_shard_first_allocates_one_shard_per_rank(world: Any) -> None:

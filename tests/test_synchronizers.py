@@ -76,9 +76,9 @@ def test_checksum_is_bit_exact() -> None:
 
 def test_tensor_subclasses_travel_as_their_inner_tensors() -> None:
     t = TwoTensor(torch.ones(3), torch.zeros(3))
-    flat = list(_flatten("w", t))
-    assert [name for name, _ in flat] == ["w.a", "w.b"]
-    assert all(type(x) is torch.Tensor for _, x in flat)
+    flat = list(_flatten("w", t, ()))
+    assert [s.name for s in flat] == ["w.a", "w.b"]
+    assert all(type(s.tensor) is torch.Tensor for s in flat)
 
 
 # -- one rank, in-process ---------------------------------------------------------------------
