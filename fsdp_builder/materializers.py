@@ -71,13 +71,25 @@ def allocate_empty(
 ) -> int:
     """``to_empty`` each module that owns states (only those with a state on meta unless
     ``only_meta`` is False), then re-tie parameters that were shared (``to_empty`` gives every
-    module its own new tensor, which would untie them). Returns the bytes given storage."""
+    module its own new tensor, which would untie them). States that were already real keep
+    their values in the new storage: an initializer that does not write them (a buffer filled
+    in ``__init__``) never leaves them uninitialized. Returns the bytes given storage."""
     tied = _tied_groups(modules)
     allocated = 0
     for m in modules:
         own = _direct_states(m)
         if own and (not only_meta or any(t.is_meta for t in own)):
+            real = [
+                (name, t)
+                for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+                if not t.is_meta
+            ]
             m.to_empty(device=device, recurse=False)
+            with torch.no_grad():
+                for name, old in real:
+                    new = getattr(m, name)
+                    if new is not old:
+                        new.copy_(old)
             allocated += sum(t.numel() * t.element_size() for t in _direct_states(m))
     for slots in tied:
         owner, name = slots[0]
@@ -199,17 +211,34 @@ class BaseMaterializer:
 
     def materialize(self, unit: Unit, env: Environment) -> int:
         return self.materialize_modules(
-            unit.module, unit.fqn, env.device, unit_modules(unit.module, env.ignored.modules)
+            unit.module,
+            unit.fqn,
+            env.device,
+            unit_modules(unit.module, env.ignored.modules),
+            env.ignored,
         )
 
     def materialize_modules(
-        self, root: nn.Module, root_fqn: str, device: torch.device, modules: list[nn.Module]
+        self,
+        root: nn.Module,
+        root_fqn: str,
+        device: torch.device,
+        modules: list[nn.Module],
+        ignored: IgnoredStates | None = None,
     ) -> int:
         """Give ``modules`` (the owned modules below ``root``, named from ``root_fqn``) storage
-        and values; returns the bytes given storage."""
-        if not self.reinitialize and not needs_materialization(modules, IgnoredStates()):
+        and values; returns the bytes given storage. Real ignored parameters keep their values,
+        even when their module's initializer writes them."""
+        ignored = ignored or IgnoredStates()
+        if not self.reinitialize and not needs_materialization(modules, ignored):
             return 0
         names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        kept = [
+            (m, name, p.detach().clone())
+            for m in modules
+            for name, p in m.named_parameters(recurse=False)
+            if p in ignored.params and not p.is_meta
+        ]
         allocated = allocate_empty(
             modules, self.storage_device or device, only_meta=not self.reinitialize
         )
@@ -230,6 +259,8 @@ class BaseMaterializer:
                         f"`{type(self).__name__}` failed: {type(exc).__name__}: {exc}. Fix its "
                         "initializer or pass another materializer."
                     ) from exc
+            for module, name, value in kept:
+                getattr(module, name).copy_(value)
         return allocated
 
     def materialize_model(
@@ -249,7 +280,11 @@ class BaseMaterializer:
             # Nested units are not wrapped here, so the walk must stop at them explicitly.
             stop = set(ignored.modules) | (unit_set - {unit.module})
             self.materialize_modules(
-                unit.module, unit.fqn, torch.device(device), unit_modules(unit.module, stop)
+                unit.module,
+                unit.fqn,
+                torch.device(device),
+                unit_modules(unit.module, stop),
+                ignored,
             )
         return model
 

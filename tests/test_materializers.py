@@ -239,3 +239,34 @@ def test_tied_parameters_stay_tied(materializer: ResetParameters) -> None:
 def test_tied_weights_split_across_units_are_refused_with_their_names() -> None:
     with pytest.raises(PlanError, match=r"'a\.weight' \(unit 'a'\) and 'b\.weight' \(unit 'b'\)"):
         FSDPBuilder().wrap(nn.Linear).plan_for(on_meta(TiedPair))
+
+
+class WithMask(nn.Module):
+    """A buffer filled in __init__ that no initializer writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.full((64,), 7.0))
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.scale)
+
+
+def test_reinitializing_a_real_model_keeps_buffers_its_initializers_do_not_write() -> None:
+    model = WithMask()
+    DeterministicInit(seed=0).materialize_model(model)
+    mask = model.get_buffer("mask")
+    assert torch.equal(mask, torch.full((64,), 7.0))
+
+
+def test_a_real_ignored_parameter_in_a_meta_module_keeps_its_value(world1: None) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    frozen = nn.Parameter(torch.full((4, 4), 3.0), requires_grad=False)
+    model[0].weight = frozen
+    sharded = FSDPBuilder().device("cpu").ignore(states=[frozen]).build(model)
+    assert model[0].weight is frozen  # the wrapper left the ignored parameter in place
+    assert torch.equal(frozen, torch.full((4, 4), 3.0))
+    assert not any(p.is_meta for p in sharded.parameters())
