@@ -9,6 +9,7 @@ rank's problem never leaves the others blocked in a broadcast.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Protocol, cast, runtime_checkable
@@ -335,11 +336,15 @@ class BroadcastFromRank0(BaseSynchronizer):
 
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=_check_bucket_bytes)
     # Buffers already sent in the current build, by build; cleared after the root unit.
-    _sent: dict[int, set[int]] = attrs.field(factory=dict, init=False, eq=False, repr=False)
+    # Keyed by the build's environment itself (weakly), so a failed build's entry goes with it
+    # and can never be mistaken for a later build's.
+    _sent: weakref.WeakKeyDictionary[Environment, set[int]] = attrs.field(
+        factory=weakref.WeakKeyDictionary, init=False, eq=False, repr=False
+    )
 
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
-        sent_before = self._sent.setdefault(id(env), set())
+        sent_before = self._sent.setdefault(env, set())
         skip = set(sent_before)
         error: BaseException | None = None
         states: list[SyncState] = []
@@ -356,7 +361,7 @@ class BroadcastFromRank0(BaseSynchronizer):
             for group, src in stages:
                 total += broadcast_tensors(tensors, src, group, self.bucket_bytes)
         if unit.is_root:
-            self._sent.pop(id(env), None)
+            self._sent.pop(env, None)
         log.debug(
             "broadcast_from_rank0",
             unit=unit.label,
