@@ -41,6 +41,7 @@ from fsdp_builder.environment import Environment, effective_strategy
 from fsdp_builder.errors import ConfigurationError, FSDPBuilderError, config_error
 from fsdp_builder.groups import DefaultGroups, GivenGroup, GroupFactory, HybridGroups, MeshGroups
 from fsdp_builder.ignored import (
+    IgnoredStates,
     buffer_dtypes,
     managed_params,
     resolve_ignored,
@@ -397,6 +398,7 @@ class _Pipeline:
             self.backend.check(options)
             ignored = resolve_ignored(model, cfg.ignored_modules, cfg.ignored_states)
             plan = plan_units(model, cfg.wrap or WrapPolicy(), ignored)
+            _check_ignored_real(model, ignored)
             managed = list(managed_params(model, ignored))
             check_single_device(managed, resolver.explicit)
             device = resolver.resolve(model, managed, rank)
@@ -521,6 +523,20 @@ class _Pipeline:
             for parent, name in slots.get(id(unit.module), []):
                 setattr(parent, name, wrapped)
         return wrapped
+
+
+def _check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
+    """Ignored states are never materialized: on meta they would be left so; say it now, while
+    the model is untouched."""
+    buffers = {id(b) for b in ignored.buffers}
+    left = [n for n, p in model.named_parameters() if p in ignored.params and p.is_meta]
+    left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
+    if left:
+        raise ConfigurationError(
+            f"Ignored states are on the meta device: {', '.join(left[:8])}"
+            f"{' ...' if len(left) > 8 else ''}. The builder leaves ignored states as they are: "
+            "give them real values before build(), or stop ignoring them."
+        )
 
 
 def _communicates(strategy: object) -> bool:

@@ -54,7 +54,13 @@ def effective_strategy(
                 UserWarning,
                 stacklevel=4,  # the user's build() call
             )
-        return attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD), groups
+        # One rank: a hybrid mesh has nothing left to describe.
+        return (
+            attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD),
+            ProcessGroups(shard_group=groups.shard_group)
+            if groups.mesh is not None and groups.mesh.ndim > 1
+            else groups,
+        )
     if options.is_hybrid and groups.world_size == 1 and groups.replicate_group is not None:
         warnings.warn(
             f"Using NO_SHARD over the replicate group instead of {strategy.name} since each "

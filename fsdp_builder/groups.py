@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy
 from typing_extensions import override
 
+from fsdp_builder.agreement import collective_device
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
 
@@ -174,6 +175,19 @@ class AutoHybridGroups(BaseGroupFactory):
         per_node = self.resolved_devices_per_node()
         world = dist.get_world_size()
         rank = dist.get_rank()
+        # Ranks that see different node sizes would create different groups and hang: compare
+        # first, and refuse on every rank alike.
+        mine = torch.tensor([per_node], dtype=torch.int64, device=collective_device(None))
+        seen = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(seen, mine)
+        sizes = sorted({int(t) for t in seen})
+        if len(sizes) > 1:
+            raise config_error(
+                "AutoHybridGroups",
+                "devices_per_node",
+                f"ranks resolved different devices per node {sizes}",
+                "Pass AutoHybridGroups(devices_per_node=N) explicitly on every rank.",
+            )
         # Every rank must create every group, in the same order, even the ones it is not in.
         shard: dist.ProcessGroup | None = None
         replicate: dist.ProcessGroup | None = None
@@ -255,6 +269,17 @@ class HybridGroups(BaseGroupFactory):
                 "strategy",
                 f"{strategy.name} shards over one group, but a (shard, replicate) pair was given",
                 "Use .sharding('hybrid'), or GivenGroup(group) for other strategies.",
+            )
+        _require_initialized("HybridGroups")
+        covered = self.shard_group.size() * self.replicate_group.size()
+        if covered != dist.get_world_size():
+            raise config_error(
+                "HybridGroups",
+                "shard_group",
+                f"the groups span {self.shard_group.size()} x {self.replicate_group.size()} = "
+                f"{covered} ranks but the world has {dist.get_world_size()}",
+                "Pass a shard group and a replicate group that together cover every rank that "
+                "builds the model.",
             )
 
     @override

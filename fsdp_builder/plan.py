@@ -120,7 +120,8 @@ def _post_order(
     module: nn.Module, prefix: str, stop: frozenset[nn.Module], seen: set[int]
 ) -> Iterator[tuple[str, nn.Module]]:
     for name, child in module.named_children():
-        if child in stop or id(child) in seen:
+        # An already-sharded child keeps its own units: nothing below it is planned again.
+        if child in stop or id(child) in seen or is_wrapped(child):
             continue
         seen.add(id(child))
         yield from _post_order(child, f"{prefix}{name}.", stop, seen)

@@ -82,6 +82,13 @@ def scenarios() -> dict[str, dict[str, Any]]:
     out["bad_input_everywhere"] = attempt(
         FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(KeepAsIs()), meta
     )
+    # Hybrid groups that do not cover the world: refused on every rank before any collective.
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    mine = singles[rank]
+    out["partial_hybrid_groups"] = attempt(
+        FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("hybrid").groups((mine, mine)),
+        make_model(CFG),
+    )
     # After all that the group still works: a good build succeeds.
     good = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(ResetParameters())
     good.build(make_model(CFG))
@@ -132,6 +139,14 @@ def test_same_bad_input_everywhere_raises_the_specific_error(results: Any, rank:
     out = results[rank]["bad_input_everywhere"]
     assert out["type"] == "MaterializationError"
     assert "`KeepAsIs` got states on the meta device" in out["message"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_hybrid_groups_must_cover_the_world(results: Any, rank: int) -> None:
+    out = results[rank]["partial_hybrid_groups"]
+    assert out["type"] == "ConfigurationError"
+    assert "span 1 x 1 = 1 ranks but the world has 2" in out["message"]
+    assert not out["wrapped"] and out["untouched"]
 
 
 def test_group_still_usable_after_failures(results: Any) -> None:

@@ -101,3 +101,25 @@ def test_local_strategies_cost_one_agreement_per_unit(
     builder.build(make_model(CFG))
     # configure, groups, one per unit, finish.
     assert stages == ["configure", "groups", "unit", "unit", "unit", "finish"]
+
+
+def test_ignored_states_on_meta_are_refused_before_anything_changes(world1: None) -> None:
+    with torch.device("meta"):
+        model = DemoTransformer(CFG)
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).ignore(modules=[model.head])
+    with pytest.raises(ConfigurationError, match=r"Ignored states are on the meta device: head"):
+        builder.build(model)
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def test_fsdp2_hybrid_mesh_on_one_rank_falls_back_to_no_shard(world1: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_builder import FullyShardBuilder
+
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).sharding("hybrid")
+    builder.groups(init_device_mesh("cpu", (1, 1)))
+    with pytest.warns(UserWarning, match="NO_SHARD instead of HYBRID_SHARD"):
+        builder.build(make_model(CFG))
+    assert builder.environment.strategy.name == "NO_SHARD"

@@ -147,3 +147,15 @@ def test_transformer_policy_selects_like_classes() -> None:
         by_policy.describe() == plan_units(model, WrapPolicy.of(Block), IgnoredStates()).describe()
     )
     assert WrapPolicy.of(policy).describe() == "transformer_auto_wrap_policy"
+
+
+def test_already_sharded_children_are_not_planned_again(world1: None) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from fsdp_builder import resolve_ignored
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
+    model[0] = FullyShardedDataParallel(model[0], device_id=torch.device("cpu"))
+    plan = plan_units(model, WrapPolicy.of(nn.Linear), resolve_ignored(model))
+    assert [u.fqn for u in plan] == ["1", ""]
+    assert not any(t.name.startswith("0.") for u in plan for t in u.params)
