@@ -26,9 +26,9 @@ log = structlog.get_logger(__name__)
 
 
 def gradient_predivide_factor(world_size: int) -> float:
-    """The largest power of two ``f`` with ``f`` dividing ``world_size`` and ``f**2 < world_size``
-    (doubling while it fits), as torch's default FSDP comm hook; gradients are divided by it
-    before the reduction and by ``world_size / f`` after, to keep fp16 sums in range."""
+    """torch's default FSDP comm hook factor: starting at 1, double ``f`` while ``f`` divides
+    ``world_size`` and ``world_size / f > f`` (so 4 for 6 and 16, 2 for 4). Gradients are divided
+    by it before the reduction and by ``world_size / f`` after, to keep fp16 sums in range."""
     factor = 1
     while world_size % factor == 0 and world_size / factor > factor:
         factor *= 2

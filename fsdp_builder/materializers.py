@@ -359,9 +359,13 @@ def _check_callable(instance: object, attribute: attrs.Attribute[Any], value: An
 
 @frozen
 class InitFn(BaseMaterializer):
-    """Calls ``fn(module)`` for every module of a unit that has a state on meta, children first,
-    after storage was allocated on the compute device (the seed's ``param_init_fn``; ``fn`` need
-    not call ``to_empty`` itself, and tied parameters are already re-tied)."""
+    """Calls ``fn(module)`` for every module a unit owns, children first, when any of them has a
+    state on meta, after storage was allocated on the compute device (the seed's
+    ``param_init_fn``; ``fn`` need not call ``to_empty`` itself, tied parameters are already
+    re-tied, and real states keep their values unless ``fn`` writes them).
+
+    ``fn`` must not run collectives: the builder treats this step as local (one agreement per
+    unit); write a Materializer with ``communicates = True`` for an initializer that does."""
 
     communicates: ClassVar[bool] = False
 

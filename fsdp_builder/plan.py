@@ -140,6 +140,8 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
     unit_set = {m for _, m in unit_modules}
 
     owner_of: dict[nn.Parameter, list[tuple[str, str]]] = {}
+    # A buffer registered under several modules is owned (and counted) once, by the first unit.
+    seen_buffers: set[int] = set()
     owned: dict[nn.Module, tuple[list[TensorInfo], list[TensorInfo]]] = {}
     for unit_fqn, unit_module in unit_modules:
         params: list[TensorInfo] = []
@@ -155,7 +157,8 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
                 if len(owner_of[p]) == 1:
                     params.append(_info(base + pname, p))
             for bname, b in module.named_buffers(recurse=False):
-                if b is not None:
+                if b is not None and id(b) not in seen_buffers:
+                    seen_buffers.add(id(b))
                     buffers.append(_info(base + bname, b))
             for cname, child in reversed(list(module.named_children())):
                 if child in unit_set or child in ignored.modules or is_wrapped(child):
