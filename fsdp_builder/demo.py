@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import torch
 import torch.nn.functional as F
 from attrs import frozen
@@ -159,4 +158,4 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-__all__ = ["DemoConfig", "DemoTransformer", "attrs"]
+__all__ = ["Block", "DemoConfig", "DemoTransformer", "deterministic_model", "make_model"]

@@ -10,7 +10,6 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
-import attrs
 from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
@@ -137,4 +136,4 @@ def _legacy_select(
     return selected
 
 
-__all__ = ["WrapPolicy", "WrapPredicate", "WrapSpec", "attrs"]
+__all__ = ["WrapPolicy", "WrapPredicate", "WrapSpec"]
