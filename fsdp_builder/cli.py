@@ -23,6 +23,7 @@ from fsdp_builder import (
     ShardingBuilder,
 )
 from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, train
+from fsdp_builder.estimate import local_node_size
 
 STRATEGIES = ("full", "grad_op", "hybrid", "none")
 
@@ -55,7 +56,7 @@ def build_demo(backend: str, strategy: str) -> ShardingBuilder:
     builder.materialize(DeterministicInit(seed=DEMO_SEED))
     if strategy == "hybrid":
         world = dist.get_world_size()
-        per_node = 2 if world % 2 == 0 and world > 2 else world
+        per_node = local_node_size(world)
         builder.groups(AutoHybridGroups(devices_per_node=per_node))
     return builder
 

@@ -8,30 +8,32 @@ worst moment of a build, not counting allocator slack or communication buffers.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from attrs import frozen
 
+from fsdp_builder.errors import ConfigurationError
+from fsdp_builder.groups import AutoHybridGroups
 from fsdp_builder.plan import Unit, UnitPlan
 
 BACKENDS = ("fsdp1", "fsdp2")
 STRATEGIES = ("full", "grad_op", "hybrid", "none")
 
 
-def hybrid_shard_size(world_size: int, devices_per_node: int | None = None) -> int:
-    """Ranks per shard group under hybrid sharding: the devices per node (given, else
-    ``LOCAL_WORLD_SIZE`` or the CUDA device count when either divides the world), else nodes of
-    2 when the world is even and larger than 2, else the whole world."""
-    candidates = [devices_per_node]
-    if devices_per_node is None:
-        raw = os.environ.get("LOCAL_WORLD_SIZE", "")
-        candidates.append(int(raw) if raw.isdigit() else None)
-        candidates.append(torch.cuda.device_count() if torch.cuda.is_available() else None)
-    for n in candidates:
-        if n and 0 < n <= world_size and world_size % n == 0:
-            return n
+def local_node_size(world_size: int) -> int:
+    """Ranks per node when a single machine stands in for several (the demo's CPU ranks):
+    nodes of 2 when the world is even and larger than 2, else one node."""
     return 2 if world_size % 2 == 0 and world_size > 2 else world_size
+
+
+def hybrid_shard_size(world_size: int, devices_per_node: int | None = None) -> int:
+    """Ranks per shard group under hybrid sharding: what ``AutoHybridGroups`` would resolve
+    (the given devices per node, else the CUDA device count, else ``LOCAL_WORLD_SIZE``) when it
+    divides the world, else ``local_node_size``."""
+    try:
+        n = AutoHybridGroups(devices_per_node=devices_per_node).resolved_devices_per_node()
+    except ConfigurationError:
+        return local_node_size(world_size)
+    return n if n <= world_size and world_size % n == 0 else local_node_size(world_size)
 
 
 def shard_size(world_size: int, strategy: str, devices_per_node: int | None = None) -> int:
