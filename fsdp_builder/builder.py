@@ -432,6 +432,7 @@ class _Pipeline:
             ignored=ignored,
             plan=plan,
             backend=self.backend.name,
+            agreement_group=self.group,
             buffer_dtypes=buffer_dtypes(model),
         )
         for strategy in (materializer, synchronizer):

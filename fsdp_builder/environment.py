@@ -7,6 +7,7 @@ import warnings
 import attrs
 import structlog
 import torch
+import torch.distributed as dist
 from attrs import frozen
 from torch.distributed.fsdp import ShardingStrategy
 
@@ -33,6 +34,8 @@ class Environment:
     ignored: IgnoredStates
     plan: UnitPlan
     backend: str = "fsdp1"
+    # The ranks that build together and agree on each step (None: the default group).
+    agreement_group: dist.ProcessGroup | None = None
     buffer_dtypes: dict[str, torch.dtype] = attrs.field(factory=dict)
 
     @property

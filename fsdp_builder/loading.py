@@ -32,7 +32,6 @@ from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.sharded_init import scatter_unit_state
 from fsdp_builder.synchronizers import (
     DEFAULT_BUCKET_BYTES,
-    agreement_group,
     broadcast_tensors,
     sync_stages,
 )
@@ -296,7 +295,7 @@ class FromStateDict(BaseMaterializer):
     def prepare(self, env: Environment) -> None:
         """Open and validate the source on rank 0; every rank raises the same error if it does
         not fit (collective over the build's ranks)."""
-        group = agreement_group(env)
+        group = env.agreement_group
         verdict: str | None = None
         if dist.get_rank() == 0:
             try:
@@ -331,7 +330,7 @@ class FromStateDict(BaseMaterializer):
         if env.backend == "fsdp2":
             return self._scatter(unit, env, reader)
         modules = unit_modules(unit.module, env.ignored.modules)
-        device = collective_device(agreement_group(env))
+        device = collective_device(env.agreement_group)
         allocate_empty(modules, device)
         entries = list(_unit_entries(unit, env.ignored))
         error: BaseException | None = None
@@ -347,7 +346,7 @@ class FromStateDict(BaseMaterializer):
                     f"`FromStateDict` could not copy unit '{unit.label}' out of "
                     f"{reader.describe}: {type(exc).__name__}: {exc}. {_FIX_SOURCE}."
                 )
-        agree("materialize (load)", error, unit=unit.label, group=agreement_group(env))
+        agree("materialize (load)", error, unit=unit.label, group=env.agreement_group)
         written = 0
         tensors = [e.tensor.detach() for e in entries]
         for group, src in sync_stages(env):

@@ -181,13 +181,6 @@ def _check_real(states: list[SyncState], who: str, unit: Unit) -> None:
         )
 
 
-def agreement_group(env: Environment) -> dist.ProcessGroup | None:
-    """The group whose ranks build together: the world, or the one group a build spans."""
-    if env.groups.data_parallel_size == dist.get_world_size():
-        return None
-    return env.groups.shard_group if env.groups.replicate_group is None else None
-
-
 def sync_stages(env: Environment) -> list[tuple[dist.ProcessGroup | None, int]]:
     """The (group, global source rank) broadcasts that carry global rank 0's values to every
     rank of the build.
@@ -353,7 +346,7 @@ class BroadcastFromRank0(BaseSynchronizer):
             _check_real(states, "BroadcastFromRank0", unit)
         except Exception as exc:  # reported on every rank before any broadcast starts
             error = exc
-        agree("synchronize (check)", error, unit=unit.label, group=agreement_group(env))
+        agree("synchronize (check)", error, unit=unit.label, group=env.agreement_group)
         sent_before |= skip
         total = 0
         for stages, members in by_stages(states):
@@ -396,7 +389,7 @@ class VerifyReplicas(BaseSynchronizer):
             _check_real(states, "VerifyReplicas", unit)
         except Exception as exc:
             error = exc
-        agree("synchronize (check)", error, unit=unit.label, group=agreement_group(env))
+        agree("synchronize (check)", error, unit=unit.label, group=env.agreement_group)
         total = 0
         # Each state is compared among the ranks that must hold it alike: all ranks for plain
         # tensors, a shard's replicas for sharded ones.
