@@ -49,7 +49,7 @@ from fsdp_builder.ignored import (
 )
 from fsdp_builder.materializers import Materializer, ResetParameters
 from fsdp_builder.moving import move_unit_states
-from fsdp_builder.plan import Unit, UnitPlan, plan_units
+from fsdp_builder.plan import Unit, UnitPlan, fingerprint_of, plan_units
 from fsdp_builder.report import BuildReport
 from fsdp_builder.synchronizers import Chain, NoSync, StateSynchronizer
 from fsdp_builder.wrap import WrapPolicy
@@ -392,6 +392,7 @@ class _Pipeline:
 
         # Local resolution: pure, so a failure leaves the model untouched on every rank.
         prepared: tuple[Any, ...] | None = None
+        description: Any = None
         error: BaseException | None = None
         try:
             self.factory.validate(options.strategy)
@@ -403,6 +404,7 @@ class _Pipeline:
             check_single_device(managed, resolver.explicit)
             device = resolver.resolve(model, managed, rank)
             materializer.check(plan, ignored)
+            description = plan.describe()
             prepared = (ignored, plan, device)
         except Exception as exc:
             error = exc
@@ -411,8 +413,8 @@ class _Pipeline:
             "configure",
             error,
             group=self.group,
-            fingerprint=prepared[1].fingerprint() if prepared else 0,
-            description=prepared[1].describe() if prepared else None,
+            fingerprint=fingerprint_of(description) if prepared else 0,
+            description=description,
         )
         assert prepared is not None
         ignored, plan, device = prepared

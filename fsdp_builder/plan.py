@@ -101,8 +101,7 @@ class UnitPlan:
 
     def fingerprint(self) -> int:
         """A 63-bit digest of :meth:`describe`, equal on ranks that built the same model."""
-        digest = hashlib.blake2b(repr(self.describe()).encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") >> 1
+        return fingerprint_of(self.describe())
 
     def format(self) -> str:
         lines = [f"{'unit':<40} {'params':>12} {'bytes':>14} {'buffers':>8}"]
@@ -110,6 +109,12 @@ class UnitPlan:
             lines.append(f"{u.label:<40} {u.numel:>12,} {u.nbytes:>14,} {len(u.buffers):>8}")
         lines.append(f"{'total':<40} {self.numel:>12,} {self.nbytes:>14,}")
         return "\n".join(lines)
+
+
+def fingerprint_of(description: object) -> int:
+    """A 63-bit digest of a plan description (see ``UnitPlan.describe``)."""
+    digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _info(name: str, t: torch.Tensor) -> TensorInfo:
