@@ -1,14 +1,21 @@
-"""The ``fsdp-builder`` command: ``demo`` builds and trains a sharded model, ``plan`` prints a
-model's unit plan without any process group, ``bench`` runs the benchmark harness."""
+"""The ``fsdp-builder`` command (also ``python -m fsdp_builder``).
+
+``demo`` builds a small transformer sharded over local ranks and trains it a few steps; ``plan``
+prints a model's wrap units and per-rank memory estimates (build and training) without any
+process group; ``bench`` runs the benchmark harness from a checkout of the repository.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import logging
 import os
 import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -23,9 +30,13 @@ from fsdp_builder import (
     ShardingBuilder,
 )
 from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, train
-from fsdp_builder.estimate import local_node_size
+from fsdp_builder.estimate import BACKENDS, OPTIMIZER_STATES, PARAM_DTYPES, local_node_size
 
 STRATEGIES = ("full", "grad_op", "hybrid", "none")
+EPILOG = (
+    "Under torchrun the demo uses torchrun's ranks instead of starting its own: "
+    "`torchrun --nproc-per-node 2 -m fsdp_builder demo`."
+)
 
 
 def configure_logging(verbose: bool) -> None:
@@ -40,6 +51,47 @@ def configure_logging(verbose: bool) -> None:
             logging.DEBUG if verbose else logging.WARNING
         ),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def progress(message: str, quiet: bool = False) -> None:
+    """One short progress line on stderr (stdout stays the report, or the JSON line)."""
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    print(f"{category.__name__}: {message}", file=sys.stderr, flush=True)
+
+
+def quiet_demo_warnings(rank: int) -> None:
+    """Keep the demo's output to warnings a user can act on.
+
+    - Every rank runs the same configuration, so ranks other than 0 would repeat rank 0's
+      warnings: only rank 0 shows them.
+    - FSDP2 warns when a wrapped module returns a view (the demo's logits come out of a
+      reshape inside ``nn.Linear``): an in-place op on that view would skip a hook, but the demo
+      never modifies its output in place.
+    - For ``--strategy none`` the builder already says that PyTorch deprecates NO_SHARD;
+      FSDP1 repeats it in other words.
+    What remains is actionable: NO_SHARD's deprecation (pick another ``--strategy``) and the
+    switch to NO_SHARD at ``--world-size 1``.
+    """
+    if rank != 0:
+        warnings.simplefilter("ignore")
+        return
+    # One line per warning: where it was raised inside the ranks' machinery says nothing here.
+    warnings.showwarning = _show_warning
+    warnings.filterwarnings("ignore", message=r".*returned a view tensor", category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning
     )
 
 
@@ -61,19 +113,29 @@ def build_demo(backend: str, strategy: str) -> ShardingBuilder:
     return builder
 
 
-def demo_rank(backend: str, strategy: str, steps: int, verbose: bool) -> dict[str, Any]:
-    """One rank of the demo: build, train, return the report and losses."""
+def demo_rank(
+    backend: str, strategy: str, steps: int, verbose: bool, quiet: bool = False
+) -> dict[str, Any]:
+    """One rank of the demo: build, train on a fixed batch, return the report and losses."""
     configure_logging(verbose)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    quiet_demo_warnings(rank)
+    lead = rank == 0 and not quiet
     cfg = DemoConfig()
     with torch.device("meta"):
         model = DemoTransformer(cfg)
+    progress(
+        f"{world} rank(s) ready; building the sharded model ({backend}, {strategy})…", not lead
+    )
     builder = build_demo(backend, strategy)
     sharded = builder.build(model)
-    losses = train(sharded, cfg, steps, dist.get_rank(), dist.get_world_size())
+    if steps:
+        progress(f"training {steps} step(s) on a fixed batch…", not lead)
+    losses = train(sharded, cfg, steps, rank, world, fixed_batch=True)
     report = builder.report
     return {
         "text": report.format(),
-        "world_size": dist.get_world_size(),
+        "world_size": world,
         "backend": backend,
         "strategy": report.strategy,
         "stages": [
@@ -97,7 +159,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
         try:
-            out = demo_rank(args.backend, args.strategy, args.steps, args.verbose)
+            out = demo_rank(args.backend, args.strategy, args.steps, args.verbose, args.quiet)
+            # Every rank's losses, as when the demo starts the ranks itself.
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, out["losses"])
+            out["losses_per_rank"] = per_rank
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
@@ -105,6 +171,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         from fsdp_builder.launch import run_ranks
 
+        progress(
+            f"starting {args.world_size} rank(s) on gloo (each imports torch: a few seconds)…",
+            args.quiet,
+        )
         outs = run_ranks(
             demo_rank,
             args.world_size,
@@ -112,6 +182,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             args.strategy,
             args.steps,
             args.verbose,
+            args.quiet,
             timeout=args.timeout,
         )
         out = outs[0]
@@ -121,21 +192,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(out["text"])
         print(f"model: {out['model_params']:,} parameters in {out['units']} units")
-        for r, losses in enumerate(out.get("losses_per_rank", [out["losses"]])):
-            print(f"rank {r} losses: " + ", ".join(f"{x:.4f}" for x in losses))
+        if not args.steps:
+            print("no training steps (--steps 0)")
+        for r, losses in enumerate(out["losses_per_rank"]):
+            if losses:
+                print(f"rank {r} losses: " + ", ".join(f"{x:.4f}" for x in losses))
     return 0
 
 
 def load_factory(spec: str) -> Any:
-    """Resolve ``package.module:callable``."""
+    """Resolve ``module:callable``, importing from the current directory first, as
+    ``python -m`` does."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise SystemExit(f"expected MODULE:FACTORY, got {spec!r}")
-    return getattr(importlib.import_module(module_name), attr)
+        raise SystemExit(f"expected MODULE:FACTORY (e.g. mymodel:make), got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise SystemExit(
+            f"cannot import {module_name!r} ({exc}); run the command from the folder that holds "
+            "it, or install it"
+        ) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise SystemExit(f"{module_name!r} has no attribute {attr!r}") from None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fsdp_builder.estimate import format_estimates
+    from fsdp_builder.estimate import (
+        estimates,
+        format_estimates,
+        format_training,
+        hybrid_shard_size,
+        training_estimate,
+    )
     from fsdp_builder.ignored import IgnoredStates
     from fsdp_builder.plan import plan_units
     from fsdp_builder.wrap import WrapPolicy
@@ -143,6 +237,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     factory = load_factory(args.factory)
     with torch.device("meta"):
         model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"{args.factory} returned {type(model).__name__}, not an nn.Module")
     classes: list[type[torch.nn.Module]] = []
     for name in args.wrap or []:
         matches = {type(m) for m in model.modules() if type(m).__name__ == name}
@@ -150,48 +246,218 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise SystemExit(f"--wrap {name}: no module of that class in the model")
         classes.extend(matches)
     plan = plan_units(model, WrapPolicy(classes=tuple(classes)), IgnoredStates())
+    world, per_node = args.world_size, args.devices_per_node
+    training = training_estimate(
+        plan,
+        world,
+        strategy=args.strategy,
+        backend=args.backend,
+        optimizer=args.optimizer,
+        param_dtype=args.param_dtype,
+        devices_per_node=per_node,
+    )
+    if args.json:
+        hybrid = hybrid_shard_size(world, per_node)
+        print(
+            json.dumps(
+                {
+                    "factory": args.factory,
+                    "world_size": world,
+                    "hybrid_shard_size": hybrid,
+                    "params": plan.numel,
+                    "bytes": plan.nbytes,
+                    "largest_unit_bytes": plan.largest_unit_bytes,
+                    "units": [
+                        {
+                            "name": u.label,
+                            "params": u.numel,
+                            "bytes": u.nbytes,
+                            "buffers": len(u.buffers),
+                        }
+                        for u in plan
+                    ],
+                    "build": [
+                        {
+                            "backend": e.backend,
+                            "strategy": e.strategy,
+                            "shard_size": e.shard_size,
+                            "after_build": e.after_build,
+                            "per_unit_peak": e.per_unit_peak,
+                            "shard_first_peak": e.shard_first_peak,
+                            "full_model_peak": e.full_model_peak,
+                        }
+                        for e in estimates(plan, world, per_node)
+                    ],
+                    "training": training.as_dict(),
+                }
+            )
+        )
+        return 0
     print(plan.format())
     print()
-    print(format_estimates(plan, args.world_size))
+    print(format_estimates(plan, world, per_node))
+    print()
+    print(format_training(training, world))
     return 0
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    try:
-        harness = importlib.import_module("benchmarks.harness")
-    except ImportError as exc:
+def cmd_bench(rest: list[str]) -> int:
+    """Run ``benchmarks/harness.py`` from the current directory (a checkout of the
+    repository), after checking its extras, so nothing runs before a missing one is named."""
+    cwd = Path.cwd()
+    if not (cwd / "benchmarks" / "harness.py").is_file():
         raise SystemExit(
-            f"`fsdp-builder bench` cannot start: {exc}. Install the harness and its extras "
-            "from the repository with `pip install -e '.[bench]'`."
-        ) from None
+            "`fsdp-builder bench` runs the benchmark harness in benchmarks/, which is not "
+            "installed with the library: run it from a checkout of the repository (the folder "
+            "holding benchmarks/harness.py)."
+        )
+    missing = [name for name in ("matplotlib", "tqdm") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(
+            f"`fsdp-builder bench` needs {' and '.join(missing)}: install the bench extra with "
+            "`pip install -e '.[bench]'` from the repository."
+        )
+    if str(cwd) not in sys.path:
+        sys.path.insert(0, str(cwd))
+    harness = importlib.import_module("benchmarks.harness")
     return int(harness.main(rest))
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-builder",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="build a small transformer sharded over local ranks and train it a few steps",
+        description="Build a small transformer (3 blocks, 183k parameters) from the meta "
+        "device, sharded over CPU ranks with gloo (or torchrun's ranks), train it a few SGD "
+        "steps on a fixed batch and print the build report and each rank's losses. Progress "
+        "goes to stderr.",
+        epilog=EPILOG,
+    )
+    demo.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help="ranks to start (default 2; ignored under torchrun, which sets the world)",
+    )
+    demo.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="fsdp1",
+        help="fsdp1: FullyShardedDataParallel (FSDPBuilder); fsdp2: fully_shard "
+        "(FullyShardBuilder). Default fsdp1",
+    )
+    demo.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="full",
+        help="full: shard parameters, gradients and optimizer states; grad_op: keep parameters "
+        "gathered between forward and backward; hybrid: shard within a node of 2 ranks, "
+        "replicate across nodes; none: replicate (NO_SHARD). Default full",
+    )
+    demo.add_argument(
+        "--steps", type=int, default=3, help="training steps after the build (default 3; 0: none)"
+    )
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON line (stages, units, every rank's losses) instead of the report",
+    )
+    demo.add_argument(
+        "--verbose", action="store_true", help="log every stage event of the build (structlog)"
+    )
+    demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    demo.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds before started ranks are stopped as hung (default 300)",
+    )
+    plan = sub.add_parser(
+        "plan",
+        help="print a model's wrap units and per-rank memory estimates; needs no process group",
+        description="Build the model on the meta device (no memory), split it into wrap units "
+        "as the builder would, and estimate per-rank memory for the build (every backend and "
+        "strategy) and for training (the chosen backend, strategy, optimizer and mixed "
+        "precision). Imports MODULE from the current directory first, as `python -m` does.",
+    )
+    plan.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="a callable returning an nn.Module, e.g. mymodel:make (called under "
+        "torch.device('meta'))",
+    )
+    plan.add_argument(
+        "--wrap",
+        action="append",
+        metavar="CLASS",
+        help="class name of the modules to wrap as units, as .wrap(CLASS) (repeatable)",
+    )
+    plan.add_argument("--world-size", type=int, default=2, help="ranks to estimate for (default 2)")
+    plan.add_argument(
+        "--devices-per-node",
+        type=int,
+        help="ranks per node, for hybrid sharding's shard groups (default: what "
+        "AutoHybridGroups finds on this machine)",
+    )
+    plan.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="fsdp1",
+        help="backend of the training estimate (default fsdp1)",
+    )
+    plan.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="full",
+        help="sharding strategy of the training estimate (default full)",
+    )
+    plan.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZER_STATES),
+        default="adamw",
+        help="optimizer of the training estimate: adamw/adam keep 2 states per parameter, "
+        "sgd-momentum 1, sgd and none 0 (default adamw)",
+    )
+    plan.add_argument(
+        "--param-dtype",
+        choices=tuple(PARAM_DTYPES),
+        help="mixed-precision compute dtype, as .mixed_precision(param_dtype=...): adds the "
+        "low-precision copies gathered for compute (default: no mixed precision)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan and estimates as JSON")
+    sub.add_parser(
+        "bench",
+        help="run the benchmark harness from a checkout (`fsdp-builder bench --help` for its "
+        "options; needs `pip install -e '.[bench]'`)",
+        add_help=False,
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fsdp-builder", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="build and train a small sharded model on local ranks")
-    demo.add_argument("--world-size", type=int, default=2)
-    demo.add_argument("--backend", choices=("fsdp1", "fsdp2"), default="fsdp1")
-    demo.add_argument("--strategy", choices=STRATEGIES, default="full")
-    demo.add_argument("--steps", type=int, default=3)
-    demo.add_argument("--json", action="store_true", help="print the report as one JSON line")
-    demo.add_argument("--verbose", action="store_true", help="log every stage event")
-    demo.add_argument("--timeout", type=float, default=300.0)
-    plan = sub.add_parser("plan", help="print a model's unit plan; needs no process group")
-    plan.add_argument("factory", help="MODULE:FACTORY returning an nn.Module")
-    plan.add_argument("--wrap", action="append", help="module class name to wrap (repeatable)")
-    plan.add_argument("--world-size", type=int, default=2)
-    sub.add_parser("bench", help="run the benchmark harness (see benchmarks/)", add_help=False)
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        return cmd_bench(args, rest)
+        return cmd_bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         if args.world_size < 1:
             parser.error("--world-size must be at least 1")
+        if args.steps < 0:
+            parser.error("--steps must be at least 0")
         return cmd_demo(args)
+    if args.world_size < 1:
+        parser.error("--world-size must be at least 1")
+    if args.devices_per_node is not None and args.devices_per_node < 1:
+        parser.error("--devices-per-node must be at least 1")
     return cmd_plan(args)
 
 

@@ -22,14 +22,6 @@ class DemoConfig:
     seq: int = 16
     mlp_ratio: int = 4
 
-    @classmethod
-    def for_params(cls, target: int, layers: int = 8, vocab: int = 4096) -> DemoConfig:
-        """A config of about ``target`` parameters (each block holds ~12 * dim**2)."""
-        dim = 64
-        while 12 * (dim + 64) ** 2 * layers + 2 * vocab * (dim + 64) <= target:
-            dim += 64
-        return cls(vocab=vocab, dim=dim, heads=max(1, dim // 64), layers=layers)
-
 
 class Block(nn.Module):
     """Pre-norm attention + MLP."""
@@ -111,12 +103,15 @@ def train(
     world_size: int,
     per_rank: int = 2,
     lr: float = 0.1,
+    fixed_batch: bool = False,
 ) -> list[float]:
-    """SGD steps where rank ``r`` trains on slice ``r`` of each global batch; returns its losses."""
+    """SGD steps where rank ``r`` trains on slice ``r`` of each global batch; returns its losses.
+    With ``fixed_batch`` every step sees the first batch again, so the losses fall."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        tokens = batch(cfg, step, per_rank * world_size)[rank * per_rank : (rank + 1) * per_rank]
+        global_batch = batch(cfg, 0 if fixed_batch else step, per_rank * world_size)
+        tokens = global_batch[rank * per_rank : (rank + 1) * per_rank]
         opt.zero_grad()
         loss = loss_fn(model, tokens, cfg.vocab)
         loss.backward()
@@ -132,13 +127,14 @@ def reference(
     world_size: int,
     per_rank: int = 2,
     lr: float = 0.1,
+    fixed_batch: bool = False,
 ) -> dict[str, Any]:
     """Single-process run over the whole global batch: per-slice losses before each step (what
-    rank ``r`` must see) and the final state dict."""
+    rank ``r`` must see) and the final state dict. ``fixed_batch`` as for :func:`train`."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     per_slice: list[list[float]] = [[] for _ in range(world_size)]
     for step in range(steps):
-        tokens = batch(cfg, step, per_rank * world_size)
+        tokens = batch(cfg, 0 if fixed_batch else step, per_rank * world_size)
         with torch.no_grad():
             for r in range(world_size):
                 part = tokens[r * per_rank : (r + 1) * per_rank]

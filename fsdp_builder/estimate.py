@@ -4,12 +4,18 @@ The numbers follow each backend's shard layout: FSDP1 flattens a unit's paramete
 tensor padded to a multiple of the shard group size; FSDP2 shards every parameter along dim 0,
 padding that dim. Buffers are replicated on every rank. Build peaks are the states held at the
 worst moment of a build, not counting allocator slack or communication buffers.
+
+Training estimates (:func:`training_estimate`) add what a training step keeps per rank:
+gradients (sharded like the parameters), optimizer states, and the parameters and gradients
+gathered for compute, in the compute dtype under mixed precision. Activations are not estimated:
+they depend on the batch, the sequence length and activation checkpointing, none of which a
+unit plan knows.
 """
 
 from __future__ import annotations
 
 import torch
-from attrs import frozen
+from attrs import asdict, frozen
 
 from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.groups import AutoHybridGroups
@@ -67,18 +73,6 @@ def unit_shard_bytes(unit: Unit, shards: int, backend: str) -> int:
     return total
 
 
-def sharded_bytes(
-    plan: UnitPlan,
-    world_size: int,
-    strategy: str,
-    backend: str = "fsdp2",
-    devices_per_node: int | None = None,
-) -> int:
-    """States a rank keeps after the build: its parameter shards plus every buffer."""
-    shards = shard_size(world_size, strategy, devices_per_node)
-    return sum(unit_shard_bytes(u, shards, backend) + u.buffer_bytes for u in plan)
-
-
 @frozen
 class Estimate:
     backend: str
@@ -104,12 +98,15 @@ def estimate(
     kept = [unit_shard_bytes(u, shards, backend) + u.buffer_bytes for u in plan]
     after = sum(kept)
     # While unit k is sharded the rank holds the shards of units before it, unit k in full and
-    # the backend's working copy: FSDP1 concatenates the unit into a flat tensor (a second full
-    # copy) before cutting its shard; FSDP2 copies out only the local shard of each parameter.
+    # the backend's working copies: FSDP1 concatenates the unit into a flat tensor (a second full
+    # copy), then copies out its shard before freeing the flat tensor; FSDP2 copies out only the
+    # local shard of each parameter.
     peak = 0
     done = 0
     extras = [
-        u.param_bytes if backend == "fsdp1" else (k if shards > 1 else 0)
+        (u.param_bytes + (unit_shard_bytes(u, shards, backend) if shards > 1 else 0))
+        if backend == "fsdp1"
+        else (k if shards > 1 else 0)
         for u, k in zip(plan, kept, strict=True)
     ]
     for unit, own, extra in zip(plan, kept, extras, strict=True):
@@ -137,12 +134,6 @@ def estimates(
     ]
 
 
-def build_peak_bytes(plan: UnitPlan, world_size: int, strategy: str, per_unit: bool) -> int:
-    """Peak during an FSDP2 build: per unit, or with the whole model materialized first."""
-    e = estimate(plan, world_size, strategy, "fsdp2")
-    return e.per_unit_peak if per_unit else e.full_model_peak
-
-
 def format_estimates(plan: UnitPlan, world_size: int, devices_per_node: int | None = None) -> str:
     mib = 1024 * 1024
     hybrid = hybrid_shard_size(world_size, devices_per_node)
@@ -162,4 +153,137 @@ def format_estimates(plan: UnitPlan, world_size: int, devices_per_node: int | No
         f"largest unit: {plan.largest_unit_bytes / mib:.2f} MiB; model: {plan.nbytes / mib:.2f} "
         "MiB. Peaks count states only (no allocator slack or communication buffers)."
     )
+    return "\n".join(lines)
+
+
+# torch.optim's states per parameter, each of the parameter's dtype and shape (Adam's step
+# counters are scalars and not counted).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
+PARAM_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+ACTIVATIONS = "not estimated (they depend on batch size, sequence length and checkpointing)"
+
+
+@frozen
+class TrainingEstimate:
+    """Bytes one rank holds during a training step, activations excepted."""
+
+    backend: str
+    strategy: str
+    shard_size: int
+    optimizer: str
+    param_dtype: str | None  # the mixed-precision compute dtype; None: none
+    # The rank's parameter shards in the model's dtype (the full-precision master weights under
+    # mixed precision).
+    params: int
+    buffers: int
+    # Sharded like the parameters, in their dtype.
+    gradients: int
+    optimizer_states: int
+    # Parameters all-gathered for compute, in the compute dtype: the root unit (kept gathered
+    # between forward and backward) and the two largest other units (the one computing and the
+    # one prefetched); every unit under grad_op, which keeps them gathered after forward.
+    gathered_params: int
+    # The full gradients of the largest unit before they are reduce-scattered.
+    gathered_gradients: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params
+            + self.buffers
+            + self.gradients
+            + self.optimizer_states
+            + self.gathered_params
+            + self.gathered_gradients
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "total": self.total, "activations": ACTIVATIONS}
+
+
+def _compute_bytes(unit: Unit, dtype: torch.dtype | None) -> int:
+    """A unit's parameters unsharded, cast to ``dtype`` (floating ones only) when given."""
+    if dtype is None:
+        return unit.param_bytes
+    return sum(
+        p.numel * (dtype.itemsize if p.dtype.is_floating_point else p.dtype.itemsize)
+        for p in unit.params
+    )
+
+
+def training_estimate(
+    plan: UnitPlan,
+    world_size: int,
+    strategy: str = "full",
+    backend: str = "fsdp1",
+    optimizer: str = "adamw",
+    param_dtype: str | None = None,
+    devices_per_node: int | None = None,
+) -> TrainingEstimate:
+    """Per-rank training memory for ``plan`` (see the module docstring for what is counted)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigurationError(
+            f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_STATES)}"
+        )
+    if param_dtype is not None and param_dtype not in PARAM_DTYPES:
+        raise ConfigurationError(
+            f"unknown param dtype {param_dtype!r}; expected one of {', '.join(PARAM_DTYPES)}"
+        )
+    shards = shard_size(world_size, strategy, devices_per_node)
+    params = sum(unit_shard_bytes(u, shards, backend) for u in plan)
+    buffers = sum(u.buffer_bytes for u in plan)
+    dtype = PARAM_DTYPES[param_dtype] if param_dtype is not None else None
+    mixed = dtype is not None and any(
+        p.dtype.is_floating_point and p.dtype != dtype for u in plan for p in u.params
+    )
+    gathered = gathered_grads = 0
+    if shards > 1 or mixed:
+        compute = [_compute_bytes(u, dtype) for u in plan]
+        if strategy == "grad_op":
+            gathered = sum(compute)
+        else:
+            others = sorted(compute[:-1], reverse=True)
+            gathered = compute[-1] + sum(others[:2])
+        gathered_grads = max(compute, default=0) if shards > 1 else 0
+    return TrainingEstimate(
+        backend=backend,
+        strategy=strategy,
+        shard_size=shards,
+        optimizer=optimizer,
+        param_dtype=param_dtype,
+        params=params,
+        buffers=buffers,
+        gradients=params,
+        optimizer_states=OPTIMIZER_STATES[optimizer] * params,
+        gathered_params=gathered,
+        gathered_gradients=gathered_grads,
+    )
+
+
+def format_training(e: TrainingEstimate, world_size: int) -> str:
+    mib = 1024 * 1024
+    dtype = e.param_dtype or "none"
+    gathered = "every unit (grad_op)" if e.strategy == "grad_op" else "root + 2 largest units"
+    rows = [
+        ("parameters (sharded; the master weights under mixed precision)", e.params),
+        ("buffers (every rank)", e.buffers),
+        ("gradients (sharded like the parameters)", e.gradients),
+        (
+            f"optimizer states ({e.optimizer}: {OPTIMIZER_STATES[e.optimizer]} per parameter)",
+            e.optimizer_states,
+        ),
+        (f"parameters gathered for compute ({gathered})", e.gathered_params),
+        ("gradients of the largest unit before reduce-scatter", e.gathered_gradients),
+    ]
+    lines = [
+        f"training memory per rank: {e.backend} {e.strategy} at world size {world_size} "
+        f"(shards of {e.shard_size}), optimizer {e.optimizer}, param dtype {dtype} (MiB):"
+    ]
+    lines += [f"  {label:<66} {n / mib:>12,.2f}" for label, n in rows]
+    lines.append(f"  {'total':<66} {e.total / mib:>12,.2f}")
+    lines.append(f"  activations: {ACTIVATIONS}")
     return "\n".join(lines)
