@@ -1,17 +1,35 @@
-"""``fsdp-builder plan``: the printed plan and estimates agree with the real model."""
+"""``fsdp-builder plan``: the printed plan and estimates agree with the real model, the build
+estimates agree with the benchmark's measured peaks, and a 7B model plans in seconds."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import statistics
 import subprocess
 import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
+from benchmarks.models import BenchConfig, BenchTransformer, Block
 from fsdp_builder.cli import main
 from fsdp_builder.demo import DemoTransformer, demo_model
+from fsdp_builder.estimate import Estimate, estimate, training_estimate
+from fsdp_builder.ignored import IgnoredStates
+from fsdp_builder.plan import plan_units
+from fsdp_builder.wrap import WrapPolicy
 
 MIB = 1024 * 1024
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks" / "results" / "bench.json"
+CLI = (sys.executable, "-m", "fsdp_builder")
+LLAMA = REPO / "docs" / "recipes" / "llama_model.py"
 
 
 def _plan_rows(text: str) -> dict[str, tuple[int, int]]:
@@ -92,7 +110,7 @@ def test_plan_console_command(model: DemoTransformer) -> None:
         [
             sys.executable,
             "-m",
-            "fsdp_builder.cli",
+            "fsdp_builder",
             "plan",
             "fsdp_builder.demo:demo_model",
             "--wrap",
@@ -109,3 +127,182 @@ def test_plan_console_command(model: DemoTransformer) -> None:
 def test_plan_rejects_unknown_wrap_class() -> None:
     with pytest.raises(SystemExit, match="no module of that class"):
         main(["plan", "fsdp_builder.demo:demo_model", "--wrap", "Nope"])
+
+
+def test_plan_json_and_training_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "fsdp_builder.demo:demo_model", "--wrap", "Block", "--world-size", "4"]
+    assert main([*argv, "--json", "--param-dtype", "bf16", "--optimizer", "sgd-momentum"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = demo_model()
+    total = _numel(model)
+    assert out["params"] == total and out["world_size"] == 4
+    assert [u["name"] for u in out["units"]] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
+    assert len(out["build"]) == 8
+    train = out["training"]
+    assert train["backend"] == "fsdp1" and train["strategy"] == "full"
+    assert train["shard_size"] == 4 and train["optimizer"] == "sgd-momentum"
+    # FSDP1 shards each unit's flat parameter: about a quarter of the model per rank.
+    assert total * 4 / 4 <= train["params"] <= total * 4 / 4 + 4 * 4 * len(out["units"])
+    assert train["gradients"] == train["params"]
+    assert train["optimizer_states"] == train["params"]  # one momentum buffer per parameter
+    # bf16 copies gathered for compute: the root plus the two largest blocks, 2 bytes each.
+    block = _numel(model.blocks[0])
+    assert train["gathered_params"] == 2 * (total - 3 * block) + 2 * 2 * block
+    assert train["activations"].startswith("not estimated")
+    assert train["total"] == sum(
+        train[k]
+        for k in (
+            "params",
+            "buffers",
+            "gradients",
+            "optimizer_states",
+            "gathered_params",
+            "gathered_gradients",
+        )
+    )
+
+    assert main([*argv, "--strategy", "none", "--optimizer", "adamw"]) == 0
+    text = capsys.readouterr().out
+    assert "training memory per rank: fsdp1 none at world size 4 (shards of 1)" in text
+    assert "activations: not estimated" in text
+
+
+def test_training_estimate_counts_every_optimizer() -> None:
+    plan = plan_units(
+        demo_model(), WrapPolicy(classes=(type(demo_model().blocks[0]),)), IgnoredStates()
+    )
+    states = {
+        opt: training_estimate(plan, 2, optimizer=opt).optimizer_states
+        for opt in ("adamw", "adam", "sgd", "sgd-momentum", "none")
+    }
+    shard = training_estimate(plan, 2).params
+    assert states == {
+        "adamw": 2 * shard,
+        "adam": 2 * shard,
+        "sgd": 0,
+        "sgd-momentum": shard,
+        "none": 0,
+    }
+    # grad_op keeps every unit gathered after forward.
+    full = training_estimate(plan, 2, strategy="full")
+    grad_op = training_estimate(plan, 2, strategy="grad_op")
+    assert grad_op.gathered_params == plan.nbytes - sum(u.buffer_bytes for u in plan)
+    assert full.gathered_params < grad_op.gathered_params
+
+
+# -- the estimates against the committed benchmark measurements ------------------------------
+
+# Which build estimate describes each recipe of benchmarks/results/bench.json.
+RECIPE_ESTIMATE: dict[str, tuple[str, str]] = {
+    "builder_fsdp1_reset": ("fsdp1", "per_unit_peak"),
+    "builder_fsdp1_det": ("fsdp1", "per_unit_peak"),
+    "builder_fsdp1_bcast": ("fsdp1", "per_unit_peak"),
+    "fsdp1_meta": ("fsdp1", "per_unit_peak"),
+    "builder_fsdp2_reset": ("fsdp2", "per_unit_peak"),
+    "builder_fsdp2_det": ("fsdp2", "per_unit_peak"),
+    "builder_fsdp2_shard_first": ("fsdp2", "shard_first_peak"),
+    "fsdp2_meta": ("fsdp2", "shard_first_peak"),
+    "fsdp1_full": ("fsdp1", "full_model_peak"),
+}
+
+
+def _measured() -> dict[tuple[str, str, int], tuple[float, dict[str, Any]]]:
+    """Median per-rank peak of each (size, recipe, world size), with the model config."""
+    peaks: dict[tuple[str, str, int], list[int]] = {}
+    configs: dict[str, dict[str, Any]] = {}
+    for r in json.loads(BENCH.read_text())["records"]:
+        if r["error"] is None and r["peak_bytes"] and r["recipe"] in RECIPE_ESTIMATE:
+            peaks.setdefault((r["size"], r["recipe"], r["world_size"]), []).append(r["peak_bytes"])
+            configs[r["size"]] = r["config"]
+    return {k: (statistics.median(v), configs[k[0]]) for k, v in peaks.items()}
+
+
+def test_build_estimates_are_within_ten_percent_of_measured_peaks() -> None:
+    measured = _measured()
+    assert {recipe for _, recipe, _ in measured} == set(RECIPE_ESTIMATE)
+    plans = {}
+    for (size, recipe, world), (peak, config) in sorted(measured.items()):
+        if size not in plans:
+            with torch.device("meta"):
+                model = BenchTransformer(BenchConfig(**config))
+            plans[size] = plan_units(model, WrapPolicy(classes=(Block,)), IgnoredStates())
+        backend, field = RECIPE_ESTIMATE[recipe]
+        est: Estimate = estimate(plans[size], world, "full", backend)
+        predicted = getattr(est, field)
+        assert abs(predicted - peak) <= 0.10 * peak, (
+            f"{recipe} at {size}, W={world}: estimated {predicted / MIB:.1f} MiB, "
+            f"measured {peak / MIB:.1f} MiB"
+        )
+
+
+def test_plan_cli_on_the_benchmark_model_matches_the_measured_peaks() -> None:
+    proc = subprocess.run(
+        [*CLI, "plan", "benchmarks.models:bench_model", "--wrap", "Block", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=REPO,
+    )
+    out = json.loads(proc.stdout)
+    build = {(e["backend"], e["strategy"]): e for e in out["build"]}
+    measured = _measured()
+    size = "200M"
+    for recipe, (backend, field) in RECIPE_ESTIMATE.items():
+        peak, _ = measured[(size, recipe, 2)]
+        assert abs(build[(backend, "full")][field] - peak) <= 0.10 * peak, recipe
+
+
+# -- a 7B Llama on meta ----------------------------------------------------------------------
+
+LLAMA_7B = """
+from llama_model import ModelArgs, Transformer
+
+
+def make():
+    return Transformer(
+        ModelArgs(
+            dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256,
+            max_seq_len=4096,
+        )
+    )
+"""
+
+
+LLAMA_OPTIONS = ("--world-size", "64", "--param-dtype", "bf16", "--json")
+
+
+@pytest.mark.timeout(120)
+def test_plan_7b_llama_at_world_size_64_from_the_current_directory(tmp_path: Path) -> None:
+    shutil.copy(LLAMA, tmp_path / "llama_model.py")
+    (tmp_path / "mymodel.py").write_text(textwrap.dedent(LLAMA_7B))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*CLI, "plan", "mymodel:make", "--wrap", "TransformerBlock", *LLAMA_OPTIONS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,  # mymodel.py is only importable from here
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 60, f"plan took {elapsed:.1f} s"
+    out = json.loads(proc.stdout)
+    params = out["params"]
+    assert 6.6e9 < params < 6.8e9  # Llama-2 7B: 6.74e9
+    assert len(out["units"]) == 33  # 32 blocks + the root
+    train = out["training"]
+    assert train["shard_size"] == 64
+    fp32_shard = params * 4 / 64
+    assert fp32_shard <= train["params"] <= fp32_shard * 1.01
+    assert train["optimizer_states"] == 2 * train["params"]  # AdamW
+    # bf16 copies: the root (embeddings + output, 262M) and two blocks (202M each).
+    assert 2 * (262e6 + 2 * 202e6) <= train["gathered_params"] <= 2 * 6.7e8 * 1.01
+    assert 3e9 < train["total"] < 4e9  # ~3.4 GB per rank before activations
+
+
+def test_plan_names_an_unimportable_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="run the command from the folder that holds it"):
+        main(["plan", "no_such_module_here:make"])
