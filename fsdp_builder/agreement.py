@@ -7,20 +7,16 @@ costs one tiny all-gather; messages are exchanged only when something failed.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from fsdp_builder.collectives import collective_device
 from fsdp_builder.errors import RankDisagreementError
 
-
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a small tensor must live to travel on ``group``'s backend."""
-    backend = str(dist.get_backend(group))
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+T = TypeVar("T")
 
 
 def _first_difference(descriptions: list[Any]) -> str:
@@ -76,11 +72,14 @@ def agree(
         # Every rank failed: each raises its own error, which already says what to fix.
         raise error
     if any(flags):
-        messages: list[Any] = [None] * world
-        local = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(messages, local, group=group)
-        failures = {r: str(m) for r, m in enumerate(messages) if m is not None}
-        raise RankDisagreementError(stage, failures, unit) from error
+        # Each failing rank sends its own stage and message, so that every rank raises the same
+        # error, named after the first failing rank's stage (not after where it waited).
+        notes: list[Any] = [None] * world
+        local = None if error is None else (stage, f"{type(error).__name__}: {error}")
+        dist.all_gather_object(notes, local, group=group)
+        failures = {r: str(n[1]) for r, n in enumerate(notes) if n is not None}
+        first = next(n for n in notes if n is not None)
+        raise RankDisagreementError(first[0], failures, unit) from error
     if len(prints) > 1:
         descriptions: list[Any] = [None] * world
         dist.all_gather_object(descriptions, description, group=group)
@@ -96,3 +95,46 @@ def agree(
             },
             unit,
         )
+
+
+class Agreement:
+    """How a build's steps agree: a step that runs collectives is preceded by an agreement on
+    the local steps before it; a local step only records its failure (and the rank skips its
+    next local steps until the agreement), so ranks agree once per unit unless a strategy
+    communicates. A step that communicates must fail on every rank alike, or only after its
+    last collective."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        # A local step's failure, held until the next agreement.
+        self.pending: tuple[str, BaseException] | None = None
+
+    def now(self, stage: str, fn: Callable[[], T], unit: str | None = None) -> T:
+        """Run ``fn``, then agree on its outcome across ranks."""
+        error: BaseException | None = None
+        result: T | None = None
+        try:
+            result = fn()
+        except Exception as exc:  # any rank's failure must reach every rank
+            error = exc
+        agree(stage, error, unit=unit, group=self.group)
+        return result  # type: ignore[return-value]  # agree raised when fn did
+
+    def step(self, stage: str, fn: Callable[[], T], unit: str, communicates: bool) -> T | None:
+        """Run one per-unit step (see the class doc); None when it was skipped or failed."""
+        if communicates:
+            self.settle(unit)
+            return self.now(stage, fn, unit)
+        if self.pending is not None:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            self.pending = (stage, exc)
+            return None
+
+    def settle(self, unit: str) -> None:
+        """Agree on the local steps run since the last agreement."""
+        stage, error = self.pending or ("unit", None)
+        self.pending = None
+        agree(stage, error, unit=unit, group=self.group)

@@ -1,7 +1,5 @@
-"""The builders: fluent configuration, then ``build(model)`` runs the init pipeline.
-
-Data flow: resolve the environment locally → ranks agree → create groups → for each unit,
-bottom-up: materialize → move → synchronize → shard → the wrapper the user trains with.
+"""The builders: fluent configuration, then ``build(model)`` runs the init pipeline
+(``fsdp_builder.pipeline``).
 
 Builders are single-use: ``build`` may be called once (the environment and report belong to that
 build); ``clone()`` gives an unbuilt builder with the same configuration. Each configuration call
@@ -11,61 +9,59 @@ overrides an earlier choice.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
-from functools import partial
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import attrs
-import structlog
 import torch
 import torch.distributed as dist
-from attrs import define, frozen
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
-from fsdp_builder.agreement import agree
 from fsdp_builder.backends import Backend
 from fsdp_builder.backends.fsdp1 import FSDP1Backend
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
-from fsdp_builder.config import ShardingOptions
-from fsdp_builder.devices import (
-    DeviceResolver,
-    ExplicitDevice,
-    InferredDevice,
-    check_compute_device,
-    check_single_device,
-)
-from fsdp_builder.environment import Environment, effective_strategy
-from fsdp_builder.errors import ConfigurationError, FSDPBuilderError, config_error
-from fsdp_builder.groups import DefaultGroups, GivenGroup, GroupFactory, HybridGroups, MeshGroups
-from fsdp_builder.ignored import (
-    IgnoredStates,
-    buffer_dtypes,
-    managed_params,
-    resolve_ignored,
-    validate_ignore_arguments,
-)
-from fsdp_builder.materializers import Materializer, ResetParameters
-from fsdp_builder.moving import move_unit_states
-from fsdp_builder.plan import Unit, UnitPlan, fingerprint_of, plan_units
+from fsdp_builder.devices import DeviceResolver, ExplicitDevice
+from fsdp_builder.environment import Environment
+from fsdp_builder.errors import ConfigurationError, config_error
+from fsdp_builder.groups import GivenGroup, GroupFactory, HybridGroups, MeshGroups
+from fsdp_builder.ignored import validate_ignore_arguments
+from fsdp_builder.materializers import Materializer
+from fsdp_builder.pipeline import BuilderConfig, BuildResult, plan_for, run_build
+from fsdp_builder.plan import UnitPlan
 from fsdp_builder.report import BuildReport
-from fsdp_builder.synchronizers import Chain, NoSync, StateSynchronizer
+from fsdp_builder.synchronizers import Chain, StateSynchronizer
 from fsdp_builder.wrap import WrapPolicy
 
-log = structlog.get_logger(__name__)
-
 B = TypeVar("B", bound="ShardingBuilder")
-T = TypeVar("T")
+
+
+def _protocol_members(protocol: type) -> list[str]:
+    return sorted(
+        name
+        for name in getattr(protocol, "__protocol_attrs__", None) or vars(protocol)
+        if not name.startswith("_")
+    )
 
 
 def _require(where: str, value: Any, protocol: type, fix: str) -> None:
-    if not isinstance(value, protocol):
+    """Refuse what does not implement ``protocol``: a class instead of an instance (say how to
+    make one), or an object that lacks some of the protocol's members (name them)."""
+    if isinstance(value, type):
         raise config_error(
             f"ShardingBuilder.{where}",
             where,
-            f"{type(value).__name__} does not implement {protocol.__name__}",
+            f"the class {value.__name__} was given where an instance is expected",
+            f"Did you mean `{value.__name__}()`?",
+        )
+    if not isinstance(value, protocol):
+        missing = [m for m in _protocol_members(protocol) if not hasattr(value, m)]
+        raise config_error(
+            f"ShardingBuilder.{where}",
+            where,
+            f"{type(value).__name__} does not implement {protocol.__name__}"
+            + (f" (it lacks {', '.join(missing)})" if missing else ""),
             fix,
         )
 
@@ -93,33 +89,8 @@ def _as_group_factory(value: Any) -> GroupFactory:
     return value
 
 
-@frozen
-class BuilderConfig:
-    """Everything configured on a builder; None means 'the default'."""
-
-    device: DeviceResolver | None = None
-    groups: GroupFactory | None = None
-    materializer: Materializer | None = None
-    synchronizer: StateSynchronizer | None = None
-    wrap: WrapPolicy | None = None
-    ignored_modules: tuple[nn.Module, ...] | None = None
-    ignored_states: tuple[Any, ...] | None = None
-    options: ShardingOptions = attrs.field(factory=ShardingOptions)
-
-
-@define
-class BuildResult:
-    """What one build produced on this rank."""
-
-    environment: Environment
-    report: BuildReport
-    module: nn.Module
-
-
 class ShardingBuilder:
     """Fluent configuration shared by every backend; subclasses choose the backend."""
-
-    backend_name = "abstract"
 
     def __init__(self) -> None:
         self._config = BuilderConfig()
@@ -285,9 +256,7 @@ class ShardingBuilder:
 
     def plan_for(self, model: nn.Module) -> UnitPlan:
         """The unit plan this builder would use for ``model``; needs no process group."""
-        cfg = self._config
-        ignored = resolve_ignored(model, cfg.ignored_modules, cfg.ignored_states)
-        return plan_units(model, cfg.wrap or WrapPolicy(), ignored)
+        return plan_for(self._config, model)
 
     def build(self, model: nn.Module) -> nn.Module:
         """Shard ``model``; every rank of the group calls this with the same model.
@@ -306,14 +275,12 @@ class ShardingBuilder:
                 f"expected an nn.Module, got {type(model).__name__}",
                 "Pass the model to shard.",
             )
-        self._result = _Pipeline(self._config, self._backend()).run(model)
+        self._result = run_build(self._config, self._backend(), model)
         return self._result.module
 
 
 class FSDPBuilder(ShardingBuilder):
     """Builds ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1) models."""
-
-    backend_name = "fsdp1"
 
     def _backend(self) -> Backend:
         return FSDP1Backend()
@@ -323,234 +290,5 @@ class FullyShardBuilder(ShardingBuilder):
     """Builds ``torch.distributed.fsdp.fully_shard`` (FSDP2) models; see
     ``fsdp_builder.backends.fsdp2`` for how each option maps and which ones are refused."""
 
-    backend_name = "fsdp2"
-
     def _backend(self) -> Backend:
         return FullyShardBackend()
-
-
-def _parent_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            slots.setdefault(id(child), []).append((parent, name))
-    return slots
-
-
-class _Pipeline:
-    """One run of the init pipeline; lives only inside ``build``."""
-
-    def __init__(self, config: BuilderConfig, backend: Backend) -> None:
-        self.config = config
-        self.backend = backend
-        self.factory = config.groups or DefaultGroups()
-        self.group: dist.ProcessGroup | None = None
-        # A local step's failure, held until the next agreement (see _step).
-        self.pending: tuple[str, BaseException] | None = None
-
-    def _local(self, stage: str, fn: Callable[[], T], unit: str | None = None) -> T:
-        """Run a step, then agree on its outcome across ranks. A step that communicates must
-        fail on every rank alike, or only after its last collective."""
-        error: BaseException | None = None
-        result: T | None = None
-        try:
-            result = fn()
-        except Exception as exc:  # any rank's failure must reach every rank
-            error = exc
-        agree(stage, error, unit=unit, group=self.group)
-        return result  # type: ignore[return-value]
-
-    def _flush(self, unit: str) -> None:
-        """Agree on the local steps run since the last agreement."""
-        stage, error = self.pending or ("unit", None)
-        self.pending = None
-        agree(stage, error, unit=unit, group=self.group)
-
-    def _step(self, stage: str, fn: Callable[[], T], unit: str, communicates: bool) -> T | None:
-        """Run one per-unit step. A step that communicates is preceded by an agreement on the
-        local steps before it; a local step only records its failure (and the rank skips its
-        next local steps), so ranks agree once per unit unless a strategy communicates."""
-        if communicates:
-            self._flush(unit)
-            return self._local(stage, fn, unit)
-        if self.pending is not None:
-            return None
-        try:
-            return fn()
-        except Exception as exc:
-            self.pending = (stage, exc)
-            return None
-
-    def run(self, model: nn.Module) -> BuildResult:
-        started = time.perf_counter()
-        cfg = self.config
-        options = cfg.options
-        resolver = cfg.device or InferredDevice()
-        materializer = cfg.materializer or ResetParameters()
-        synchronizer = cfg.synchronizer or NoSync()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-
-        # Local resolution: pure, so a failure leaves the model untouched on every rank.
-        prepared: tuple[Any, ...] | None = None
-        description: Any = None
-        error: BaseException | None = None
-        try:
-            self.factory.validate(options.strategy)
-            self.backend.check(options)
-            ignored = resolve_ignored(model, cfg.ignored_modules, cfg.ignored_states)
-            plan = plan_units(model, cfg.wrap or WrapPolicy(), ignored)
-            _check_ignored_real(model, ignored)
-            managed = list(managed_params(model, ignored))
-            check_single_device(managed, resolver.explicit)
-            device = resolver.resolve(model, managed, rank)
-            materializer.check(plan, ignored)
-            description = plan.describe()
-            prepared = (ignored, plan, device)
-        except Exception as exc:
-            error = exc
-        self.group = self.factory.agreement_group()
-        agree(
-            "configure",
-            error,
-            group=self.group,
-            fingerprint=fingerprint_of(description) if prepared else 0,
-            description=description,
-        )
-        assert prepared is not None
-        ignored, plan, device = prepared
-
-        groups = self._local("groups", lambda: self.factory.create(options.strategy, device))
-        options, groups = effective_strategy(options, groups)
-        prepare_groups = getattr(self.backend, "prepare_groups", None)
-        if callable(prepare_groups):
-            # The backend's view of the groups (FSDP2: the mesh), resolved once per build.
-            groups = self._local("groups", partial(prepare_groups, groups, options, device))
-        env = Environment(
-            rank=rank,
-            world_size=dist.get_world_size(),
-            groups=groups,
-            device=device,
-            options=options,
-            ignored=ignored,
-            plan=plan,
-            backend=self.backend.name,
-            agreement_group=self.group,
-            buffer_dtypes=buffer_dtypes(model),
-        )
-        for strategy in (materializer, synchronizer):
-            prepare: Callable[[Environment], object] | None = getattr(strategy, "prepare", None)
-            if callable(prepare):
-                self._local(f"prepare {type(strategy).__name__}", partial(prepare, env))
-        report = BuildReport(
-            rank=rank,
-            world_size=env.world_size,
-            backend=self.backend.name,
-            strategy=options.strategy.name,
-            device=str(device),
-        )
-        logger = log.bind(rank=rank, world_size=env.world_size)
-        logger.debug(
-            "build_start",
-            backend=self.backend.name,
-            strategy=options.strategy.name,
-            units=len(plan),
-            device=str(device),
-            model_bytes=plan.nbytes,
-        )
-        slots = _parent_slots(model)
-        result: nn.Module = model
-        for unit in plan:
-            result = self._unit(
-                unit, env, report, logger.bind(unit=unit.label), slots, materializer, synchronizer
-            )
-        self._local("finish", lambda: _check_no_meta(result))
-        logger.info(
-            "build_done",
-            seconds=round(report.total_seconds, 6),
-            wall_seconds=round(time.perf_counter() - started, 6),
-            units=len(plan),
-            backend=self.backend.name,
-            strategy=options.strategy.name,
-        )
-        return BuildResult(environment=env, report=report, module=result)
-
-    def _unit(
-        self,
-        unit: Unit,
-        env: Environment,
-        report: BuildReport,
-        logger: Any,
-        slots: dict[int, list[tuple[nn.Module, str]]],
-        materializer: Materializer,
-        synchronizer: StateSynchronizer,
-    ) -> nn.Module:
-        shard_first = bool(getattr(materializer, "shard_first", False)) and bool(
-            getattr(self.backend, "supports_shard_first", False)
-        )
-
-        def materialize_and_move() -> None:
-            with report.measure("materialize", unit.label, env.device, logger) as m:
-                m.bytes = materializer.materialize(unit, env)
-            with report.measure("move", unit.label, env.device, logger) as m:
-                m.bytes = move_unit_states(unit.module, env.ignored, env.device)
-                check_compute_device(
-                    managed_params(unit.module, env.ignored), env.device, unit.label, env.rank
-                )
-
-        def synchronize() -> None:
-            with report.measure("synchronize", unit.label, env.device, logger) as m:
-                m.comm_bytes = synchronizer.synchronize(unit, env)
-
-        def shard() -> nn.Module:
-            with report.measure("shard", unit.label, env.device, logger) as m:
-                wrapped = self.backend.shard(unit, env)
-                m.bytes = unit.param_bytes
-            return wrapped
-
-        # A strategy without `communicates = False` is assumed to communicate: it then runs
-        # under its own agreement and must fail on every rank alike, or only after its last
-        # collective.
-        steps: list[tuple[str, Callable[[], Any], bool]] = [
-            ("materialize", materialize_and_move, _communicates(materializer)),
-            ("synchronize", synchronize, _communicates(synchronizer)),
-            ("shard", shard, bool(getattr(self.backend, "shard_communicates", True))),
-        ]
-        if shard_first:
-            # Shard the unit while it is still on meta, then give only the local shards values.
-            steps = [steps[2], steps[0], steps[1]]
-        outcomes = {stage: self._step(stage, fn, unit.label, comm) for stage, fn, comm in steps}
-        self._flush(unit.label)
-        wrapped = outcomes["shard"]
-        assert isinstance(wrapped, nn.Module)  # every step ran: the agreement raised otherwise
-        if wrapped is not unit.module:
-            for parent, name in slots.get(id(unit.module), []):
-                setattr(parent, name, wrapped)
-        return wrapped
-
-
-def _check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
-    """Ignored states are never materialized: on meta they would be left so; say it now, while
-    the model is untouched."""
-    buffers = {id(b) for b in ignored.buffers}
-    left = [n for n, p in model.named_parameters() if p in ignored.params and p.is_meta]
-    left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
-    if left:
-        raise ConfigurationError(
-            f"Ignored states are on the meta device: {', '.join(left[:8])}"
-            f"{' ...' if len(left) > 8 else ''}. The builder leaves ignored states as they are: "
-            "give them real values before build(), or stop ignoring them."
-        )
-
-
-def _communicates(strategy: object) -> bool:
-    return bool(getattr(strategy, "communicates", True))
-
-
-def _check_no_meta(model: nn.Module) -> None:
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise FSDPBuilderError(
-            f"After the build these states are still on the meta device: {', '.join(left[:8])}"
-            f"{' ...' if len(left) > 8 else ''}. They belong to ignored modules or a materializer "
-            "skipped them: materialize them yourself or stop ignoring them."
-        )

@@ -8,20 +8,17 @@ spread over two non-CPU device types, or over CPU and a GPU without an explicit 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import attrs
-import structlog
 import torch
 from attrs import frozen
 from torch import nn
 from typing_extensions import override
 
 from fsdp_builder.errors import ConfigurationError, config_error
-
-log = structlog.get_logger(__name__)
+from fsdp_builder.logs import warn_user
 
 CPU = torch.device("cpu")
 
@@ -59,11 +56,9 @@ def _with_index(device: torch.device, rank: int) -> torch.device:
                 "Use ExplicitDevice('cpu') with the gloo backend, or run on a GPU machine.",
             )
         current = torch.cuda.current_device()
-        warnings.warn(
+        warn_user(
             f"Device 'cuda' on rank {rank} has no explicit index; using the current device "
-            f"cuda:{current}. Call torch.cuda.set_device() first or pass 'cuda:<index>'.",
-            UserWarning,
-            stacklevel=5,  # the user's build() call
+            f"cuda:{current}. Call torch.cuda.set_device() first or pass 'cuda:<index>'."
         )
         return torch.device("cuda", current)
     return device

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
+from typing import Any
 
 import attrs
-import structlog
 import torch
 import torch.distributed as dist
 from attrs import frozen
@@ -14,9 +13,8 @@ from torch.distributed.fsdp import ShardingStrategy
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.ignored import IgnoredStates
+from fsdp_builder.logs import build_logger, warn_user
 from fsdp_builder.plan import UnitPlan
-
-log = structlog.get_logger(__name__)
 
 
 @frozen(eq=False)
@@ -33,10 +31,22 @@ class Environment:
     options: ShardingOptions
     ignored: IgnoredStates
     plan: UnitPlan
-    backend: str = "fsdp1"
+    backend: str = "fsdp1"  # the backend's name, for reports
     # The ranks that build together and agree on each step (None: the default group).
     agreement_group: dist.ProcessGroup | None = None
     buffer_dtypes: dict[str, torch.dtype] = attrs.field(factory=dict)
+    # True when each unit is sharded on meta before its materializer runs (a shard-first
+    # materializer with a backend that supports it): materializers then fill local shards.
+    shards_first: bool = False
+    # The build's event logger, bound to rank and world_size (see fsdp_builder.logs).
+    logger: Any = attrs.field(default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if self.logger is None:
+            bound = build_logger(
+                "fsdp_builder.pipeline", rank=self.rank, world_size=self.world_size
+            )
+            object.__setattr__(self, "logger", bound)
 
     @property
     def strategy(self) -> ShardingStrategy:
@@ -52,10 +62,8 @@ def effective_strategy(
     strategy = options.strategy
     if groups.data_parallel_size == 1:
         if strategy != ShardingStrategy.NO_SHARD:
-            warnings.warn(
+            warn_user(
                 f"Using NO_SHARD instead of {strategy.name} since the world size is 1.",
-                UserWarning,
-                stacklevel=4,  # the user's build() call
             )
         # One rank: a hybrid mesh has nothing left to describe.
         return (
@@ -65,21 +73,19 @@ def effective_strategy(
             else groups,
         )
     if options.is_hybrid and groups.world_size == 1 and groups.replicate_group is not None:
-        warnings.warn(
+        warn_user(
             f"Using NO_SHARD over the replicate group instead of {strategy.name} since each "
             "shard group has one rank.",
             UserWarning,
-            stacklevel=4,  # the user's build() call
         )
         return (
             attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD),
             ProcessGroups(shard_group=groups.replicate_group),
         )
     if strategy == ShardingStrategy.NO_SHARD:
-        warnings.warn(
+        warn_user(
             "The NO_SHARD sharding strategy is deprecated by PyTorch; prefer "
             "DistributedDataParallel if you hit issues with it.",
             FutureWarning,
-            stacklevel=4,  # the user's build() call
         )
     return options, groups

@@ -10,7 +10,6 @@ import os
 from typing import Protocol, runtime_checkable
 
 import attrs
-import structlog
 import torch
 import torch.distributed as dist
 from attrs import frozen
@@ -18,11 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy
 from typing_extensions import override
 
-from fsdp_builder.agreement import collective_device
+from fsdp_builder.collectives import collective_device
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
-
-log = structlog.get_logger(__name__)
 
 
 def gradient_predivide_factor(world_size: int) -> float:
@@ -287,6 +284,47 @@ class HybridGroups(BaseGroupFactory):
         return ProcessGroups(shard_group=self.shard_group, replicate_group=self.replicate_group)
 
 
+def check_mesh_ndim(mesh: DeviceMesh, where: str) -> None:
+    """FSDP shards over a 1-D mesh, or a 2-D (replicate, shard) one for hybrid sharding."""
+    if mesh.ndim not in (1, 2):
+        raise config_error(
+            where,
+            "mesh",
+            f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} cannot be used",
+            "Pass a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid sharding; slice "
+            "the data-parallel dimensions off first (e.g. mesh['dp']).",
+        )
+
+
+def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None:
+    """A mesh fits the strategy: 2-D for hybrid, 1-D otherwise, spanning the whole world."""
+    check_mesh_ndim(mesh, where)
+    hybrid = strategy in HYBRID_STRATEGIES
+    if hybrid and mesh.ndim != 2:
+        raise config_error(
+            where,
+            "mesh",
+            f"{strategy.name} needs a 2-D (replicate, shard) mesh, got {mesh.ndim}-D",
+            "Create it with init_device_mesh(device_type, (num_nodes, devices_per_node), "
+            "mesh_dim_names=('replicate', 'shard')).",
+        )
+    if not hybrid and mesh.ndim != 1:
+        raise config_error(
+            where,
+            "mesh",
+            f"{strategy.name} shards over one dimension, got a {mesh.ndim}-D mesh",
+            "Pass a 1-D mesh, or use .sharding('hybrid') with a 2-D mesh.",
+        )
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise config_error(
+            where,
+            "mesh",
+            f"the mesh spans {mesh.size()} ranks but the world has {world}",
+            "Create the mesh over every rank that builds the model.",
+        )
+
+
 @frozen(eq=False)
 class MeshGroups(BaseGroupFactory):
     """A device mesh: 1-D for sharding over one group; 2-D ``(replicate, shard)`` for hybrid."""
@@ -301,41 +339,12 @@ class MeshGroups(BaseGroupFactory):
                 f"expected a torch DeviceMesh, got {type(self.mesh).__name__}",
                 "Create one with torch.distributed.device_mesh.init_device_mesh(...).",
             )
-        if self.mesh.ndim not in (1, 2):
-            raise config_error(
-                "MeshGroups",
-                "mesh",
-                f"a {self.mesh.ndim}-D mesh of shape {tuple(self.mesh.shape)} cannot be used",
-                "Pass a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid sharding; slice "
-                "other dimensions off first (e.g. mesh['dp']).",
-            )
+        check_mesh_ndim(self.mesh, "MeshGroups")
 
     @override
     def validate(self, strategy: ShardingStrategy) -> None:
         _require_initialized("MeshGroups")
-        hybrid = strategy in HYBRID_STRATEGIES
-        if hybrid and self.mesh.ndim != 2:
-            raise config_error(
-                "MeshGroups",
-                "mesh",
-                f"{strategy.name} needs a 2-D (replicate, shard) mesh, got {self.mesh.ndim}-D",
-                "Create it with init_device_mesh(device_type, (num_nodes, devices_per_node)).",
-            )
-        if not hybrid and self.mesh.ndim != 1:
-            raise config_error(
-                "MeshGroups",
-                "mesh",
-                f"{strategy.name} shards over one dimension, got a {self.mesh.ndim}-D mesh",
-                "Pass a 1-D mesh, or use .sharding('hybrid') with a 2-D mesh.",
-            )
-        world = dist.get_world_size()
-        if self.mesh.size() != world:
-            raise config_error(
-                "MeshGroups",
-                "mesh",
-                f"the mesh spans {self.mesh.size()} ranks but the world has {world}",
-                "Create the mesh over every rank that builds the model.",
-            )
+        check_mesh(self.mesh, strategy, "MeshGroups")
 
     @override
     def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:

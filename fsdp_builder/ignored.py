@@ -11,15 +11,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
-import structlog
 import torch
 from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder.errors import config_error
-
-log = structlog.get_logger(__name__)
+from fsdp_builder.logs import warn_user
 
 _FSDP_WRAPPED_PREFIX = "_fsdp_wrapped_module."
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
@@ -159,7 +157,10 @@ def resolve_ignored(
         if not isinstance(child, FullyShardedDataParallel)
     }
     if root in ignored_modules:
-        log.warning("ignoring_root_module", module_type=type(root).__name__)
+        warn_user(
+            f"The root module ({type(root).__name__}) is ignored: nothing of the model will be "
+            "sharded. Ignore its children instead if that was not the intent."
+        )
     for wrapped in _wrapped_states(root):
         ignored_modules.update(getattr(wrapped, "_ignored_modules", ()))
 

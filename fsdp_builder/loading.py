@@ -17,26 +17,26 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
-import structlog
 import torch
 import torch.distributed as dist
 from attrs import define, frozen
 from typing_extensions import override
 
-from fsdp_builder.agreement import agree, collective_device
+from fsdp_builder.agreement import agree
+from fsdp_builder.collectives import (
+    DEFAULT_BUCKET_BYTES,
+    broadcast_tensors,
+    check_bucket_bytes,
+    collective_device,
+    scatter_unit_state,
+    sync_stages,
+)
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.ignored import IgnoredStates, clean_name
-from fsdp_builder.materializers import BaseMaterializer, allocate_empty, unit_modules
+from fsdp_builder.materializers import BaseMaterializer, MaterializerRun
 from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.sharded_init import scatter_unit_state
-from fsdp_builder.synchronizers import (
-    DEFAULT_BUCKET_BYTES,
-    broadcast_tensors,
-    sync_stages,
-)
-
-log = structlog.get_logger(__name__)
+from fsdp_builder.tree import allocate_empty, module_names, qualified, unit_modules
 
 _FIX_SOURCE = (
     "Pass the model's full state dict (`model.state_dict()` of the unwrapped model) on rank 0, "
@@ -61,6 +61,10 @@ class _Reader:
         value = self._tensors[key]
         return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
 
+    def close(self) -> None:
+        """Drop the source (a file's mapping goes with its last tensor)."""
+        self._tensors = {}
+
 
 class _SafetensorsReader(_Reader):
     """Reads one tensor at a time from a .safetensors file (nothing else is loaded)."""
@@ -83,6 +87,11 @@ class _SafetensorsReader(_Reader):
     def get(self, key: str) -> torch.Tensor:
         tensor: torch.Tensor = self._file.get_tensor(key)
         return tensor
+
+    @override
+    def close(self) -> None:
+        self._file.__exit__(None, None, None)
+        super().close()
 
 
 def _not_a_state_dict(what: str, why: str) -> ConfigurationError:
@@ -156,10 +165,10 @@ def _unit_entries(
     unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None = None
 ) -> Iterator[_Entry]:
     modules = unit_modules(unit.module, _stops(unit, ignored, plan))
-    rel = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
+    rel = module_names(unit.module)
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
     for m in modules:
-        prefix = ".".join(x for x in (unit.fqn, rel.get(id(m), "")) if x)
+        prefix = qualified(unit.fqn, rel.get(id(m), ""))
         skip: set[str] = getattr(m, "_non_persistent_buffers_set", set())
         named: list[tuple[str, torch.Tensor]] = [
             (n, p)
@@ -257,13 +266,6 @@ def _check_source_type(instance: object, attribute: attrs.Attribute[Any], value:
     )
 
 
-@define
-class _Loading:
-    """The open source during one build (rank 0 only)."""
-
-    reader: _Reader | None = None
-
-
 @frozen
 class FromStateDict(BaseMaterializer):
     """Materializes from a full state dict held by global rank 0: a mapping of names to tensors,
@@ -273,68 +275,84 @@ class FromStateDict(BaseMaterializer):
     Keys and shapes are checked in ``prepare`` against every unit, on rank 0, and the verdict
     reaches every rank before any weight is written. Each unit is then copied out of the source on
     rank 0 and broadcast in buckets of ``bucket_bytes`` to every rank (every replica too under
-    hybrid sharding); dtypes follow the model.
+    hybrid sharding); with a backend that shards first (FSDP2) rank 0 scatters only each rank's
+    slices instead. Dtypes follow the model. The source is closed when the build ends, however
+    it ends.
     """
 
     source: Any = attrs.field(validator=_check_source_type)
-    bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES)
+    bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=check_bucket_bytes)
     # Honoured by backends that shard on meta (FSDP2): rank 0 then scatters only the slices.
     shard_first: ClassVar[bool] = True
-    _loading: _Loading = attrs.field(factory=_Loading, init=False, eq=False, repr=False)
 
-    @bucket_bytes.validator
-    def _check_bucket(self, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise config_error(
-                "FromStateDict",
-                attribute.name,
-                f"expected a positive number of bytes, got {value!r}",
-                "Pass e.g. bucket_bytes=250 * 1024 * 1024, or leave the default",
-            )
-
-    def prepare(self, env: Environment) -> None:
+    @override
+    def prepare(self, env: Environment) -> MaterializerRun:
         """Open and validate the source on rank 0; every rank raises the same error if it does
         not fit (collective over the build's ranks)."""
-        group = env.agreement_group
         verdict: str | None = None
+        reader: _Reader | None = None
         if dist.get_rank() == 0:
             try:
                 reader = _open(self.source)
                 verdict = validate_source(reader, env.plan, env.ignored)
-                if verdict is None:
-                    self._loading.reader = reader
             except ConfigurationError as exc:
                 verdict = str(exc)
+            except Exception as exc:  # whatever a reader raises, the other ranks must hear it
+                verdict = str(
+                    _not_a_state_dict("the source", f"{type(exc).__name__}: {exc}")
+                )
         box: list[Any] = [verdict]
-        dist.broadcast_object_list(box, src=0, group=group)
-        if box[0] is not None:
-            self._loading.reader = None
-            raise ConfigurationError(box[0])
-        unloadable = [n for u in env.plan for n in _non_persistent_meta(u, env.ignored, env.plan)]
-        if unloadable:
-            raise MaterializationError(
-                "`FromStateDict` cannot give values to non-persistent buffers on the meta device "
-                f"(no state dict holds them): {', '.join(unloadable[:8])}. Build the modules "
-                "owning them on a real device, or register the buffers as persistent."
-            )
+        dist.broadcast_object_list(box, src=0, group=env.agreement_group)
+        run = _LoadRun(env, reader, self.bucket_bytes)
+        try:
+            if box[0] is not None:
+                raise ConfigurationError(box[0])
+            unloadable = [
+                n for u in env.plan for n in _non_persistent_meta(u, env.ignored, env.plan)
+            ]
+            if unloadable:
+                raise MaterializationError(
+                    "`FromStateDict` cannot give values to non-persistent buffers on the meta "
+                    f"device (no state dict holds them): {', '.join(unloadable[:8])}. Build the "
+                    "modules owning them on a real device, or register the buffers as persistent."
+                )
+        except BaseException:
+            run.close()
+            raise
+        return run
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
-        reader = self._loading.reader
-        is_source = dist.get_rank() == 0
-        if is_source and reader is None:
-            raise MaterializationError(
-                "`FromStateDict.materialize` ran before `prepare`; build through a builder, "
-                "which calls prepare(env) first."
-            )
-        if env.backend == "fsdp2":
-            return self._scatter(unit, env, reader)
+        raise MaterializationError(
+            "`FromStateDict` loads through the run its prepare(env) returns; build through a "
+            "builder, which calls prepare(env) first."
+        )
+
+
+@define
+class _LoadRun:
+    """One build's load: the open source (rank 0 only), streamed unit by unit."""
+
+    env: Environment
+    reader: _Reader | None
+    bucket_bytes: int
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+    def materialize(self, unit: Unit) -> int:
+        env = self.env
+        if env.shards_first:
+            return self._scatter(unit)
+        reader = self.reader
         modules = unit_modules(unit.module, env.ignored.modules)
         device = collective_device(env.agreement_group)
         allocate_empty(modules, device)
         entries = list(_unit_entries(unit, env.ignored))
         error: BaseException | None = None
-        if is_source and reader is not None:
+        if reader is not None:
             keys = set(reader.keys())
             try:
                 with torch.no_grad():
@@ -351,24 +369,23 @@ class FromStateDict(BaseMaterializer):
         tensors = [e.tensor.detach() for e in entries]
         for group, src in sync_stages(env):
             written += broadcast_tensors(tensors, src, group, self.bucket_bytes)
-        if unit.is_root:
-            self._loading.reader = None  # the build is done with the source
-        log.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
+        env.logger.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _scatter(self, unit: Unit, env: Environment, reader: _Reader | None) -> int:
+    def _scatter(self, unit: Unit) -> int:
         """The unit is already sharded (on meta): rank 0 reads this unit's tensors, once per
         storage (tied names share it), and sends each rank only its slices. The source was
         validated in prepare; should reading still fail, rank 0 sends zeros in place of what it
         could not read and raises only after the unit's last collective, so no rank is left
         waiting (the builder then raises on every rank)."""
+        reader = self.reader
         state: dict[str, torch.Tensor] | None = None
         error: MaterializationError | None = None
         if reader is not None:
             state = {}
             keys = set(reader.keys())
             try:
-                for entry in _unit_entries(unit, env.ignored):
+                for entry in _unit_entries(unit, self.env.ignored):
                     present = [n for n in entry.names if n in keys]
                     if present:
                         tensor = reader.get(present[0])
@@ -379,13 +396,11 @@ class FromStateDict(BaseMaterializer):
                     f"{reader.describe}: {type(exc).__name__}: {exc}. {_FIX_SOURCE}."
                 )
         try:
-            received = scatter_unit_state(unit, env, state)
+            received = scatter_unit_state(unit, self.env, state)
         except MaterializationError:
             if error is None:
                 raise
             received = 0  # the read error below says more than the entries it left out
         if error is not None:
             raise error
-        if unit.is_root:
-            self._loading.reader = None
         return received

@@ -2,102 +2,39 @@
 
 Works on one unit at a time and only on the modules the unit owns: the walk stops at ignored
 modules and at children that are already sharded.
+
+The pipeline calls ``check(plan, ignored)`` before any collective, then ``prepare(env)`` once per
+build on every rank; ``prepare`` returns the build's :class:`MaterializerRun`, which holds what
+the build needs between units (an open checkpoint, an agreed seed) and is closed in a ``finally``
+whether the build succeeds or fails. Materializer objects stay immutable and can be shared
+between builders.
 """
 
 from __future__ import annotations
 
-import collections
-import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
-import structlog
 import torch
-from attrs import frozen
+from attrs import define, frozen
 from torch import nn
 from typing_extensions import override
 
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import MaterializationError, config_error
-from fsdp_builder.ignored import IgnoredStates, is_wrapped
+from fsdp_builder.hashing import digest63
+from fsdp_builder.hooks import DeclaredHooks
+from fsdp_builder.ignored import IgnoredStates, clean_name
 from fsdp_builder.plan import Unit, UnitPlan
-
-log = structlog.get_logger(__name__)
-
-
-def unit_modules(root: nn.Module, ignored_modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """The unit's own modules, breadth-first from ``root``, stopping at ignored modules and at
-    already-sharded children (which were materialized with their own unit)."""
-    stop = set(ignored_modules)
-    order: list[nn.Module] = [root]
-    seen = {id(root)}
-    queue = collections.deque([root])
-    while queue:
-        for child in queue.popleft().children():
-            if id(child) in seen or child in stop or is_wrapped(child):
-                continue
-            seen.add(id(child))
-            order.append(child)
-            queue.append(child)
-    return order
-
-
-def _direct_states(module: nn.Module) -> list[torch.Tensor]:
-    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-
-
-def needs_materialization(modules: Iterable[nn.Module], ignored: IgnoredStates) -> bool:
-    """True when a managed parameter or a buffer of these modules is on the meta device."""
-    for m in modules:
-        if any(p.is_meta for p in m.parameters(recurse=False) if p not in ignored.params):
-            return True
-        if any(b.is_meta for b in m.buffers(recurse=False)):
-            return True
-    return False
-
-
-def _tied_groups(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
-    by_param: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in modules:
-        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
-            if p is not None:
-                by_param.setdefault(id(p), []).append((m, name))
-    return [slots for slots in by_param.values() if len(slots) > 1]
-
-
-def allocate_empty(
-    modules: list[nn.Module], device: torch.device, *, only_meta: bool = True
-) -> int:
-    """``to_empty`` each module that owns states (only those with a state on meta unless
-    ``only_meta`` is False), then re-tie parameters that were shared (``to_empty`` gives every
-    module its own new tensor, which would untie them). States that were already real keep
-    their values in the new storage: an initializer that does not write them (a buffer filled
-    in ``__init__``) never leaves them uninitialized. Returns the bytes given storage."""
-    tied = _tied_groups(modules)
-    allocated = 0
-    for m in modules:
-        own = _direct_states(m)
-        if own and (not only_meta or any(t.is_meta for t in own)):
-            real = [
-                (name, t)
-                for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
-                if not t.is_meta
-            ]
-            m.to_empty(device=device, recurse=False)
-            with torch.no_grad():
-                for name, old in real:
-                    new = getattr(m, name)
-                    if new is not old:
-                        new.copy_(old)
-            allocated += sum(t.numel() * t.element_size() for t in _direct_states(m))
-    for slots in tied:
-        owner, name = slots[0]
-        shared = getattr(owner, name)
-        for m, n in slots[1:]:
-            setattr(m, n, shared)
-    return allocated
-
+from fsdp_builder.tree import (
+    allocate_empty,
+    direct_states,
+    module_names,
+    needs_materialization,
+    qualified,
+    unit_modules,
+)
 
 # torch.nn modules that own parameters but whose initializer is private. Found by scanning every
 # nn.Module subclass in torch.nn for direct parameters without ``reset_parameters``.
@@ -135,7 +72,6 @@ def subtree_initializer_of(
             own = {id(m) for m in owned}
             if all(id(m) in own for m in module.modules()):
                 return getattr(module, attr)
-            log.debug("subtree_initializer_skipped", module_type=type(module).__name__)
     return None
 
 
@@ -152,37 +88,92 @@ def seed_generators(seed: int, device: torch.device) -> None:
 def derived_seed(seed: int, fqn: str) -> int:
     """A 63-bit seed for one module, from the user's seed and the module's qualified name: the
     same on every rank and for every world size, and unrelated between modules."""
-    digest = hashlib.blake2b(f"{seed}/{fqn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return digest63(f"{seed}/{fqn}")
+
+
+@runtime_checkable
+class MaterializerRun(Protocol):
+    """One build's materialization: called per unit, closed once."""
+
+    def materialize(self, unit: Unit) -> int:
+        """Give the unit's own modules storage and values; return the bytes given storage."""
+        ...
+
+    def close(self) -> None:
+        """Release what the build held; called on every rank, after success or failure."""
+        ...
 
 
 @runtime_checkable
 class Materializer(Protocol):
-    """Turns a unit's meta states into real ones on ``env.device``."""
+    """Turns a unit's meta states into real ones on ``env.device``.
+
+    ``communicates``: whether ``materialize`` runs collectives (the pipeline then agrees on the
+    local steps before it); such a materializer must fail on every rank alike, or only after its
+    last collective. ``shard_first``: with a backend that ``supports_shard_first``, a unit is
+    sharded while still on meta and ``materialize`` then fills only the local shards.
+    """
+
+    @property
+    def communicates(self) -> bool: ...
+
+    @property
+    def shard_first(self) -> bool: ...
 
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
         """Local validation of the whole model before any collective; raise to refuse."""
         ...
 
-    def materialize(self, unit: Unit, env: Environment) -> int:
-        """Materialize the unit's own modules; return the bytes given storage.
-
-        Optional extras the pipeline looks for: ``prepare(env)`` (called once on every rank
-        after the groups exist; may communicate) and ``shard_first: bool`` (with a backend that
-        ``supports_shard_first``, ``materialize`` is called after the unit is sharded on meta,
-        to initialize only the local shards). A materializer that communicates must fail on
-        every rank alike, or only after its last collective.
-        """
+    def prepare(self, env: Environment) -> MaterializerRun:
+        """Start one build (every rank calls it, after the groups exist; may communicate)."""
         ...
 
 
-def _qualified(prefix: str, name: str) -> str:
-    return ".".join(x for x in (prefix, name) if x)
+def initialize_children_first(
+    root: nn.Module,
+    root_fqn: str,
+    modules: list[nn.Module],
+    init: Callable[[nn.Module, str], None],
+    who: str,
+    fix: str,
+) -> None:
+    """Call ``init(module, clean fqn)`` for ``modules`` (a unit's own, breadth-first from
+    ``root``) in reverse, so children come first: a parent's initializer may set its children's
+    values (as MultiheadAttention zeroes out_proj.bias) and must win, as at construction.
+    Failures are re-raised naming the module, the materializer ``who`` and the ``fix``."""
+    names = module_names(root)
+    with torch.no_grad():
+        for module in reversed(modules):
+            fqn = clean_name(qualified(root_fqn, names.get(id(module), "")))
+            try:
+                init(module, fqn)
+            except MaterializationError:
+                raise
+            except Exception as exc:
+                raise MaterializationError(
+                    f"Initializing '{fqn or '<root>'}' ({type(module).__name__}) with `{who}` "
+                    f"failed: {type(exc).__name__}: {exc}. {fix}"
+                ) from exc
 
 
-class BaseMaterializer:
+@define
+class _PerUnit:
+    """The run of a materializer that keeps no state between units."""
+
+    materializer: BaseMaterializer
+    env: Environment
+
+    def materialize(self, unit: Unit) -> int:
+        return self.materializer.materialize(unit, self.env)
+
+    def close(self) -> None:
+        return None
+
+
+class BaseMaterializer(DeclaredHooks):
     """Optional base: subclasses override ``init_module`` (called per owned module in
-    children-first order after storage is allocated), or ``materialize`` for full control.
+    children-first order after storage is allocated), or ``materialize`` for full control, or
+    ``prepare`` to keep per-build state in a run object of their own.
 
     ``reinitialize``: initialize every owned module even when nothing is on meta (a deterministic
     initializer), on ``storage_device`` when it is set instead of the compute device.
@@ -193,9 +184,13 @@ class BaseMaterializer:
     # Whether ``materialize`` runs collectives (the pipeline then agrees before it); a subclass
     # that only works locally sets False and saves ranks an agreement per unit.
     communicates: ClassVar[bool] = True
+    shard_first: ClassVar[bool] = False
 
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
         return None
+
+    def prepare(self, env: Environment) -> MaterializerRun:
+        return _PerUnit(self, env)
 
     def init_module(self, module: nn.Module, fqn: str) -> None:
         raise NotImplementedError
@@ -207,7 +202,7 @@ class BaseMaterializer:
 
     def wants(self, module: nn.Module, owned: list[nn.Module]) -> bool:
         """Whether ``init_module`` is called for ``module``."""
-        return bool(_direct_states(module)) or subtree_initializer_of(module, owned) is not None
+        return bool(direct_states(module)) or subtree_initializer_of(module, owned) is not None
 
     def materialize(self, unit: Unit, env: Environment) -> int:
         return self.materialize_modules(
@@ -232,7 +227,6 @@ class BaseMaterializer:
         ignored = ignored or IgnoredStates()
         if not self.reinitialize and not needs_materialization(modules, ignored):
             return 0
-        names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
         kept = [
             (m, name, p.detach().clone())
             for m in modules
@@ -242,23 +236,20 @@ class BaseMaterializer:
         allocated = allocate_empty(
             modules, self.storage_device or device, only_meta=not self.reinitialize
         )
-        # Children first: a parent's initializer may set its children's values (as
-        # MultiheadAttention zeroes out_proj.bias), and must win, as at construction.
+
+        def init(module: nn.Module, fqn: str) -> None:
+            if self.wants(module, modules):
+                self.init_owned(module, fqn, modules)
+
+        initialize_children_first(
+            root,
+            root_fqn,
+            modules,
+            init,
+            type(self).__name__,
+            "Fix its initializer or pass another materializer.",
+        )
         with torch.no_grad():
-            for module in reversed(modules):
-                if not self.wants(module, modules):
-                    continue
-                fqn = _qualified(root_fqn, names.get(id(module), ""))
-                try:
-                    self.init_owned(module, fqn, modules)
-                except MaterializationError:
-                    raise
-                except Exception as exc:
-                    raise MaterializationError(
-                        f"Initializing '{fqn or '<root>'}' ({type(module).__name__}) with "
-                        f"`{type(self).__name__}` failed: {type(exc).__name__}: {exc}. Fix its "
-                        "initializer or pass another materializer."
-                    ) from exc
             for module, name, value in kept:
                 getattr(module, name).copy_(value)
         return allocated
@@ -292,20 +283,21 @@ class BaseMaterializer:
 def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) -> list[str]:
     missing: list[str] = []
     for unit in plan:
-        names = {id(m): n for n, m in unit.module.named_modules()}
+        names = module_names(unit.module)
         for m in unit_modules(unit.module, ignored.modules):
-            own = _direct_states(m)
+            own = direct_states(m)
             if not own or (meta_only and not any(t.is_meta for t in own)):
                 continue
             if initializer_of(m) is None:
                 missing.append(
-                    f"{_qualified(unit.fqn, names.get(id(m), '')) or '<root>'} ({type(m).__name__})"
+                    f"{clean_name(qualified(unit.fqn, names.get(id(m), ''))) or '<root>'} "
+                    f"({type(m).__name__})"
                 )
     return missing
 
 
 def _run_initializer(module: nn.Module, fqn: str, owned: list[nn.Module]) -> None:
-    init = initializer_of(module) if _direct_states(module) else None
+    init = initializer_of(module) if direct_states(module) else None
     if init is not None:
         init()
     subtree = subtree_initializer_of(module, owned)
@@ -372,11 +364,6 @@ class InitFn(BaseMaterializer):
     fn: Callable[[nn.Module], object] = attrs.field(validator=_check_callable)
 
     @override
-    def init_owned(self, module: nn.Module, fqn: str, owned: list[nn.Module]) -> None:
-        """``init_module`` with the unit's owned modules (for initializers that cover a
-        subtree); the default ignores them."""
-        self.init_module(module, fqn)
-
     def wants(self, module: nn.Module, owned: list[nn.Module]) -> bool:
         return True
 
@@ -456,7 +443,7 @@ class DeferredInit(BaseMaterializer):
 
         modules = unit_modules(unit.module, env.ignored.modules)
         owned = {id(m) for m in modules}
-        fakes = [t for m in modules for t in _direct_states(m) if fake.is_fake(t)]
+        fakes = [t for m in modules for t in direct_states(m) if fake.is_fake(t)]
         if not fakes:
             return 0
         deferred_init.materialize_module(unit.module, check_fn=lambda m: id(m) in owned)

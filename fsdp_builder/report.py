@@ -9,11 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
-import structlog
 import torch
 from attrs import define, frozen
-
-log = structlog.get_logger(__name__)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -55,8 +52,10 @@ class BuildReport:
 
     @contextlib.contextmanager
     def measure(
-        self, stage: str, unit: str, device: torch.device, logger: Any = None
+        self, stage: str, unit: str, device: torch.device, logger: Any
     ) -> Iterator[StageMeter]:
+        """Time the block and record it; ``logger`` (the build's) gets a ``build_stage``
+        event."""
         meter = StageMeter()
         start = time.perf_counter()
         yield meter
@@ -69,7 +68,7 @@ class BuildReport:
             peak_bytes=peak_memory_bytes(device),
         )
         self.records.append(record)
-        (logger or log).debug(
+        logger.debug(
             "build_stage",
             stage=stage,
             unit=unit,

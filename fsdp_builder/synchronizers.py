@@ -4,44 +4,94 @@ A synchronizer runs collectives: every rank calls it for the same unit at the sa
 synchronizer that detects a problem must raise the same error on every rank. The checks that can
 fail locally (a state still on meta) run first and are agreed on before any collective, so one
 rank's problem never leaves the others blocked in a broadcast.
+
+The pipeline calls ``prepare(env)`` once per build, on every rank; it returns the build's
+:class:`SyncRun`, which holds whatever the build needs to remember between units and is closed in
+a ``finally`` whether the build succeeds or fails. The synchronizer object itself stays immutable
+and can be shared between builders.
 """
 
 from __future__ import annotations
 
-import hashlib
-import weakref
-from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import attrs
-import structlog
 import torch
 import torch.distributed as dist
-from attrs import frozen
+from attrs import define, frozen
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
-from fsdp_builder.agreement import agree, collective_device
+from fsdp_builder.agreement import agree
+from fsdp_builder.collectives import (
+    DEFAULT_BUCKET_BYTES,
+    broadcast_tensors,
+    check_bucket_bytes,
+    collective_device,
+    sync_stages,
+)
 from fsdp_builder.environment import Environment
-from fsdp_builder.errors import FSDPBuilderError, StateMismatchError, config_error
-from fsdp_builder.materializers import unit_modules
+from fsdp_builder.errors import FSDPBuilderError, StateMismatchError
+from fsdp_builder.hashing import digest63
+from fsdp_builder.hooks import DeclaredHooks
 from fsdp_builder.plan import Unit
+from fsdp_builder.tree import module_names, qualified, unit_modules
 
-log = structlog.get_logger(__name__)
 
-DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
+@runtime_checkable
+class SyncRun(Protocol):
+    """One build's synchronization: called per unit, closed once."""
+
+    def synchronize(self, unit: Unit) -> int:
+        """Synchronize the unit's states; return the bytes sent or received on this rank."""
+        ...
+
+    def close(self) -> None:
+        """Release what the build held; called on every rank, after success or failure."""
+        ...
 
 
 @runtime_checkable
 class StateSynchronizer(Protocol):
-    """Synchronizes a unit's states; returns the bytes it sent or received on this rank."""
+    """Makes ranks hold the same values for each unit's states.
 
-    def synchronize(self, unit: Unit, env: Environment) -> int: ...
+    ``communicates``: whether ``synchronize`` runs collectives (the pipeline then agrees on the
+    local steps before it). A synchronizer that communicates must fail on every rank alike, or
+    only after its last collective.
+    """
+
+    @property
+    def communicates(self) -> bool: ...
+
+    def prepare(self, env: Environment) -> SyncRun:
+        """Start one build (every rank calls it, after the groups exist; may communicate)."""
+        ...
 
 
-class BaseSynchronizer:
-    """Optional base for custom synchronizers."""
+@define
+class _PerUnit:
+    """The run of a synchronizer that keeps no state between units."""
+
+    sync: BaseSynchronizer
+    env: Environment
+
+    def synchronize(self, unit: Unit) -> int:
+        return self.sync.synchronize(unit, self.env)
+
+    def close(self) -> None:
+        return None
+
+
+class BaseSynchronizer(DeclaredHooks):
+    """Optional base for custom synchronizers: override ``synchronize(unit, env)``; set
+    ``communicates = False`` if it runs no collectives; override ``prepare`` to keep per-build
+    state in a run object of your own."""
+
+    communicates: bool = True
+
+    def prepare(self, env: Environment) -> SyncRun:
+        return _PerUnit(self, env)
 
     def synchronize(self, unit: Unit, env: Environment) -> int:
         raise NotImplementedError
@@ -51,7 +101,7 @@ class BaseSynchronizer:
 class NoSync(BaseSynchronizer):
     """Leaves states as they are (every rank built the same values itself)."""
 
-    communicates: ClassVar[bool] = False
+    communicates: bool = attrs.field(default=False, init=False)
 
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
@@ -62,6 +112,18 @@ def _to_steps(steps: Iterable[StateSynchronizer]) -> tuple[StateSynchronizer, ..
     return tuple(steps)
 
 
+@define
+class _ChainRun:
+    runs: list[SyncRun]
+
+    def synchronize(self, unit: Unit) -> int:
+        return sum(run.synchronize(unit) for run in self.runs)
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
+
+
 @frozen
 class Chain(BaseSynchronizer):
     """Runs several synchronizers in order, e.g. broadcast then verify."""
@@ -69,19 +131,19 @@ class Chain(BaseSynchronizer):
     steps: tuple[StateSynchronizer, ...] = attrs.field(converter=_to_steps)
 
     @property
-    def communicates(self) -> bool:
-        return any(bool(getattr(step, "communicates", True)) for step in self.steps)
-
-    def prepare(self, env: Environment) -> None:
-        """Pass the once-per-build hook on to the steps that have one."""
-        for step in self.steps:
-            prepare = getattr(step, "prepare", None)
-            if callable(prepare):
-                prepare(env)
+    def communicates(self) -> bool:  # type: ignore[override]
+        return any(step.communicates for step in self.steps)
 
     @override
-    def synchronize(self, unit: Unit, env: Environment) -> int:
-        return sum(step.synchronize(unit, env) for step in self.steps)
+    def prepare(self, env: Environment) -> SyncRun:
+        runs: list[SyncRun] = []
+        try:
+            for step in self.steps:
+                runs.append(step.prepare(env))
+        except BaseException:
+            _ChainRun(runs).close()
+            raise
+        return _ChainRun(runs)
 
 
 # -- the unit's states ----------------------------------------------------------------------
@@ -141,12 +203,12 @@ def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> l
     storage once (tied parameters, buffers registered twice). Buffers whose id is in ``skip``
     (already handled with a nested unit) are left out; the ids of those taken are added to it."""
     modules = unit_modules(unit.module, env.ignored.modules)
-    names = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
+    names = module_names(unit.module)
     seen: set[int] = set()
     params: list[tuple[str, torch.Tensor]] = []
     buffers: list[tuple[str, torch.Tensor]] = []
     for m in modules:
-        prefix = ".".join(x for x in (unit.fqn, names.get(id(m), "")) if x)
+        prefix = qualified(unit.fqn, names.get(id(m), ""))
         for pname, p in m.named_parameters(recurse=False):
             if p in env.ignored.params or id(p) in seen:
                 continue
@@ -181,140 +243,46 @@ def _check_real(states: list[SyncState], who: str, unit: Unit) -> None:
         )
 
 
-def sync_stages(env: Environment) -> list[tuple[dist.ProcessGroup | None, int]]:
-    """The (group, global source rank) broadcasts that carry global rank 0's values to every
-    rank of the build.
-
-    When the build spans the whole world, one broadcast over the world does it. Otherwise the
-    replicate group goes first, then the shard group, each from its first rank: the replicate
-    group of the first rank spreads its values to the first rank of every shard group, which then
-    spreads them inside its shard group, so every replica, not only the shard group, is covered.
-    """
-    groups = env.groups
-    if groups.data_parallel_size == dist.get_world_size():
-        return [(None, 0)]
-    stages: list[tuple[dist.ProcessGroup | None, int]] = []
-    if groups.replicate_group is not None:
-        stages.append((groups.replicate_group, dist.get_global_rank(groups.replicate_group, 0)))
-    stages.append((groups.shard_group, dist.get_global_rank(groups.shard_group, 0)))
-    return stages
+def checked_states(
+    unit: Unit, env: Environment, who: str, skip: set[int] | None = None
+) -> list[SyncState]:
+    """The unit's states (see ``unit_states``), after every rank agreed that each has them all
+    real: a rank with a state still on meta makes every rank raise before any collective."""
+    error: BaseException | None = None
+    states: list[SyncState] = []
+    try:
+        states = unit_states(unit, env, skip)
+        _check_real(states, who, unit)
+    except Exception as exc:  # reported on every rank before any collective starts
+        error = exc
+    agree("synchronize (check)", error, unit=unit.label, group=env.agreement_group)
+    return states
 
 
-# Tensors at least this large (or at least a bucket) are broadcast in place, one collective each:
-# staging them in a flat buffer would copy every byte twice (pack on the source, unpack on the
-# others), which costs more than the broadcast itself on CPU. Smaller ones are coalesced, where
-# one collective per tensor would cost more than the copy.
-COALESCE_BELOW_BYTES = 1024 * 1024
+@define
+class _BroadcastRun:
+    """One build's broadcasts; remembers the buffers already sent with a nested unit."""
 
+    bucket_bytes: int
+    env: Environment
+    sent: set[int] = attrs.field(factory=set)
 
-def broadcast_tensors(
-    tensors: list[torch.Tensor],
-    src: int,
-    group: dist.ProcessGroup | None,
-    bucket_bytes: int,
-) -> int:
-    """Broadcast ``tensors`` from global rank ``src``; returns the bytes broadcast.
-
-    A tensor of at least ``min(bucket_bytes, COALESCE_BELOW_BYTES)`` travels alone, in place when
-    it is contiguous on the group's collective device. Smaller ones are packed, per dtype, into
-    flat buffers of about ``bucket_bytes`` on that device. Which tensors travel alone or together
-    depends only on their sizes and dtypes, so every rank issues the same collectives whatever its
-    tensors' layout. The broadcasts are issued asynchronously and waited for in order, so
-    unpacking one bucket overlaps the next transfer; at most about one bucket of staging memory
-    is held beyond the one being filled."""
-    device = collective_device(group)
-    alone_from = min(bucket_bytes, COALESCE_BELOW_BYTES)
-    is_src = dist.get_rank() == src
-    sent = 0
-    small: dict[torch.dtype, list[torch.Tensor]] = {}
-    pipe = _BroadcastQueue(src, group, device, is_src, bucket_bytes)
-    with torch.no_grad():
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            if not nbytes:
-                continue
-            sent += nbytes
-            if nbytes >= alone_from:
-                pipe.send([t], nbytes)
-            else:
-                small.setdefault(t.dtype, []).append(t)
-        for dtype in sorted(small, key=str):
-            bucket: list[torch.Tensor] = []
-            size = 0
-            for t in small[dtype]:
-                nbytes = t.numel() * t.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    pipe.send(bucket, size)
-                    bucket, size = [], 0
-                bucket.append(t)
-                size += nbytes
-            if bucket:
-                pipe.send(bucket, size)
-        pipe.finish()
-    return sent
-
-
-class _BroadcastQueue:
-    """Asynchronous broadcasts from ``src``, completed in the order they were issued."""
-
-    def __init__(
-        self,
-        src: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-        is_src: bool,
-        bucket_bytes: int,
-    ) -> None:
-        self.src, self.group, self.device, self.is_src = src, group, device, is_src
-        self.limit = bucket_bytes
-        # (work, the tensors, the buffer on the wire, whether to unpack it into them, staged bytes)
-        self.pending: deque[tuple[Any, list[torch.Tensor], torch.Tensor, bool, int]] = deque()
-        self.staged = 0
-
-    def send(self, tensors: list[torch.Tensor], nbytes: int) -> None:
-        first = tensors[0]
-        unpack = False
-        if len(tensors) == 1 and first.device == self.device and first.is_contiguous():
-            buffer = first
-        elif self.is_src:
-            if len(tensors) == 1:
-                buffer = first.reshape(-1).to(self.device)
-            else:
-                buffer = torch.cat([t.reshape(-1).to(self.device) for t in tensors])
-        else:
-            numel = sum(t.numel() for t in tensors)
-            buffer = torch.empty(numel, dtype=first.dtype, device=self.device)
-            unpack = True
-        work = dist.broadcast(buffer, src=self.src, group=self.group, async_op=True)
-        staged = 0 if buffer is first else nbytes
-        self.pending.append((work, tensors, buffer, unpack, staged))
-        self.staged += staged
-        while self.staged > self.limit and len(self.pending) > 1:
-            self._complete()
-
-    def _complete(self) -> None:
-        work, tensors, buffer, unpack, staged = self.pending.popleft()
-        work.wait()
-        if unpack:
-            offset = 0
-            for t in tensors:
-                t.copy_(buffer[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-        self.staged -= staged
-
-    def finish(self) -> None:
-        while self.pending:
-            self._complete()
-
-
-def _check_bucket_bytes(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise config_error(
-            type(instance).__name__,
-            attribute.name,
-            f"expected a positive number of bytes, got {value!r}",
-            "Pass e.g. bucket_bytes=250 * 1024 * 1024, or leave the default",
+    def synchronize(self, unit: Unit) -> int:
+        skip = set(self.sent)
+        states = checked_states(unit, self.env, "BroadcastFromRank0", skip)
+        self.sent |= skip
+        total = 0
+        for stages, members in by_stages(states):
+            tensors = [s.tensor for s in members]
+            for group, src in stages:
+                total += broadcast_tensors(tensors, src, group, self.bucket_bytes)
+        self.env.logger.debug(
+            "broadcast_from_rank0", unit=unit.label, tensors=len(states), bytes=total
         )
+        return total
+
+    def close(self) -> None:
+        self.sent.clear()
 
 
 @frozen
@@ -323,54 +291,26 @@ class BroadcastFromRank0(BaseSynchronizer):
     hybrid sharding). Works on CPU/gloo as on GPU/NCCL.
 
     Large states are broadcast in place, small ones packed into buckets of ``bucket_bytes`` (see
-    ``broadcast_tensors``); tensor subclasses travel as their inner tensors; a buffer shared with
-    a nested unit was sent with that unit and is not sent again.
+    ``collectives.broadcast_tensors``); tensor subclasses travel as their inner tensors; a buffer
+    shared with a nested unit was sent with that unit and is not sent again.
     """
 
-    bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=_check_bucket_bytes)
-    # Buffers already sent in the current build, by build; cleared after the root unit.
-    # Keyed by the build's environment itself (weakly), so a failed build's entry goes with it
-    # and can never be mistaken for a later build's.
-    _sent: weakref.WeakKeyDictionary[Environment, set[int]] = attrs.field(
-        factory=weakref.WeakKeyDictionary, init=False, eq=False, repr=False
-    )
+    bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=check_bucket_bytes)
+
+    @override
+    def prepare(self, env: Environment) -> SyncRun:
+        return _BroadcastRun(self.bucket_bytes, env)
 
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
-        sent_before = self._sent.setdefault(env, set())
-        skip = set(sent_before)
-        error: BaseException | None = None
-        states: list[SyncState] = []
-        try:
-            states = unit_states(unit, env, skip)
-            _check_real(states, "BroadcastFromRank0", unit)
-        except Exception as exc:  # reported on every rank before any broadcast starts
-            error = exc
-        agree("synchronize (check)", error, unit=unit.label, group=env.agreement_group)
-        sent_before |= skip
-        total = 0
-        for stages, members in by_stages(states):
-            tensors = [s.tensor for s in members]
-            for group, src in stages:
-                total += broadcast_tensors(tensors, src, group, self.bucket_bytes)
-        if unit.is_root:
-            self._sent.pop(env, None)
-        log.debug(
-            "broadcast_from_rank0",
-            unit=unit.label,
-            tensors=len(states),
-            bytes=total,
-            rank=env.rank,
-        )
-        return total
+        """One unit on its own (outside a build's run)."""
+        return _BroadcastRun(self.bucket_bytes, env).synchronize(unit)
 
 
 def checksum(tensor: torch.Tensor) -> int:
     """A 63-bit digest of the tensor's bytes (bit-exact: -0.0 and 0.0 differ, NaNs compare)."""
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-    digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=8)
-    digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
-    return int.from_bytes(digest.digest(), "little") >> 1
+    return digest63(data.numpy().tobytes(), f"{tuple(tensor.shape)}{tensor.dtype}")
 
 
 @frozen
@@ -382,14 +322,7 @@ class VerifyReplicas(BaseSynchronizer):
 
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
-        error: BaseException | None = None
-        states: list[SyncState] = []
-        try:
-            states = unit_states(unit, env)
-            _check_real(states, "VerifyReplicas", unit)
-        except Exception as exc:
-            error = exc
-        agree("synchronize (check)", error, unit=unit.label, group=env.agreement_group)
+        states = checked_states(unit, env, "VerifyReplicas")
         total = 0
         # Each state is compared among the ranks that must hold it alike: all ranks for plain
         # tensors, a shard's replicas for sharded ones.

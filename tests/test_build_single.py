@@ -87,20 +87,22 @@ def test_no_process_group_is_a_clear_error() -> None:
 def test_local_strategies_cost_one_agreement_per_unit(
     world1: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fsdp_builder.builder as builder_module
+    import fsdp_builder.agreement as agreement_module
+    import fsdp_builder.pipeline as pipeline_module
 
     stages: list[str] = []
-    real = builder_module.agree
+    real = agreement_module.agree
 
     def counting(stage: str, *args: object, **kwargs: object) -> None:
         stages.append(stage)
         real(stage, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(builder_module, "agree", counting)
+    monkeypatch.setattr(agreement_module, "agree", counting)
+    monkeypatch.setattr(pipeline_module, "agree", counting)
     builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
     builder.build(make_model(CFG))
-    # configure, groups, one per unit, finish.
-    assert stages == ["configure", "groups", "unit", "unit", "unit", "finish"]
+    # configure, groups, the strategies' runs, one per unit, finish.
+    assert stages == ["configure", "groups", "prepare", "unit", "unit", "unit", "finish"]
 
 
 def test_ignored_states_on_meta_are_refused_before_anything_changes(world1: None) -> None:

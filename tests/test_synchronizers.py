@@ -197,20 +197,34 @@ def test_keep_as_is_with_verify_replicas_on_real_weights(world1: None) -> None:
     assert [r.stage for r in b.report.records].count("synchronize") == 1
 
 
-def test_chain_passes_prepare_on_to_its_steps() -> None:
-    from fsdp_builder.synchronizers import BaseSynchronizer, Chain, NoSync
+def test_chain_passes_prepare_on_to_its_steps_and_closes_their_runs() -> None:
+    from fsdp_builder.synchronizers import BaseSynchronizer, Chain, NoSync, SyncRun
 
     seen: list[str] = []
+
+    class Run:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def synchronize(self, unit: object) -> int:
+            seen.append(f"sync {self.name}")
+            return 1
+
+        def close(self) -> None:
+            seen.append(f"close {self.name}")
 
     class Prepared(BaseSynchronizer):
         def __init__(self, name: str) -> None:
             self.name = name
 
-        def prepare(self, env: object) -> None:
-            seen.append(self.name)
+        def prepare(self, env: object) -> SyncRun:
+            seen.append(f"prepare {self.name}")
+            return Run(self.name)
 
-    Chain((Prepared("a"), NoSync(), Prepared("b"))).prepare(None)  # type: ignore[arg-type]
-    assert seen == ["a", "b"]
+    run = Chain((Prepared("a"), NoSync(), Prepared("b"))).prepare(None)  # type: ignore[arg-type]
+    assert run.synchronize(None) == 2  # type: ignore[arg-type]
+    run.close()
+    assert seen == ["prepare a", "prepare b", "sync a", "sync b", "close a", "close b"]
 
 
 # -- two ranks ----------------------------------------------------------------------------------

@@ -4,31 +4,46 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.environment import Environment
+from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.plan import Unit
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """Shards one unit (children first, root last) with PyTorch's own engine."""
+    """Shards one unit (children first, root last) with PyTorch's own engine.
+
+    ``supports_shard_first``: a unit may be sharded while still on meta (a shard-first
+    materializer then fills only the local shards). ``shard_communicates``: whether ``shard``
+    runs collectives (the pipeline then agrees on the local steps before it).
+    """
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def supports_shard_first(self) -> bool: ...
+
+    @property
+    def shard_communicates(self) -> bool: ...
 
     def check(self, options: ShardingOptions) -> None:
         """Refuse options this backend cannot honour; local, before any collective."""
         ...
 
-    def shard(self, unit: Unit, env: Environment) -> nn.Module:
-        """Shard ``unit.module``; return the module that takes its place in the parent.
+    def prepare_groups(
+        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
+    ) -> ProcessGroups:
+        """The backend's view of the build's groups (FSDP2: with its mesh). Called once, on
+        every rank, before the first unit; may communicate."""
+        ...
 
-        A backend may also define ``prepare_groups(groups, options, device) -> ProcessGroups``
-        (called once, on every rank, before the first unit; may communicate) and
-        ``supports_shard_first``.
-        """
+    def shard(self, unit: Unit, env: Environment) -> nn.Module:
+        """Shard ``unit.module``; return the module that takes its place in the parent."""
         ...
 
 

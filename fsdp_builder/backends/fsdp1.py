@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import attrs
+import torch
 from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.environment import Environment
+from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.plan import Unit
 
 
@@ -51,11 +53,18 @@ class FSDP1Backend:
     """Wraps each unit with torch's FullyShardedDataParallel."""
 
     name: str = attrs.field(default="fsdp1", init=False)
+    # FullyShardedDataParallel flattens a whole unit: it cannot shard a unit still on meta.
+    supports_shard_first: ClassVar[bool] = False
     # FullyShardedDataParallel's constructor runs no collectives once states are in place.
     shard_communicates: ClassVar[bool] = False
 
     def check(self, options: ShardingOptions) -> None:
         return None
+
+    def prepare_groups(
+        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
+    ) -> ProcessGroups:
+        return groups
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         return FullyShardedDataParallel(unit.module, **fsdp1_kwargs(env))

@@ -47,7 +47,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
-import structlog
 import torch
 import torch.distributed as dist
 from attrs import frozen
@@ -66,10 +65,8 @@ from torch.distributed.fsdp import (
 from fsdp_builder.config import NO_RESHARD_AFTER_FORWARD, ShardingOptions
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
-from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.groups import ProcessGroups, check_mesh
 from fsdp_builder.plan import Unit
-
-log = structlog.get_logger(__name__)
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
@@ -176,45 +173,14 @@ def ignored_params_kwargs(
     return {"ignored_params": mine}
 
 
-def _check_mesh_shape(mesh: DeviceMesh, groups: ProcessGroups, hybrid: bool) -> None:
-    if mesh.ndim not in (1, 2):
-        raise config_error(
-            f"{_where()}.groups",
-            "mesh",
-            f"fully_shard takes a 1-D or 2-D mesh, got a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)}",
-            "Pass a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid sharding; slice the "
-            "data-parallel dimensions off first (e.g. mesh['dp']).",
-        )
-    world = dist.get_world_size()
-    if mesh.size() != world:
-        raise config_error(
-            f"{_where()}.groups",
-            "mesh",
-            f"the mesh spans {mesh.size()} ranks but the world has {world}",
-            "Create the mesh over every rank that builds the model.",
-        )
+def _check_mesh(mesh: DeviceMesh, groups: ProcessGroups, strategy: ShardingStrategy) -> None:
+    check_mesh(mesh, strategy, f"{_where()}.groups")
     if mesh.size() != groups.data_parallel_size:
         raise config_error(
             f"{_where()}.groups",
             "mesh",
             f"the mesh spans {mesh.size()} ranks but its groups span {groups.data_parallel_size}",
             "Return the mesh's own groups from the group factory.",
-        )
-    if hybrid and mesh.ndim != 2:
-        raise config_error(
-            f"{_where()}.groups",
-            "mesh",
-            f"hybrid sharding needs a 2-D (replicate, shard) mesh, got {mesh.ndim}-D",
-            "Create it with init_device_mesh(device_type, (replicas, shards), "
-            "mesh_dim_names=('replicate', 'shard')).",
-        )
-    if not hybrid and mesh.ndim != 1:
-        raise config_error(
-            f"{_where()}.groups",
-            "mesh",
-            f"this strategy shards over one dimension, got a {mesh.ndim}-D mesh",
-            "Pass a 1-D mesh, or use .sharding('hybrid') with a 2-D mesh.",
         )
 
 
@@ -248,7 +214,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
     if strategy == ShardingStrategy.NO_SHARD:
         over = groups.shard_group
         if groups.mesh is not None:
-            _check_mesh_shape(groups.mesh, groups, hybrid=False)
+            _check_mesh(groups.mesh, groups, strategy)
             over = groups.mesh.get_group(0)
         if over.size() == 1:
             return DeviceMesh.from_group(over, device_type)
@@ -260,7 +226,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
     hybrid = options.is_hybrid
     if groups.mesh is not None:
         mesh = groups.mesh
-        _check_mesh_shape(mesh, groups, hybrid)
+        _check_mesh(mesh, groups, strategy)
         if mesh.device_type != device_type:
             raise config_error(
                 f"{_where()}.groups",
@@ -296,18 +262,6 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
     return DeviceMesh.from_group(groups.shard_group, device_type)
 
 
-def mesh_for(env: Environment) -> DeviceMesh:
-    """The build's mesh, set on the environment's groups by ``FullyShardBackend.prepare_groups``."""
-    if env.groups.mesh is None:
-        raise config_error(
-            f"{_where()}.groups",
-            "groups",
-            "the environment has no device mesh; FullyShardBackend.prepare_groups was not run",
-            "Build through FullyShardBuilder, which prepares the mesh before the first unit.",
-        )
-    return env.groups.mesh
-
-
 def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
     """The ``fully_shard`` arguments for one unit of this environment."""
     opts = env.options
@@ -316,7 +270,7 @@ def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
     else:
         reshard = opts.strategy not in NO_RESHARD_AFTER_FORWARD
     kwargs: dict[str, Any] = {
-        "mesh": mesh_for(env),
+        "mesh": env.groups.mesh,
         "reshard_after_forward": reshard,
         "mp_policy": mixed_precision_policy(opts.mixed_precision, unit.is_root),
         "offload_policy": offload_policy(opts, env.device),
@@ -351,7 +305,7 @@ class FullyShardBackend:
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         kwargs = fully_shard_kwargs(unit, env)
         fully_shard(unit.module, **kwargs)
-        log.debug(
+        env.logger.debug(
             "fully_shard",
             unit=unit.label,
             mesh=tuple(kwargs["mesh"].shape),

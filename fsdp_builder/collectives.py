@@ -1,0 +1,446 @@
+"""Collective helpers: every broadcast, scatter and small all-gather a build sends.
+
+Callers guarantee that every rank of the group reaches the same call with tensors of the same
+sizes and dtypes; these helpers never raise between two ranks' collectives on their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from attrs import frozen
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_builder.errors import MaterializationError, config_error
+from fsdp_builder.plan import Unit
+from fsdp_builder.tree import allocate_empty, owned_states, unit_modules
+
+if TYPE_CHECKING:  # the environment's module needs these helpers to build its groups
+    from fsdp_builder.environment import Environment
+
+DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def check_bucket_bytes(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator: a bucket size is a positive number of bytes."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise config_error(
+            type(instance).__name__,
+            attribute.name,
+            f"expected a positive number of bytes, got {value!r}",
+            "Pass e.g. bucket_bytes=250 * 1024 * 1024, or leave the default",
+        )
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small tensor must live to travel on ``group``'s backend."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def sync_stages(env: Environment) -> list[tuple[dist.ProcessGroup | None, int]]:
+    """The (group, global source rank) broadcasts that carry global rank 0's values to every
+    rank of the build.
+
+    When the build spans the whole world, one broadcast over the world does it. Otherwise the
+    replicate group goes first, then the shard group, each from its first rank: the replicate
+    group of the first rank spreads its values to the first rank of every shard group, which then
+    spreads them inside its shard group, so every replica, not only the shard group, is covered.
+    """
+    groups = env.groups
+    if groups.data_parallel_size == dist.get_world_size():
+        return [(None, 0)]
+    stages: list[tuple[dist.ProcessGroup | None, int]] = []
+    if groups.replicate_group is not None:
+        stages.append((groups.replicate_group, dist.get_global_rank(groups.replicate_group, 0)))
+    stages.append((groups.shard_group, dist.get_global_rank(groups.shard_group, 0)))
+    return stages
+
+
+# Tensors at least this large (or at least a bucket) are broadcast in place, one collective each:
+# staging them in a flat buffer would copy every byte twice (pack on the source, unpack on the
+# others), which costs more than the broadcast itself on CPU. Smaller ones are coalesced, where
+# one collective per tensor would cost more than the copy.
+COALESCE_BELOW_BYTES = 1024 * 1024
+
+
+def broadcast_tensors(
+    tensors: list[torch.Tensor],
+    src: int,
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int,
+) -> int:
+    """Broadcast ``tensors`` from global rank ``src``; returns the bytes broadcast.
+
+    A tensor of at least ``min(bucket_bytes, COALESCE_BELOW_BYTES)`` travels alone, in place when
+    it is contiguous on the group's collective device. Smaller ones are packed, per dtype, into
+    flat buffers of about ``bucket_bytes`` on that device. Which tensors travel alone or together
+    depends only on their sizes and dtypes, so every rank issues the same collectives whatever its
+    tensors' layout. The broadcasts are issued asynchronously and waited for in order, so
+    unpacking one bucket overlaps the next transfer; at most about one bucket of staging memory
+    is held beyond the one being filled."""
+    device = collective_device(group)
+    alone_from = min(bucket_bytes, COALESCE_BELOW_BYTES)
+    is_src = dist.get_rank() == src
+    sent = 0
+    small: dict[torch.dtype, list[torch.Tensor]] = {}
+    pipe = _BroadcastQueue(src, group, device, is_src, bucket_bytes)
+    with torch.no_grad():
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if not nbytes:
+                continue
+            sent += nbytes
+            if nbytes >= alone_from:
+                pipe.send([t], nbytes)
+            else:
+                small.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(small, key=str):
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for t in small[dtype]:
+                nbytes = t.numel() * t.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    pipe.send(bucket, size)
+                    bucket, size = [], 0
+                bucket.append(t)
+                size += nbytes
+            if bucket:
+                pipe.send(bucket, size)
+        pipe.finish()
+    return sent
+
+
+class _BroadcastQueue:
+    """Asynchronous broadcasts from ``src``, completed in the order they were issued."""
+
+    def __init__(
+        self,
+        src: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        is_src: bool,
+        bucket_bytes: int,
+    ) -> None:
+        self.src, self.group, self.device, self.is_src = src, group, device, is_src
+        self.limit = bucket_bytes
+        # (work, the tensors, the buffer on the wire, whether to unpack it into them, staged bytes)
+        self.pending: deque[tuple[Any, list[torch.Tensor], torch.Tensor, bool, int]] = deque()
+        self.staged = 0
+
+    def send(self, tensors: list[torch.Tensor], nbytes: int) -> None:
+        first = tensors[0]
+        unpack = False
+        if len(tensors) == 1 and first.device == self.device and first.is_contiguous():
+            buffer = first
+        elif self.is_src:
+            if len(tensors) == 1:
+                buffer = first.reshape(-1).to(self.device)
+            else:
+                buffer = torch.cat([t.reshape(-1).to(self.device) for t in tensors])
+        else:
+            numel = sum(t.numel() for t in tensors)
+            buffer = torch.empty(numel, dtype=first.dtype, device=self.device)
+            unpack = True
+        work = dist.broadcast(buffer, src=self.src, group=self.group, async_op=True)
+        staged = 0 if buffer is first else nbytes
+        self.pending.append((work, tensors, buffer, unpack, staged))
+        self.staged += staged
+        while self.staged > self.limit and len(self.pending) > 1:
+            self._complete()
+
+    def _complete(self) -> None:
+        work, tensors, buffer, unpack, staged = self.pending.popleft()
+        work.wait()
+        if unpack:
+            offset = 0
+            for t in tensors:
+                t.copy_(buffer[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self.staged -= staged
+
+    def finish(self) -> None:
+        while self.pending:
+            self._complete()
+
+
+# -- scattering a full state dict into the local shards --------------------------------------
+
+
+@frozen
+class _Layout:
+    """Where one parameter's slices go: what the scatter and broadcasts need, computed once per
+    (mesh, placements) of a unit."""
+
+    shard: dist.ProcessGroup
+    replicate: dist.ProcessGroup | None
+    dim: int  # the tensor dim that is sharded
+    src_replica: int  # the replica (mesh row) holding the source rank
+    src_shard: int  # the source rank's index in its shard group
+    my_replica: int
+
+
+def _layout(tensor: DTensor, src: int) -> _Layout:
+    mesh = tensor.device_mesh
+    placements = tensor.placements
+    last = placements[-1]
+    if mesh.ndim not in (1, 2) or not isinstance(last, Shard):
+        raise MaterializationError(
+            f"scatter_unit_state expects fully_shard placements (Shard on the last mesh dim, "
+            f"Replicate before it), got {placements} on a {mesh.ndim}-D mesh."
+        )
+    if mesh.ndim == 2 and not isinstance(placements[0], Replicate):
+        raise MaterializationError(
+            f"scatter_unit_state expects Replicate on mesh dim 0, got {placements}."
+        )
+    rows = mesh.mesh.tolist() if mesh.ndim == 2 else [mesh.mesh.tolist()]
+    where = next(((i, row.index(src)) for i, row in enumerate(rows) if src in row), None)
+    if where is None:
+        raise MaterializationError(
+            f"Rank {src} holds the state dict but is not in the parameter's mesh "
+            f"{mesh.mesh.tolist()}; load from a rank of the mesh."
+        )
+    return _Layout(
+        shard=mesh.get_group(mesh.ndim - 1),
+        replicate=mesh.get_group(0) if mesh.ndim == 2 else None,
+        dim=last.dim,
+        src_replica=where[0],
+        src_shard=where[1],
+        my_replica=mesh.get_local_rank(0) if mesh.ndim == 2 else 0,
+    )
+
+
+def _padded_chunks(full: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
+    """``full`` split as ``fully_shard`` does (torch.chunk: ``ceil(n / parts)`` along ``dim``),
+    each chunk zero-padded to that size so that every rank receives an equal-size message.
+
+    Full-size chunks of a contiguous tensor split along dim 0 are views of ``full`` (no copy);
+    only a short or missing last chunk gets a padded buffer of its own."""
+    rows = full.size(dim)
+    size = -(-rows // parts)
+    shape = list(full.shape)
+    shape[dim] = size
+    views = dim == 0 and full.is_contiguous()
+    out = []
+    for i in range(parts):
+        start = i * size
+        length = max(0, min(size, rows - start))
+        if length == size:
+            chunk = full.narrow(dim, start, size)
+            out.append(chunk if views else chunk.contiguous())
+            continue
+        buf = full.new_zeros(shape)
+        if length > 0:
+            buf.narrow(dim, 0, length).copy_(full.narrow(dim, start, length))
+        out.append(buf)
+    return out
+
+
+def _broadcast_into(target: torch.Tensor, group: dist.ProcessGroup, group_src: int) -> None:
+    buf = target if target.is_contiguous() else target.contiguous()
+    dist.broadcast(buf, group=group, group_src=group_src)
+    if buf is not target:
+        target.copy_(buf)
+
+
+@attrs.define
+class _Incoming:
+    """A parameter's scatter in flight: where its slice lands and where it belongs."""
+
+    work: dist.Work | None
+    recv: torch.Tensor
+    local: torch.Tensor
+    dim: int
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.recv is not self.local and self.local.numel() > 0:
+            self.local.copy_(self.recv.narrow(self.dim, 0, self.local.size(self.dim)))
+
+
+def _start_scatter(
+    local: torch.Tensor, padded_shape: list[int], layout: _Layout, full: torch.Tensor | None
+) -> _Incoming:
+    """Start scattering ``full`` (given on the source rank only) over the source's shard group.
+
+    The slice lands straight in the local shard when it has the padded size (every rank but
+    those holding a short last chunk); the source sends views of ``full``, so its own slice is
+    copied once, by the scatter, into its shard."""
+    dim = layout.dim
+    direct = list(local.shape) == padded_shape and local.is_contiguous()
+    recv = local if direct else local.new_empty(padded_shape)
+    scatter_list = None
+    if full is not None:
+        source = full.detach().to(device=local.device, dtype=local.dtype)
+        scatter_list = _padded_chunks(source, layout.shard.size(), dim)
+    if layout.shard.size() == 1:
+        assert scatter_list is not None
+        recv.copy_(scatter_list[0])
+        return _Incoming(None, recv, local, dim)
+    work = dist.scatter(
+        recv, scatter_list, group=layout.shard, group_src=layout.src_shard, async_op=True
+    )
+    return _Incoming(work, recv, local, dim)
+
+
+def _scatter_params(
+    params: list[tuple[DTensor, _Layout, torch.Tensor | None]], is_src: bool
+) -> int:
+    """Fill each parameter's local shard from its full tensor (given on the source rank only);
+    returns the bytes this rank received.
+
+    The source's shard group scatters every parameter of the unit (all in flight at once, so
+    the sends of one overlap the preparation of the next); under hybrid sharding each member
+    of that group then broadcasts its slices over its replicate group."""
+    received = 0
+    incoming: list[_Incoming] = []
+    for param, layout, full in params:
+        local = param.to_local()
+        if layout.my_replica == layout.src_replica:
+            padded_shape = list(local.shape)
+            padded_shape[layout.dim] = -(-param.shape[layout.dim] // layout.shard.size())
+            incoming.append(_start_scatter(local, padded_shape, layout, full))
+            if not is_src:
+                received += math.prod(padded_shape) * local.element_size()
+        elif layout.replicate is not None:
+            received += local.numel() * local.element_size()
+    for pending in incoming:
+        pending.finish()
+    works: list[dist.Work] = []
+    for param, layout, _ in params:
+        if layout.replicate is None or layout.replicate.size() == 1:
+            continue
+        local = param.to_local()
+        if local.is_contiguous():
+            work = dist.broadcast(
+                local, group=layout.replicate, group_src=layout.src_replica, async_op=True
+            )
+            assert work is not None
+            works.append(work)
+        else:
+            _broadcast_into(local, layout.replicate, layout.src_replica)
+    for work in works:
+        work.wait()
+    return received
+
+
+def _broadcast_buffer(
+    buffer: torch.Tensor, full: torch.Tensor | None, env: Environment, src: int
+) -> int:
+    """Buffers are replicated: ``src`` broadcasts over its shard group, whose members then
+    broadcast over their replicate groups."""
+    groups = env.groups
+    shard_ranks = dist.get_process_group_ranks(groups.shard_group)
+    if full is not None and env.rank == src:
+        buffer.copy_(full.detach().to(device=buffer.device, dtype=buffer.dtype))
+    in_src_row = src in shard_ranks
+    if in_src_row and groups.shard_group.size() > 1:
+        _broadcast_into(buffer, groups.shard_group, shard_ranks.index(src))
+    if groups.replicate_group is not None and groups.replicate_group.size() > 1:
+        replicate_ranks = dist.get_process_group_ranks(groups.replicate_group)
+        sources = [r for r in replicate_ranks if r in _src_row(env, src)]
+        if len(sources) != 1:
+            raise MaterializationError(
+                f"Cannot find the member of replicate group {replicate_ranks} that shares a "
+                f"shard group with rank {src}; pass groups that form a (replicate, shard) grid."
+            )
+        _broadcast_into(buffer, groups.replicate_group, replicate_ranks.index(sources[0]))
+    return buffer.numel() * buffer.element_size() if env.rank != src else 0
+
+
+def _src_row(env: Environment, src: int) -> list[int]:
+    """The global ranks of ``src``'s shard group, from the build's mesh."""
+    mesh = env.groups.mesh
+    if mesh is None:
+        raise MaterializationError(
+            "scatter_unit_state needs the build's device mesh (FullyShardBuilder sets it)."
+        )
+    layout = mesh.mesh if mesh.ndim == 2 else mesh.mesh.view(1, -1)
+    for row in layout.tolist():
+        if src in row:
+            return [int(r) for r in row]
+    raise MaterializationError(f"Rank {src} is not in the build's mesh {layout.tolist()}.")
+
+
+def scatter_unit_state(
+    unit: Unit,
+    env: Environment,
+    full_state: Mapping[str, torch.Tensor] | None,
+    src: int = 0,
+) -> int:
+    """Fill one ``fully_shard``-ed unit's own parameters and buffers from ``full_state``, which
+    global rank ``src`` holds (other ranks pass None). Collective over the unit's mesh.
+
+    Each parameter: ``src`` scatters padded slices over its shard group (every rank receives
+    only its slice); under hybrid sharding every member of that first replica then broadcasts
+    its slice over its replicate group. Buffers (replicated) are broadcast the same two-stage
+    way. Local storage is allocated here if the unit is still on meta. A missing or misshapen
+    entry is reported by ``src`` only after it joined every collective (zeros are sent in its
+    place), so no rank is left waiting. Returns the bytes received on this rank.
+    """
+    modules = unit_modules(unit.module, env.ignored.modules)
+    allocate_empty(modules, env.device)
+    is_src = env.rank == src
+    problems: list[str] = []
+
+    def source(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        if not is_src:
+            return None
+        assert full_state is not None
+        tensor = full_state.get(name)
+        if tensor is None:
+            problems.append(f"'{name}' is missing")
+        elif tuple(tensor.shape) != shape:
+            problems.append(f"'{name}' has shape {list(tensor.shape)}, expected {list(shape)}")
+        else:
+            return tensor
+        return torch.zeros(shape, dtype=dtype)
+
+    if is_src and full_state is None:
+        raise config_error(
+            "scatter_unit_state",
+            "full_state",
+            f"rank {src} is the source but got no state dict",
+            "Pass the full state dict on the source rank and None elsewhere.",
+        )
+    states = owned_states(unit.module, unit.fqn)
+    received = 0
+    layouts: dict[tuple[int, tuple[Any, ...]], _Layout] = {}
+    params: list[tuple[DTensor, _Layout, torch.Tensor | None]] = []
+    with torch.no_grad():
+        for info in unit.params:
+            param = states[info.name][2]
+            if not isinstance(param, DTensor):
+                raise MaterializationError(
+                    f"'{info.name}' is not a DTensor: scatter_unit_state fills units sharded "
+                    "by fully_shard (FullyShardBuilder)."
+                )
+            key = (id(param.device_mesh), tuple(param.placements))
+            layout = layouts.get(key)
+            if layout is None:
+                layout = layouts[key] = _layout(param, src)
+            params.append((param, layout, source(info.name, info.shape, info.dtype)))
+        received += _scatter_params(params, is_src)
+        for info in unit.buffers:
+            owner, leaf, buffer = states[info.name]
+            if leaf in owner._non_persistent_buffers_set:
+                continue  # not in any state dict; its module's initializer owns it
+            received += _broadcast_buffer(
+                buffer, source(info.name, info.shape, info.dtype), env, src
+            )
+    if problems:
+        raise MaterializationError(
+            f"The state dict on rank {src} does not fit unit '{unit.label}': "
+            f"{'; '.join(problems)}. Pass the state dict of this model (same names and shapes)."
+        )
+    env.logger.debug("scatter_unit_state", unit=unit.label, received=received)
+    return received

@@ -1,0 +1,50 @@
+"""Where the library's events go, and how its warnings point at the user's code.
+
+Events are structlog events with flat snake_case keys; every event of a build carries ``rank``
+and ``world_size`` (and ``unit`` for per-unit events). The library never configures structlog:
+
+- an application that configured structlog gets the events through its own configuration;
+- otherwise they go to the standard ``logging`` module, logger ``fsdp_builder.pipeline``,
+  rendered as ``key=value`` text. Its level and handlers decide: with no logging configured the
+  build prints nothing (the library installs a ``NullHandler``, as libraries should), and
+  ``logging.basicConfig(level=logging.DEBUG)`` shows every stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from typing import Any
+
+import structlog
+
+logging.getLogger("fsdp_builder").addHandler(logging.NullHandler())
+
+_KEY_ORDER = ["event", "rank", "world_size", "unit"]
+
+
+def build_logger(name: str, **values: Any) -> Any:
+    """A logger bound to ``values`` for one build: structlog's configured one when the
+    application configured structlog, else one that renders into ``logging.getLogger(name)``
+    (levels below that logger's effective level cost one no-op call)."""
+    if structlog.is_configured():
+        return structlog.get_logger(name).bind(**values)
+    target = logging.getLogger(name)
+    return structlog.wrap_logger(
+        target,
+        processors=[structlog.processors.KeyValueRenderer(key_order=_KEY_ORDER, drop_missing=True)],
+        wrapper_class=structlog.make_filtering_bound_logger(target.getEffectiveLevel()),
+        context_class=dict,
+    ).bind(**values)
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside this package (the user's
+    ``build()`` call or strategy), however deep inside the library the warning is raised."""
+    level = 2  # stacklevel 2 is warn_user's caller
+    frame = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("fsdp_builder"):
+        level += 1
+        frame = frame.f_back  # type: ignore[assignment]
+    warnings.warn(message, category, stacklevel=level)

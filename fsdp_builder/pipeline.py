@@ -1,0 +1,346 @@
+"""One build: the init pipeline, stage by stage, in data-flow order.
+
+    configure ─► agree ─► groups ─► environment ─► prepare ─► per unit, bottom-up ─► finish
+
+- **configure** (local, pure): validate the configuration, resolve ignored states, plan units,
+  resolve the device, let the materializer check the plan. Nothing in the model changes, so a
+  failure here leaves it untouched on every rank.
+- **agree**: one all-gather; every rank raises if any failed or planned a different model.
+- **groups**: the group factory's groups, the strategy's clamping rules, the backend's view
+  (FSDP2: its mesh).
+- **environment**: one frozen :class:`Environment` handed to every strategy.
+- **prepare**: each strategy starts its per-build run (open a checkpoint, agree on a seed);
+  the runs are closed when the build ends, however it ends.
+- **per unit**: ``UNIT_STEPS`` in order, or ``SHARD_FIRST_STEPS`` when the materializer fills
+  local shards of a unit the backend sharded on meta; ranks agree once per unit (see
+  :class:`~fsdp_builder.agreement.Agreement`).
+- **finish**: nothing may be left on meta.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import attrs
+import torch.distributed as dist
+from attrs import define, frozen
+from torch import nn
+
+from fsdp_builder.agreement import Agreement, agree
+from fsdp_builder.backends import Backend
+from fsdp_builder.config import ShardingOptions
+from fsdp_builder.devices import (
+    DeviceResolver,
+    InferredDevice,
+    check_compute_device,
+    check_single_device,
+)
+from fsdp_builder.environment import Environment, effective_strategy
+from fsdp_builder.errors import ConfigurationError, FSDPBuilderError
+from fsdp_builder.groups import DefaultGroups, GroupFactory
+from fsdp_builder.ignored import (
+    IgnoredStates,
+    buffer_dtypes,
+    managed_params,
+    resolve_ignored,
+)
+from fsdp_builder.logs import build_logger
+from fsdp_builder.materializers import Materializer, MaterializerRun, ResetParameters
+from fsdp_builder.moving import move_unit_states
+from fsdp_builder.plan import Unit, UnitPlan, plan_units
+from fsdp_builder.report import BuildReport
+from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun
+from fsdp_builder.wrap import WrapPolicy
+
+# The per-unit steps, in the order they run.
+UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
+# With a shard-first materializer and a backend that supports it: shard on meta, then give only
+# the local shards values.
+SHARD_FIRST_STEPS: Final = ("shard", "materialize", "synchronize")
+
+
+@frozen
+class BuilderConfig:
+    """Everything configured on a builder; None means 'the default'."""
+
+    device: DeviceResolver | None = None
+    groups: GroupFactory | None = None
+    materializer: Materializer | None = None
+    synchronizer: StateSynchronizer | None = None
+    wrap: WrapPolicy | None = None
+    ignored_modules: tuple[nn.Module, ...] | None = None
+    ignored_states: tuple[Any, ...] | None = None
+    options: ShardingOptions = attrs.field(factory=ShardingOptions)
+
+
+@define
+class BuildResult:
+    """What one build produced on this rank."""
+
+    environment: Environment
+    report: BuildReport
+    module: nn.Module
+
+
+@frozen
+class _Configured:
+    """What the configure stage resolved, locally and without touching the model."""
+
+    ignored: IgnoredStates
+    plan: UnitPlan
+    device: Any
+
+
+@define
+class _Runs:
+    """The strategies' per-build runs."""
+
+    materializer: MaterializerRun
+    synchronizer: SyncRun
+
+    def close(self) -> None:
+        try:
+            self.materializer.close()
+        finally:
+            self.synchronizer.close()
+
+
+def plan_for(config: BuilderConfig, model: nn.Module) -> UnitPlan:
+    """The unit plan ``config`` gives ``model``; needs no process group."""
+    ignored = resolve_ignored(model, config.ignored_modules, config.ignored_states)
+    return plan_units(model, config.wrap or WrapPolicy(), ignored)
+
+
+def run_build(config: BuilderConfig, backend: Backend, model: nn.Module) -> BuildResult:
+    """Shard ``model`` as ``config`` says; every rank of the build calls this together."""
+    return _Build(config, backend).run(model)
+
+
+class _Build:
+    """One run of the pipeline; lives only inside ``run_build``."""
+
+    def __init__(self, config: BuilderConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        self.factory = config.groups or DefaultGroups()
+        self.resolver = config.device or InferredDevice()
+        self.materializer = config.materializer or ResetParameters()
+        self.synchronizer = config.synchronizer or NoSync()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.agreement = Agreement(None)
+
+    def run(self, model: nn.Module) -> BuildResult:
+        started = time.perf_counter()
+        configured = self.configure(model)
+        env = self.environment(model, configured, *self.create_groups(configured))
+        report = BuildReport(
+            rank=env.rank,
+            world_size=env.world_size,
+            backend=self.backend.name,
+            strategy=env.strategy.name,
+            device=str(env.device),
+        )
+        env.logger.debug(
+            "build_start",
+            backend=self.backend.name,
+            strategy=env.strategy.name,
+            units=len(env.plan),
+            device=str(env.device),
+            model_bytes=env.plan.nbytes,
+        )
+        runs = self.prepare(env)
+        try:
+            result = self.shard_units(model, env, runs, report)
+        finally:
+            runs.close()
+        self.agreement.now("finish", lambda: _check_no_meta(result))
+        env.logger.info(
+            "build_done",
+            seconds=round(report.total_seconds, 6),
+            wall_seconds=round(time.perf_counter() - started, 6),
+            units=len(env.plan),
+            backend=self.backend.name,
+            strategy=env.strategy.name,
+        )
+        return BuildResult(environment=env, report=report, module=result)
+
+    # -- stages, in order ---------------------------------------------------------------
+
+    def configure(self, model: nn.Module) -> _Configured:
+        """Local checks and resolution, then the agreement on them and on the model."""
+        cfg = self.config
+        configured: _Configured | None = None
+        description: Any = None
+        error: BaseException | None = None
+        try:
+            self.factory.validate(cfg.options.strategy)
+            self.backend.check(cfg.options)
+            ignored = resolve_ignored(model, cfg.ignored_modules, cfg.ignored_states)
+            plan = plan_units(model, cfg.wrap or WrapPolicy(), ignored)
+            _check_ignored_real(model, ignored)
+            managed = list(managed_params(model, ignored))
+            check_single_device(managed, self.resolver.explicit)
+            device = self.resolver.resolve(model, managed, self.rank)
+            self.materializer.check(plan, ignored)
+            description = plan.describe()
+            configured = _Configured(ignored, plan, device)
+        except Exception as exc:
+            error = exc
+        self.agreement = Agreement(self.factory.agreement_group())
+        agree(
+            "configure",
+            error,
+            group=self.agreement.group,
+            fingerprint=configured.plan.fingerprint() if configured else 0,
+            description=description,
+        )
+        assert configured is not None  # agree raised on every rank otherwise
+        return configured
+
+    def create_groups(self, configured: _Configured) -> tuple[ShardingOptions, Any]:
+        """The factory's groups, clamped to what the world allows, as the backend sees them
+        (one agreement: creating and preparing groups both communicate)."""
+
+        def create() -> tuple[ShardingOptions, Any]:
+            groups = self.factory.create(self.config.options.strategy, configured.device)
+            options, groups = effective_strategy(self.config.options, groups)
+            return options, self.backend.prepare_groups(groups, options, configured.device)
+
+        return self.agreement.now("groups", create)
+
+    def environment(
+        self, model: nn.Module, configured: _Configured, options: ShardingOptions, groups: Any
+    ) -> Environment:
+        world_size = dist.get_world_size()
+        return Environment(
+            rank=self.rank,
+            world_size=world_size,
+            groups=groups,
+            device=configured.device,
+            options=options,
+            ignored=configured.ignored,
+            plan=configured.plan,
+            backend=self.backend.name,
+            agreement_group=self.agreement.group,
+            buffer_dtypes=buffer_dtypes(model),
+            shards_first=self.materializer.shard_first and self.backend.supports_shard_first,
+            logger=build_logger(__name__, rank=self.rank, world_size=world_size),
+        )
+
+    def prepare(self, env: Environment) -> _Runs:
+        """Each strategy's run for this build, under one agreement. Both prepares run even when
+        the first fails (a prepare may communicate: every rank must reach it), and a run that
+        was started is closed if the other failed."""
+        runs: list[Any] = []
+        errors: list[BaseException] = []
+        expected: list[tuple[Any, type]] = [
+            (self.materializer, MaterializerRun),
+            (self.synchronizer, SyncRun),
+        ]
+        for strategy, run_type in expected:
+            try:
+                runs.append(_checked_run(strategy, strategy.prepare(env), run_type))
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            for run in runs:
+                run.close()
+        self.agreement.now("prepare", lambda: _raise_first(errors))
+        return _Runs(*runs)
+
+    def shard_units(
+        self, model: nn.Module, env: Environment, runs: _Runs, report: BuildReport
+    ) -> nn.Module:
+        """Every unit, bottom-up; a wrapper that replaces its module takes its parent slot."""
+        slots = _parent_slots(model)
+        result = model
+        for unit in env.plan:
+            result = self.build_unit(unit, env, runs, report)
+            if result is not unit.module:
+                for parent, name in slots.get(id(unit.module), []):
+                    setattr(parent, name, result)
+        return result
+
+    def build_unit(
+        self, unit: Unit, env: Environment, runs: _Runs, report: BuildReport
+    ) -> nn.Module:
+        logger = env.logger.bind(unit=unit.label)
+        sharded: list[nn.Module] = []
+
+        def materialize() -> None:
+            with report.measure("materialize", unit.label, env.device, logger) as m:
+                m.bytes = runs.materializer.materialize(unit)
+            with report.measure("move", unit.label, env.device, logger) as m:
+                m.bytes = move_unit_states(unit.module, env.ignored, env.device)
+                check_compute_device(
+                    managed_params(unit.module, env.ignored), env.device, unit.label, env.rank
+                )
+
+        def synchronize() -> None:
+            with report.measure("synchronize", unit.label, env.device, logger) as m:
+                m.comm_bytes = runs.synchronizer.synchronize(unit)
+
+        def shard() -> None:
+            with report.measure("shard", unit.label, env.device, logger) as m:
+                sharded.append(self.backend.shard(unit, env))
+                m.bytes = unit.param_bytes
+
+        steps: dict[str, tuple[Callable[[], None], bool]] = {
+            "materialize": (materialize, self.materializer.communicates),
+            "synchronize": (synchronize, self.synchronizer.communicates),
+            "shard": (shard, self.backend.shard_communicates),
+        }
+        for name in SHARD_FIRST_STEPS if env.shards_first else UNIT_STEPS:
+            fn, communicates = steps[name]
+            self.agreement.step(name, fn, unit.label, communicates)
+        self.agreement.settle(unit.label)
+        return sharded[0]  # every step ran: the agreement raised otherwise
+
+
+def _checked_run(strategy: object, run: Any, run_type: type) -> Any:
+    if not isinstance(run, run_type):
+        raise ConfigurationError(
+            f"`{type(strategy).__name__}.prepare(env)` returned {type(run).__name__}, not a "
+            f"{run_type.__name__}. Return an object with the {run_type.__name__} methods (the "
+            "Base* classes' prepare returns one that calls your per-unit method)."
+        )
+    return run
+
+
+def _raise_first(errors: list[BaseException]) -> None:
+    if errors:
+        raise errors[0]
+
+
+def _parent_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            slots.setdefault(id(child), []).append((parent, name))
+    return slots
+
+
+def _check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
+    """Ignored states are never materialized: on meta they would be left so; say it now, while
+    the model is untouched."""
+    buffers = {id(b) for b in ignored.buffers}
+    left = [n for n, p in model.named_parameters() if p in ignored.params and p.is_meta]
+    left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
+    if left:
+        raise ConfigurationError(
+            f"Ignored states are on the meta device: {', '.join(left[:8])}"
+            f"{' ...' if len(left) > 8 else ''}. The builder leaves ignored states as they are: "
+            "give them real values before build(), or stop ignoring them."
+        )
+
+
+def _check_no_meta(model: nn.Module) -> None:
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise FSDPBuilderError(
+            f"After the build these states are still on the meta device: {', '.join(left[:8])}"
+            f"{' ...' if len(left) > 8 else ''}. They belong to ignored modules or a materializer "
+            "skipped them: materialize them yourself or stop ignoring them."
+        )

@@ -1,0 +1,118 @@
+"""Walking a unit's own modules and giving their states storage.
+
+A unit owns the modules below its root down to (not into) ignored modules and already-sharded
+children; these helpers are what every materializer, synchronizer and loader walks.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fsdp_builder.ignored import IgnoredStates, clean_name, is_wrapped
+
+
+def qualified(prefix: str, name: str) -> str:
+    """``prefix.name`` without empty parts (the root's name is "")."""
+    return ".".join(x for x in (prefix, name) if x)
+
+
+def unit_modules(root: nn.Module, stop: Iterable[nn.Module]) -> list[nn.Module]:
+    """The unit's own modules, breadth-first from ``root``, stopping at the modules in ``stop``
+    (ignored modules, and before wrapping the other units) and at already-sharded children
+    (which were materialized with their own unit)."""
+    stops = set(stop)
+    order: list[nn.Module] = [root]
+    seen = {id(root)}
+    queue = collections.deque([root])
+    while queue:
+        for child in queue.popleft().children():
+            if id(child) in seen or child in stops or is_wrapped(child):
+                continue
+            seen.add(id(child))
+            order.append(child)
+            queue.append(child)
+    return order
+
+
+def module_names(root: nn.Module) -> dict[int, str]:
+    """Module id → name relative to ``root`` (every alias of a shared module kept)."""
+    return {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+
+
+def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """Clean fully-qualified name → (owning module, local name, tensor) for every parameter and
+    buffer below ``root``, named as the plan names them (no wrapper prefixes such as
+    ``_checkpoint_wrapped_module``)."""
+    found: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        base = qualified(root_fqn, prefix)
+        named = [*module._parameters.items(), *module._buffers.items()]
+        for name, t in named:
+            if t is not None:
+                found.setdefault(clean_name(qualified(base, name)), (module, name, t))
+    return found
+
+
+def direct_states(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers ``module`` registers itself (not its children's)."""
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def has_meta_states(module: nn.Module) -> bool:
+    return any(t.is_meta for t in direct_states(module))
+
+
+def needs_materialization(modules: Iterable[nn.Module], ignored: IgnoredStates) -> bool:
+    """True when a managed parameter or a buffer of these modules is on the meta device."""
+    for m in modules:
+        if any(p.is_meta for p in m.parameters(recurse=False) if p not in ignored.params):
+            return True
+        if any(b.is_meta for b in m.buffers(recurse=False)):
+            return True
+    return False
+
+
+def _tied_groups(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    by_param: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in modules:
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            if p is not None:
+                by_param.setdefault(id(p), []).append((m, name))
+    return [slots for slots in by_param.values() if len(slots) > 1]
+
+
+def allocate_empty(
+    modules: list[nn.Module], device: torch.device, *, only_meta: bool = True
+) -> int:
+    """``to_empty`` each module that owns states (only those with a state on meta unless
+    ``only_meta`` is False), then re-tie parameters that were shared (``to_empty`` gives every
+    module its own new tensor, which would untie them). States that were already real keep
+    their values in the new storage: an initializer that does not write them (a buffer filled
+    in ``__init__``) never leaves them uninitialized. Returns the bytes given storage."""
+    tied = _tied_groups(modules)
+    allocated = 0
+    for m in modules:
+        own = direct_states(m)
+        if own and (not only_meta or any(t.is_meta for t in own)):
+            real = [
+                (name, t)
+                for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+                if not t.is_meta
+            ]
+            m.to_empty(device=device, recurse=False)
+            with torch.no_grad():
+                for name, old in real:
+                    new = getattr(m, name)
+                    if new is not old:
+                        new.copy_(old)
+            allocated += sum(t.numel() * t.element_size() for t in direct_states(m))
+    for slots in tied:
+        owner, name = slots[0]
+        shared = getattr(owner, name)
+        for m, n in slots[1:]:
+            setattr(m, n, shared)
+    return allocated
