@@ -18,6 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from fsdp_builder.errors import ConfigurationError, config_error
+from fsdp_builder.hooks import DeclaredHooks
 from fsdp_builder.logs import warn_user
 
 CPU = torch.device("cpu")
@@ -37,8 +38,10 @@ class DeviceResolver(Protocol):
         ...
 
 
-class BaseDeviceResolver:
+class BaseDeviceResolver(DeclaredHooks):
     """Optional base for custom resolvers."""
+
+    __slots__ = ()
 
     explicit: bool = False
 

@@ -20,6 +20,7 @@ from typing_extensions import override
 from fsdp_builder.collectives import collective_device
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
+from fsdp_builder.hooks import DeclaredHooks
 
 
 def gradient_predivide_factor(world_size: int) -> float:
@@ -82,8 +83,10 @@ class GroupFactory(Protocol):
         ...
 
 
-class BaseGroupFactory:
+class BaseGroupFactory(DeclaredHooks):
     """Optional base for custom factories: accepts every strategy, agrees on the default group."""
+
+    __slots__ = ()
 
     def validate(self, strategy: ShardingStrategy) -> None:
         return None

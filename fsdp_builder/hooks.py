@@ -18,6 +18,9 @@ class DeclaredHooks:
     """Refuses, at class creation, a public name that is not a member of any base class but is
     within a typo of one (e.g. ``communicate`` for ``communicates``)."""
 
+    # Slotted ready-made strategies stay free of instance dicts (nothing can be stored on them).
+    __slots__ = ()
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         known = {

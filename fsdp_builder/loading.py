@@ -280,7 +280,10 @@ class FromStateDict(BaseMaterializer):
     it ends.
     """
 
-    source: Any = attrs.field(validator=_check_source_type)
+    # Compared by identity: a state dict of tensors has no single truth value.
+    source: Any = attrs.field(
+        validator=_check_source_type, eq=attrs.cmp_using(eq=lambda a, b: a is b)
+    )
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=check_bucket_bytes)
     # Honoured by backends that shard on meta (FSDP2): rank 0 then scatters only the slices.
     shard_first: ClassVar[bool] = True

@@ -179,6 +179,8 @@ class BaseMaterializer(DeclaredHooks):
     initializer), on ``storage_device`` when it is set instead of the compute device.
     """
 
+    __slots__ = ()
+
     reinitialize: bool = False
     storage_device: torch.device | None = None
     # Whether ``materialize`` runs collectives (the pipeline then agrees before it); a subclass

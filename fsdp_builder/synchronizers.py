@@ -88,6 +88,8 @@ class BaseSynchronizer(DeclaredHooks):
     ``communicates = False`` if it runs no collectives; override ``prepare`` to keep per-build
     state in a run object of your own."""
 
+    __slots__ = ()
+
     communicates: bool = True
 
     def prepare(self, env: Environment) -> SyncRun:

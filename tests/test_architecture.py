@@ -1,0 +1,294 @@
+"""The contract between the pipeline and the strategies: declared hooks, per-build runs, quiet
+logging, and what the wheel installs."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_builder import (
+    BaseMaterializer,
+    BaseSynchronizer,
+    BroadcastFromRank0,
+    ConfigurationError,
+    CPUDevice,
+    DeterministicInit,
+    FromStateDict,
+    FSDPBuilder,
+    FullyShardBuilder,
+    RankDisagreementError,
+    ResetParameters,
+    VerifyReplicas,
+)
+from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, full_state_dict
+from fsdp_builder.materializers import Materializer
+
+CFG = DemoConfig(vocab=32, dim=16, heads=2, layers=2, seq=4)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def meta_model() -> DemoTransformer:
+    with torch.device("meta"):
+        return DemoTransformer(CFG)
+
+
+# -- declared hooks ---------------------------------------------------------------------------
+
+
+def test_a_misspelled_hook_is_refused_when_the_class_is_made() -> None:
+    misspelled = r"`Quiet.communicate`.*did you mean `communicates`"
+    with pytest.raises(ConfigurationError, match=misspelled):
+
+        class Quiet(BaseMaterializer):
+            communicate = False
+
+    with pytest.raises(ConfigurationError, match=r"`Sync.synchronise`.*did you mean `synchronize`"):
+
+        class Sync(BaseSynchronizer):
+            def synchronise(self, unit: Any, env: Any) -> int:
+                return 0
+
+
+def test_helpers_far_from_any_hook_name_are_accepted() -> None:
+    class Mine(BaseMaterializer):
+        scale = 0.5
+
+        def init_module(self, module: nn.Module, fqn: str) -> None:
+            return None
+
+    assert Mine().scale == 0.5
+
+
+def test_a_protocol_implementation_missing_a_hook_is_named() -> None:
+    class Bare:
+        """The old two-method shape, without the declared hooks."""
+
+        def check(self, plan: Any, ignored: Any) -> None:
+            return None
+
+        def materialize(self, unit: Any, env: Any) -> int:
+            return 0
+
+    assert not isinstance(Bare(), Materializer)
+    with pytest.raises(ConfigurationError, match=r"lacks communicates, prepare, shard_first"):
+        FSDPBuilder().materialize(Bare())  # type: ignore[arg-type]
+
+
+def test_a_class_where_an_instance_is_expected_says_how_to_make_one() -> None:
+    with pytest.raises(ConfigurationError, match=r"Did you mean `ResetParameters\(\)`"):
+        FSDPBuilder().materialize(ResetParameters)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"Did you mean `BroadcastFromRank0\(\)`"):
+        FSDPBuilder().synchronize(BroadcastFromRank0)  # type: ignore[arg-type]
+
+
+def test_no_hook_of_ours_is_looked_up_with_getattr() -> None:
+    hooks = (
+        "prepare",
+        "communicates",
+        "shard_first",
+        "supports_shard_first",
+        "shard_communicates",
+        "prepare_groups",
+    )
+    found = [
+        f"{path.name}: {line.strip()}"
+        for path in (ROOT / "fsdp_builder").rglob("*.py")
+        for line in path.read_text().splitlines()
+        if "getattr(" in line and any(f'"{h}"' in line for h in hooks)
+    ]
+    assert not found, found
+
+
+# -- per-build state ------------------------------------------------------------------------
+
+
+def test_strategies_shared_by_cloned_builders_keep_no_state(world1: None) -> None:
+    torch.manual_seed(0)
+    source = full_state_dict(DemoTransformer(CFG))
+    load = FromStateDict(source)
+    sync = BroadcastFromRank0(bucket_bytes=1024)
+    verify = VerifyReplicas()
+    snapshot = copy.deepcopy((sync, verify))
+    tensors = {k: v.clone() for k, v in source.items()}
+    first = FullyShardBuilder().device(CPUDevice()).wrap(Block).sharding("none")
+    first.materialize(load).synchronize(sync, verify)
+    twin = first.clone()
+    for builder in (first, twin):
+        model = builder.build(meta_model())
+        got = full_state_dict(model)
+        assert got.keys() == source.keys()
+        assert all(torch.equal(got[k], source[k]) for k in source)
+    # The same objects, unchanged: nothing of either build stayed on them.
+    assert (sync, verify) == snapshot
+    assert load.source is source and all(torch.equal(source[k], tensors[k]) for k in tensors)
+    for strategy in (load, sync, verify):
+        assert not hasattr(strategy, "__dict__"), type(strategy).__name__
+
+
+class _FailAtRoot(BaseSynchronizer):
+    communicates = False
+
+    def synchronize(self, unit: Any, env: Any) -> int:
+        if unit.is_root:
+            raise RuntimeError("planted failure at the root unit")
+        return 0
+
+
+def _mapped(path: Path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_a_failing_build_closes_the_checkpoint_on_rank_0(world1: None, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    path = tmp_path / "model.safetensors"
+    save_file(full_state_dict(DemoTransformer(CFG)), str(path))
+    builder = (
+        FSDPBuilder()
+        .device(CPUDevice())
+        .wrap(Block)
+        .sharding("none")
+        .materialize(FromStateDict(path))
+        .synchronize(_FailAtRoot())
+    )
+    with pytest.raises(RuntimeError, match="planted failure at the root unit"):
+        builder.build(meta_model())
+    assert not _mapped(path)
+    # The same source still loads once the failure is gone: nothing was left open or half-set.
+    ok = FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none")
+    ok.materialize(FromStateDict(path)).build(meta_model())
+    assert not _mapped(path)
+
+
+def test_one_rank_failure_in_a_local_step_names_the_same_stage_everywhere() -> None:
+    from fsdp_builder.launch import run_ranks
+
+    results = run_ranks(_fail_on_rank_1, 2, timeout=120)
+    assert [r["stage"] for r in results] == ["synchronize", "synchronize"]
+    assert [r["failures"] for r in results] == [[1], [1]]
+
+
+def _fail_on_rank_1() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    class FailOnRank1(BaseSynchronizer):
+        communicates = False
+
+        def synchronize(self, unit: Any, env: Any) -> int:
+            if dist.get_rank() == 1 and unit.is_root:
+                raise RuntimeError("rank 1 fails")
+            return 0
+
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).synchronize(FailOnRank1())
+    try:
+        builder.build(DemoTransformer(CFG))
+    except RankDisagreementError as exc:
+        return {"stage": exc.stage, "failures": sorted(exc.failures)}
+    return {"stage": None, "failures": []}
+
+
+# -- logging --------------------------------------------------------------------------------
+
+_BUILD = textwrap.dedent(
+    """
+    import logging, sys
+    import torch.distributed as dist
+    from fsdp_builder import CPUDevice, FSDPBuilder
+    from fsdp_builder.demo import Block, DemoConfig, DemoTransformer
+    from fsdp_builder.launch import free_port
+
+    if sys.argv[1] == "debug":
+        logging.basicConfig(level=logging.DEBUG)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    cfg = DemoConfig(vocab=32, dim=16, heads=2, layers=2, seq=4)
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none")
+    builder.build(DemoTransformer(cfg))
+    dist.destroy_process_group()
+    """
+)
+
+
+def _run_build(mode: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    return subprocess.run(
+        [sys.executable, "-c", _BUILD, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+
+
+@pytest.mark.timeout(150)
+def test_a_build_prints_nothing_without_logging_configuration() -> None:
+    done = _run_build("quiet")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert done.stderr == ""
+
+
+@pytest.mark.timeout(150)
+def test_stdlib_debug_logging_shows_the_build_events_with_rank_and_unit() -> None:
+    done = _run_build("debug")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    stages = [line for line in lines if "fsdp_builder" in line and "build_stage" in line]
+    # Three units (two blocks and the root), four stages each.
+    assert len(stages) == 12, done.stderr
+    assert all("rank=0" in line and "world_size=1" in line for line in stages)
+    assert any("unit='blocks.0'" in line for line in stages)
+    assert "event='build_done'" in done.stderr
+
+
+def test_a_configured_structlog_gets_the_events(world1: None) -> None:
+    from structlog.testing import capture_logs
+
+    with capture_logs() as events:
+        FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none").build(
+            DemoTransformer(CFG)
+        )
+    stages = [e for e in events if e["event"] == "build_stage"]
+    assert len(stages) == 12
+    assert all(e["rank"] == 0 and e["world_size"] == 1 and "unit" in e for e in stages)
+
+
+def test_deterministic_init_is_unchanged_by_the_logging_route(world1: None) -> None:
+    """Events are side effects only: the weights do not depend on where they go."""
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none")
+    built = full_state_dict(builder.materialize(DeterministicInit(seed=3)).build(meta_model()))
+    reference = DeterministicInit(seed=3).materialize_model(meta_model(), wrap=Block)
+    expected = full_state_dict(reference)
+    assert all(torch.equal(built[k], expected[k]) for k in expected)
+
+
+# -- packaging ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_the_wheel_installs_the_library_only(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=200, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("fsdp_builder-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert packages == {"fsdp_builder"}, sorted(packages)
+    assert "fsdp_builder/py.typed" in names
