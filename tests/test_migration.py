@@ -1,0 +1,453 @@
+"""docs/migration.md: the tables list exactly the arguments of torch's ``FullyShardedDataParallel``
+and ``fully_shard``, and each row that names a builder call builds the same module as the
+hand-written call (compared setting by setting, in a one-rank gloo world on the CPU).
+
+Adding a row: one line in the table, and, when it names a builder call, one check below keyed
+by the argument's name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
+
+from fsdp_builder import (
+    BroadcastFromRank0,
+    FSDPBuilder,
+    FullyShardBuilder,
+    InitFn,
+)
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "migration.md"
+ROW = re.compile(r"^\| `(?P<arg>\w+)` \| (?P<call>[^|]*?) \| (?P<notes>.*)\|\s*$")
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.filterwarnings(
+    # One rank: FSDP and the builder both switch to NO_SHARD and say so.
+    "ignore:.*NO_SHARD.*:UserWarning",
+    "ignore:.*NO_SHARD.*:FutureWarning",
+)
+
+
+def table(name: str) -> dict[str, str]:
+    """The rows of the table after ``<!-- migration-table: name -->``: argument -> builder call
+    (empty when the argument is not expressible)."""
+    text = DOC.read_text()
+    marker = f"<!-- migration-table: {name} -->"
+    assert text.count(marker) == 1, marker
+    rows: dict[str, str] = {}
+    for line in text.split(marker, 1)[1].lstrip().splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        match = ROW.match(line)
+        assert match, f"malformed row: {line}"
+        assert match["arg"] not in rows, f"{match['arg']} listed twice"
+        call = match["call"].strip()
+        rows[match["arg"]] = "" if call.startswith("not expressible") else call
+        assert call, f"{match['arg']}: no builder call and no reason"
+    return rows
+
+
+def signature_args(fn: Callable[..., Any]) -> list[str]:
+    return [name for name in inspect.signature(fn).parameters if name != "self"]
+
+
+# -- a small model ---------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class Model(nn.Sequential):
+    """Two Blocks and a head; indexable for mypy."""
+
+    def __getitem__(self, idx: Any) -> Any:
+        return super().__getitem__(idx)
+
+
+def model(device: str = "cpu") -> Model:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Model(Block(), Block(), nn.Linear(8, 2))
+
+
+def param_names(root: nn.Module, params: Any) -> list[str]:
+    wanted = {id(p) for p in params}
+    return sorted(n for n, p in root.named_parameters(remove_duplicate=False) if id(p) in wanted)
+
+
+# -- FSDP1 -----------------------------------------------------------------------------------
+
+
+def _contains(unit: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in unit.modules())
+
+
+def settings1(root: nn.Module) -> dict[str, Any]:
+    """Every FullyShardedDataParallel instance's settings, by its name in the wrapped model."""
+    out = {}
+    for name, m in root.named_modules():
+        if isinstance(m, FullyShardedDataParallel):
+            out[name] = {
+                "sharding_strategy": m.sharding_strategy,
+                "mixed_precision": m.mixed_precision,
+                "cpu_offload": m.cpu_offload,
+                "backward_prefetch": m.backward_prefetch,
+                "forward_prefetch": m.forward_prefetch,
+                "use_orig_params": m._use_orig_params,
+                "limit_all_gathers": m.limit_all_gathers,
+                "compute_device": m.compute_device,
+                "process_group_size": dist.get_world_size(m.process_group),
+                # Under this unit: the builder hands every unit the whole ignored list, FSDP's
+                # auto-wrap only the root; a module outside a unit's subtree changes nothing.
+                "ignored_modules": sorted(
+                    type(x).__name__ for x in m._ignored_modules if _contains(m, x)
+                ),
+                "ignored_params": param_names(root, m._ignored_params),
+            }
+    return out
+
+
+def both1(
+    plain: Callable[[Model], dict[str, Any]],
+    configure: Callable[[FSDPBuilder, Model], FSDPBuilder],
+    device: str = "cpu",
+) -> tuple[nn.Module, nn.Module]:
+    """The model wrapped by hand (FSDP1 with an auto-wrap policy for ``Block``) and by the
+    builder (``.wrap(Block)``), each given the argument under test; their settings must match."""
+    hand_model = model(device)
+    kwargs: dict[str, Any] = {
+        "device_id": CPU,
+        "auto_wrap_policy": ModuleWrapPolicy({Block}),
+        **plain(hand_model),
+    }
+    by_hand = FullyShardedDataParallel(hand_model, **kwargs)
+    built_model = model(device)
+    built = configure(FSDPBuilder().device(CPU).wrap(Block), built_model).build(built_model)
+    assert settings1(built) == settings1(by_hand)
+    assert list(settings1(built)) == ["", "_fsdp_wrapped_module.0", "_fsdp_wrapped_module.1"]
+    return by_hand, built
+
+
+def root_settings(m: nn.Module) -> dict[str, Any]:
+    return settings1(m)[""]
+
+
+def check1_module() -> None:
+    by_hand, built = both1(lambda m: {}, lambda b, m: b)
+    assert isinstance(built, FullyShardedDataParallel)
+    assert type(built.module) is type(by_hand.module) is Model
+
+
+def check1_process_group() -> None:
+    group = dist.new_group([0])
+    by_hand, built = both1(lambda m: {"process_group": group}, lambda b, m: b.groups(group))
+    assert isinstance(built, FullyShardedDataParallel)
+    assert built.process_group is group and by_hand.process_group is group
+
+
+def check1_sharding_strategy() -> None:
+    # One rank: both FSDP and the builder switch SHARD_GRAD_OP to NO_SHARD.
+    _, built = both1(
+        lambda m: {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP},
+        lambda b, m: b.sharding("grad_op"),
+    )
+    assert root_settings(built)["sharding_strategy"] is ShardingStrategy.NO_SHARD
+
+
+def check1_cpu_offload() -> None:
+    _, built = both1(
+        lambda m: {"cpu_offload": CPUOffload(offload_params=True)},
+        lambda b, m: b.cpu_offload(CPUOffload(offload_params=True)),
+    )
+    assert root_settings(built)["cpu_offload"].offload_params
+
+
+def check1_auto_wrap_policy() -> None:
+    both1(lambda m: {}, lambda b, m: b)  # both1 wraps Block both ways and compares the units
+
+
+def check1_backward_prefetch() -> None:
+    _, built = both1(
+        lambda m: {"backward_prefetch": BackwardPrefetch.BACKWARD_POST},
+        lambda b, m: b.prefetch(backward=BackwardPrefetch.BACKWARD_POST),
+    )
+    assert root_settings(built)["backward_prefetch"] is BackwardPrefetch.BACKWARD_POST
+
+
+def check1_mixed_precision() -> None:
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _, built = both1(lambda m: {"mixed_precision": policy}, lambda b, m: b.mixed_precision(policy))
+    assert root_settings(built)["mixed_precision"].param_dtype is torch.bfloat16
+
+
+def check1_ignored_modules() -> None:
+    _, built = both1(lambda m: {"ignored_modules": [m[2]]}, lambda b, m: b.ignore(modules=[m[2]]))
+    assert root_settings(built)["ignored_modules"] == ["Linear"]
+
+
+def _fill(module: nn.Module) -> None:
+    module.to_empty(device=CPU, recurse=False)
+    with torch.no_grad():
+        for p in module.parameters(recurse=False):
+            p.fill_(0.5)
+
+
+def check1_param_init_fn() -> None:
+    by_hand, built = both1(
+        lambda m: {"param_init_fn": _fill}, lambda b, m: b.materialize(InitFn(_fill)), "meta"
+    )
+    for m in (by_hand, built):
+        values = torch.cat([p.detach().flatten() for p in m.parameters()])
+        assert not values.is_meta and bool((values == 0.5).all())
+
+
+def check1_device_id() -> None:
+    _, built = both1(lambda m: {"device_id": CPU}, lambda b, m: b)  # both1 sets the device
+    assert root_settings(built)["compute_device"] == CPU
+
+
+def check1_sync_module_states() -> None:
+    # FSDP1 refuses sync_module_states for CPU modules; the builder's broadcast works on gloo.
+    with pytest.raises(ValueError, match="sync_module_states"):
+        FullyShardedDataParallel(model(), device_id=CPU, sync_module_states=True)
+    reference = torch.cat([p.detach().flatten() for p in model().parameters()])
+    built_model = model()
+    builder = FSDPBuilder().device(CPU).wrap(Block).synchronize(BroadcastFromRank0())
+    built = builder.build(built_model)
+    with FullyShardedDataParallel.summon_full_params(built):
+        values = torch.cat([p.detach().flatten() for p in built_model.parameters()])
+    assert torch.equal(values, reference)
+    assert [r.unit for r in builder.report.records if r.stage == "synchronize"]
+
+
+def check1_forward_prefetch() -> None:
+    _, built = both1(lambda m: {"forward_prefetch": True}, lambda b, m: b.prefetch(forward=True))
+    assert root_settings(built)["forward_prefetch"] is True
+
+
+def check1_limit_all_gathers() -> None:
+    _, built = both1(
+        lambda m: {"limit_all_gathers": False}, lambda b, m: b.limit_all_gathers(False)
+    )
+    assert root_settings(built)["limit_all_gathers"] is False
+
+
+def check1_use_orig_params() -> None:
+    _, built = both1(lambda m: {"use_orig_params": True}, lambda b, m: b.use_orig_params(True))
+    assert root_settings(built)["use_orig_params"] is True
+
+
+def check1_ignored_states() -> None:
+    _, built = both1(
+        lambda m: {"ignored_states": [m[2].bias]}, lambda b, m: b.ignore(states=[m[2].bias])
+    )
+    assert root_settings(built)["ignored_params"] == ["_fsdp_wrapped_module.2.bias"]
+
+
+def check1_device_mesh() -> None:
+    mesh = init_device_mesh("cpu", (1,))
+    by_hand, built = both1(lambda m: {"device_mesh": mesh}, lambda b, m: b.groups(mesh))
+    assert isinstance(built, FullyShardedDataParallel)
+    assert built._device_mesh is mesh and by_hand._device_mesh is mesh
+
+
+FSDP1_CHECKS: dict[str, Callable[[], None]] = {
+    "module": check1_module,
+    "process_group": check1_process_group,
+    "sharding_strategy": check1_sharding_strategy,
+    "cpu_offload": check1_cpu_offload,
+    "auto_wrap_policy": check1_auto_wrap_policy,
+    "backward_prefetch": check1_backward_prefetch,
+    "mixed_precision": check1_mixed_precision,
+    "ignored_modules": check1_ignored_modules,
+    "param_init_fn": check1_param_init_fn,
+    "device_id": check1_device_id,
+    "sync_module_states": check1_sync_module_states,
+    "forward_prefetch": check1_forward_prefetch,
+    "limit_all_gathers": check1_limit_all_gathers,
+    "use_orig_params": check1_use_orig_params,
+    "ignored_states": check1_ignored_states,
+    "device_mesh": check1_device_mesh,
+}
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------
+
+
+def fsdp_units(root: nn.Module) -> Iterator[tuple[str, FSDPModule]]:
+    for name, m in root.named_modules():
+        if isinstance(m, FSDPModule):
+            yield name, m
+
+
+def settings2(root: nn.Module) -> dict[str, Any]:
+    """Each fully_shard unit's parameter group: mixed precision, reshard, offload, mesh and the
+    parameters it shards."""
+    modules = {id(m): name for name, m in root.named_modules()}
+    out = {}
+    for name, unit in fsdp_units(root):
+        group = unit._get_fsdp_state()._fsdp_param_group
+        assert group is not None
+        mesh = group.mesh_info.mesh
+        out[name] = {
+            "mp_policy": group.mp_policy,
+            "reshard_after_forward": group.post_forward_mesh_info is not None,
+            "offload_policy": type(group.offload_policy).__name__,
+            "mesh": (mesh.ndim, mesh.mesh.tolist()),
+            "params": sorted(
+                f"{modules[id(p._module_info.module)]}.{p._module_info.param_name}".lstrip(".")
+                for p in group.fsdp_params
+            ),
+        }
+    return out
+
+
+def both2(
+    shard: Callable[[Any, dict[str, Any]], dict[str, Any]],
+    configure: Callable[[FullyShardBuilder, Model], FullyShardBuilder],
+) -> tuple[dict[str, Any], dict[str, Any], nn.Module]:
+    """``fully_shard`` by hand on each Block then the root, with ``shard(model, kwargs)``'s
+    keywords, and the builder; one forward each (the root decides its resharding then)."""
+    hand = model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in (hand[0], hand[1]):
+        fully_shard(block, **shard(block, {"mesh": mesh}))
+    fully_shard(hand, **shard(hand, {"mesh": mesh}))
+    built_model = model()
+    built = configure(FullyShardBuilder().device(CPU).wrap(Block), built_model).build(built_model)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(built(x), hand(x))
+    mine, theirs = settings2(built), settings2(hand)
+    world = dist.get_world_size()
+    assert all(s["mesh"] == (1, list(range(world))) for s in mine.values())
+    assert list(mine) == ["", "0", "1"]
+    assert mine == theirs
+    return mine, theirs, built
+
+
+def check2_module() -> None:
+    both2(lambda m, kw: kw, lambda b, m: b)
+
+
+def check2_mesh() -> None:
+    mesh = init_device_mesh("cpu", (1,))
+    _, _, built = both2(lambda m, kw: {**kw, "mesh": mesh}, lambda b, m: b.groups(mesh))
+    assert isinstance(built, FSDPModule)
+    group = built._get_fsdp_state()._fsdp_param_group
+    assert group is not None and group.mesh_info.mesh == mesh
+
+
+def check2_reshard_after_forward() -> None:
+    # fully_shard's default (None): True for every unit but the root, which keeps its
+    # parameters after forward; .sharding("full") does the same.
+    mine, _, _ = both2(lambda m, kw: kw, lambda b, m: b.sharding("full"))
+    assert [s["reshard_after_forward"] for s in mine.values()] == [False, True, True]
+    # reshard_after_forward=False is .sharding("grad_op"): checked on two ranks below, since one
+    # rank makes the builder use NO_SHARD, as FSDP1 does.
+
+
+def _grad_op_on_two_ranks() -> bool:
+    mine, _, _ = both2(
+        lambda m, kw: {**kw, "reshard_after_forward": False}, lambda b, m: b.sharding("grad_op")
+    )
+    return not any(s["reshard_after_forward"] for s in mine.values())
+
+
+def check2_mp_policy() -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
+    )
+    mine, _, _ = both2(
+        lambda m, kw: {**kw, "mp_policy": policy}, lambda b, m: b.mixed_precision(mp)
+    )
+    assert all(s["mp_policy"] == policy for s in mine.values())
+
+
+def check2_ignored_params() -> None:
+    def shard(m: nn.Module, kw: dict[str, Any]) -> dict[str, Any]:
+        return {**kw, "ignored_params": {m[2].bias}} if isinstance(m, nn.Sequential) else kw
+
+    mine, _, built = both2(shard, lambda b, m: b.ignore(states=[m[2].bias]))
+    assert "2.bias" not in mine[""]["params"] and "2.weight" in mine[""]["params"]
+    assert isinstance(built, nn.Sequential)
+    assert not isinstance(built[2].bias, DTensor)
+
+
+FSDP2_CHECKS: dict[str, Callable[[], None]] = {
+    "module": check2_module,
+    "mesh": check2_mesh,
+    "reshard_after_forward": check2_reshard_after_forward,
+    "mp_policy": check2_mp_policy,
+    "ignored_params": check2_ignored_params,
+}
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+TABLES: dict[str, tuple[Callable[..., Any], dict[str, Callable[[], None]]]] = {
+    "fsdp1": (FullyShardedDataParallel.__init__, FSDP1_CHECKS),
+    "fsdp2": (fully_shard, FSDP2_CHECKS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_table_lists_exactly_the_arguments_of_torch(name: str) -> None:
+    fn, _ = TABLES[name]
+    assert list(table(name)) == signature_args(fn)
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_every_row_with_a_builder_call_has_a_check(name: str) -> None:
+    _, checks = TABLES[name]
+    claimed = sorted(arg for arg, call in table(name).items() if call)
+    assert claimed == sorted(checks)
+
+
+@pytest.mark.parametrize(
+    ("name", "argument"),
+    [(name, arg) for name, (_, checks) in sorted(TABLES.items()) for arg in checks],
+)
+def test_builder_call_builds_what_the_argument_builds(
+    name: str, argument: str, world1: None
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        TABLES[name][1][argument]()
+
+
+@pytest.mark.timeout(120)
+def test_grad_op_is_reshard_after_forward_false() -> None:
+    from fsdp_builder.launch import run_ranks
+
+    assert run_ranks(_grad_op_on_two_ranks, 2, timeout=100) == [True, True]
