@@ -12,7 +12,7 @@ between builders.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
@@ -33,6 +33,8 @@ from fsdp_builder.tree import (
     module_names,
     needs_materialization,
     qualified,
+    retie,
+    tied_groups,
     unit_modules,
 )
 
@@ -42,13 +44,47 @@ _PRIVATE_INITIALIZERS: dict[type[nn.Module], str] = {
     nn.MultiheadAttention: "_reset_parameters",
 }
 
-# torch.nn modules whose private initializer re-initializes their whole subtree after the children
-# built themselves (nn.Transformer applies Xavier to every matrix). Without it, a Transformer
-# materialized from meta would get each Linear's default init, not the distribution its
-# constructor gives.
-_SUBTREE_INITIALIZERS: dict[type[nn.Module], str] = {
-    nn.Transformer: "_reset_parameters",
-}
+# Initializers a parent runs over its whole subtree after its children built themselves, as one
+# rule per parameter below it: nn.Transformer applies Xavier to every matrix of its layers. A
+# parent's own initializer cannot reach layers that are units of their own (materialized and
+# sharded before the parent), so the materializers apply the rule to each parameter below such
+# a parent right after that parameter's own module is initialized.
+SubtreeRule = Callable[[torch.Tensor], object]
+
+
+def _xavier_matrices(param: torch.Tensor) -> None:
+    if param.dim() > 1:
+        nn.init.xavier_uniform_(param)
+
+
+_SUBTREE_RULES: dict[type[nn.Module], SubtreeRule] = {nn.Transformer: _xavier_matrices}
+
+
+def register_subtree_rule(parent: type[nn.Module], rule: SubtreeRule) -> None:
+    """Make ``ResetParameters``, ``DeterministicInit`` and ``ShardFirstReset`` call
+    ``rule(param)`` on every parameter below a module of type ``parent``, after that
+    parameter's own module was initialized (what ``parent``'s constructor does to its
+    subtree). Registering a type again replaces its rule."""
+    if not (isinstance(parent, type) and issubclass(parent, nn.Module)) or not callable(rule):
+        raise config_error(
+            "register_subtree_rule",
+            "parent",
+            f"expected an nn.Module subclass and a callable, got {parent!r} and {rule!r}",
+            "Pass e.g. register_subtree_rule(MyModel, lambda p: nn.init.normal_(p, std=0.02)).",
+        )
+    _SUBTREE_RULES[parent] = rule
+
+
+def subtree_rules(model: nn.Module) -> dict[int, tuple[SubtreeRule, ...]]:
+    """Module id → the rules of its registered ancestors, outermost first."""
+    found: dict[int, tuple[SubtreeRule, ...]] = {}
+    stack: list[tuple[nn.Module, tuple[SubtreeRule, ...]]] = [(model, ())]
+    while stack:
+        module, inherited = stack.pop()
+        found[id(module)] = inherited
+        own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
+        stack.extend((child, inherited + own) for child in module.children())
+    return found
 
 
 def initializer_of(module: nn.Module) -> Callable[[], object] | None:
@@ -59,19 +95,6 @@ def initializer_of(module: nn.Module) -> Callable[[], object] | None:
     for cls, attr in _PRIVATE_INITIALIZERS.items():
         if isinstance(module, cls):
             return getattr(module, attr)
-    return None
-
-
-def subtree_initializer_of(
-    module: nn.Module, owned: Iterable[nn.Module]
-) -> Callable[[], object] | None:
-    """A known subtree initializer of ``module``, when every module below it is in ``owned``
-    (it must not touch states of nested units, which are already sharded, or ignored ones)."""
-    for cls, attr in _SUBTREE_INITIALIZERS.items():
-        if isinstance(module, cls):
-            own = {id(m) for m in owned}
-            if all(id(m) in own for m in module.modules()):
-                return getattr(module, attr)
     return None
 
 
@@ -197,14 +220,14 @@ class BaseMaterializer(DeclaredHooks):
     def init_module(self, module: nn.Module, fqn: str) -> None:
         raise NotImplementedError
 
-    def init_owned(self, module: nn.Module, fqn: str, owned: list[nn.Module]) -> None:
-        """``init_module`` with the unit's owned modules (for initializers that cover a
-        subtree); the default ignores them."""
+    def init_owned(self, module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
+        """``init_module``, given the subtree rules of the module's ancestors (see
+        ``register_subtree_rule``); the default ignores them."""
         self.init_module(module, fqn)
 
     def wants(self, module: nn.Module, owned: list[nn.Module]) -> bool:
         """Whether ``init_module`` is called for ``module``."""
-        return bool(direct_states(module)) or subtree_initializer_of(module, owned) is not None
+        return bool(direct_states(module))
 
     def materialize(self, unit: Unit, env: Environment) -> int:
         return self.materialize_modules(
@@ -213,6 +236,7 @@ class BaseMaterializer(DeclaredHooks):
             env.device,
             unit_modules(unit.module, env.ignored.modules),
             env.ignored,
+            model=env.plan.root.module,
         )
 
     def materialize_modules(
@@ -222,10 +246,12 @@ class BaseMaterializer(DeclaredHooks):
         device: torch.device,
         modules: list[nn.Module],
         ignored: IgnoredStates | None = None,
+        model: nn.Module | None = None,
     ) -> int:
         """Give ``modules`` (the owned modules below ``root``, named from ``root_fqn``) storage
         and values; returns the bytes given storage. Real ignored parameters keep their values,
-        even when their module's initializer writes them."""
+        even when their module's initializer writes them. ``model`` (default ``root``) is the
+        whole model, whose registered parents' subtree rules apply."""
         ignored = ignored or IgnoredStates()
         if not self.reinitialize and not needs_materialization(modules, ignored):
             return 0
@@ -239,9 +265,11 @@ class BaseMaterializer(DeclaredHooks):
             modules, self.storage_device or device, only_meta=not self.reinitialize
         )
 
+        rules = subtree_rules(model if model is not None else root)
+
         def init(module: nn.Module, fqn: str) -> None:
             if self.wants(module, modules):
-                self.init_owned(module, fqn, modules)
+                self.init_owned(module, fqn, rules.get(id(module), ()))
 
         initialize_children_first(
             root,
@@ -278,6 +306,7 @@ class BaseMaterializer(DeclaredHooks):
                 torch.device(device),
                 unit_modules(unit.module, stop),
                 ignored,
+                model=model,
             )
         return model
 
@@ -298,17 +327,17 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
     return missing
 
 
-def _run_initializer(module: nn.Module, fqn: str, owned: list[nn.Module]) -> None:
-    init = initializer_of(module) if direct_states(module) else None
-    if init is not None:
-        init()
-    subtree = subtree_initializer_of(module, owned)
-    if subtree is not None:
-        subtree()
-    if init is None and subtree is None:  # refused by check(); reached only when bypassed
+def run_initializer(module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
+    """The module's own initializer, then its ancestors' subtree rules on its parameters."""
+    init = initializer_of(module)
+    if init is None:  # refused by check(); reached only when bypassed
         raise MaterializationError(
             f"'{fqn or '<root>'}' ({type(module).__name__}) has no reset_parameters(); add one."
         )
+    init()
+    for rule in rules:
+        for param in module.parameters(recurse=False):
+            rule(param)
 
 
 @frozen
@@ -334,11 +363,11 @@ class ResetParameters(BaseMaterializer):
 
     @override
     def init_module(self, module: nn.Module, fqn: str) -> None:
-        _run_initializer(module, fqn, [module])
+        run_initializer(module, fqn, ())
 
     @override
-    def init_owned(self, module: nn.Module, fqn: str, owned: list[nn.Module]) -> None:
-        _run_initializer(module, fqn, owned)
+    def init_owned(self, module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
+        run_initializer(module, fqn, rules)
 
 
 def _check_callable(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -353,25 +382,129 @@ def _check_callable(instance: object, attribute: attrs.Attribute[Any], value: An
 
 @frozen
 class InitFn(BaseMaterializer):
-    """Calls ``fn(module)`` for every module a unit owns, children first, when any of them has a
-    state on meta, after storage was allocated on the compute device (the seed's
-    ``param_init_fn``; ``fn`` need not call ``to_empty`` itself, tied parameters are already
-    re-tied, and real states keep their values unless ``fn`` writes them).
+    """Calls ``fn(module)`` with the contract of FSDP1's ``param_init_fn``: for each module of a
+    unit, breadth-first from the unit's root (parents first, the order FSDP1 uses), while its
+    states are still on the meta device. ``fn`` gives them storage and values, typically
+    ``module.to_empty(device=..., recurse=False)`` then ``module.reset_parameters()`` when the
+    module has meta states. Any ``param_init_fn`` that works with
+    ``FullyShardedDataParallel(param_init_fn=fn)`` gives the same weights here (same order, same
+    RNG draws); parameters tied within a unit are re-tied afterwards.
 
-    ``fn`` must not run collectives: the builder treats this step as local (one agreement per
-    unit); write a Materializer with ``communicates = True`` for an initializer that does."""
+    ``allocate=True`` is the convenience form: the builder allocates storage on the compute
+    device first (tied parameters re-tied) and calls ``fn`` children first, so ``fn`` only
+    writes values. Storage ``fn`` leaves unwritten is detected (it is filled with NaN before
+    ``fn`` runs) and refused.
+
+    Either way, a state left on meta or unwritten is a MaterializationError naming it. ``fn``
+    must not run collectives: this step is local (one agreement per unit).
+    """
 
     communicates: ClassVar[bool] = False
 
     fn: Callable[[nn.Module], object] = attrs.field(validator=_check_callable)
+    allocate: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     @override
-    def wants(self, module: nn.Module, owned: list[nn.Module]) -> bool:
-        return True
+    def materialize(self, unit: Unit, env: Environment) -> int:
+        modules = unit_modules(unit.module, env.ignored.modules)
+        return self._materialize(unit.module, unit.fqn, env.device, modules, env.ignored)
 
     @override
-    def init_module(self, module: nn.Module, fqn: str) -> None:
-        self.fn(module)
+    def materialize_modules(
+        self,
+        root: nn.Module,
+        root_fqn: str,
+        device: torch.device,
+        modules: list[nn.Module],
+        ignored: IgnoredStates | None = None,
+        model: nn.Module | None = None,
+    ) -> int:
+        return self._materialize(root, root_fqn, device, modules, ignored or IgnoredStates())
+
+    def _materialize(
+        self,
+        root: nn.Module,
+        root_fqn: str,
+        device: torch.device,
+        modules: list[nn.Module],
+        ignored: IgnoredStates,
+    ) -> int:
+        if not needs_materialization(modules, ignored):
+            return 0
+        pending = [(m, n, t) for m in modules for n, t in _named_direct(m) if t.is_meta]
+        names = module_names(root)
+
+        def fqn_of(module: nn.Module, name: str = "") -> str:
+            return clean_name(qualified(qualified(root_fqn, names.get(id(module), "")), name))
+
+        if self.allocate:
+            allocate_empty(modules, device)
+            with torch.no_grad():
+                for m, n, _ in pending:
+                    _poison(getattr(m, n))
+            def call(module: nn.Module, _fqn: str) -> None:
+                self.fn(module)
+
+            initialize_children_first(
+                root,
+                root_fqn,
+                modules,
+                call,
+                "InitFn",
+                "Fix the function, or pass another materializer.",
+            )
+        else:
+            tied = tied_groups(modules)
+            with torch.no_grad():
+                for module in modules:  # breadth-first, parents first: FSDP1's order
+                    try:
+                        self.fn(module)
+                    except Exception as exc:
+                        raise MaterializationError(
+                            f"Initializing '{fqn_of(module) or '<root>'}' "
+                            f"({type(module).__name__}) with `InitFn` failed: "
+                            f"{type(exc).__name__}: {exc}. Fix the function, or pass another "
+                            "materializer."
+                        ) from exc
+            retie(tied)
+        left = [fqn_of(m, n) for m, n, _ in pending if getattr(m, n).is_meta]
+        unwritten = [fqn_of(m, n) for m, n, _ in pending if _poisoned(getattr(m, n))]
+        if left or unwritten:
+            problems = []
+            if left:
+                problems.append(f"still on the meta device: {', '.join(left[:8])}")
+            if unwritten:
+                problems.append(f"given storage but never written: {', '.join(unwritten[:8])}")
+            fix = (
+                "With InitFn(fn, allocate=True), fn must write every parameter and buffer of "
+                "the module it is given."
+                if self.allocate
+                else "fn must give every meta state of the module it is given storage and "
+                "values, e.g. `module.to_empty(device=..., recurse=False)` then "
+                "`module.reset_parameters()`, as FSDP1's param_init_fn does; or use "
+                "InitFn(fn, allocate=True) to have the builder allocate the storage."
+            )
+            raise MaterializationError(
+                f"`InitFn` left states of unit '{root_fqn or '<root>'}' "
+                f"{'; '.join(problems)}. {fix}"
+            )
+        return sum(t.numel() * t.element_size() for _, _, t in pending)
+
+
+def _named_direct(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    """Fill fresh storage with a value no initializer writes, to find what stays unwritten."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+
+
+def _poisoned(tensor: torch.Tensor) -> bool:
+    if tensor.is_meta or not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return bool(torch.isnan(tensor.detach()).any())
 
 
 def check_seed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -414,10 +547,10 @@ class DeterministicInit(ResetParameters):
             )
 
     @override
-    def init_owned(self, module: nn.Module, fqn: str, owned: list[nn.Module]) -> None:
+    def init_owned(self, module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
         with torch.random.fork_rng(devices=[]):
             seed_generators(derived_seed(self.seed, fqn), torch.device("cpu"))
-            _run_initializer(module, fqn, owned)
+            run_initializer(module, fqn, rules)
 
 
 @frozen

@@ -41,7 +41,9 @@ from fsdp_builder.materializers import (
     check_seed,
     initialize_children_first,
     initializer_of,
+    run_initializer,
     seed_generators,
+    subtree_rules,
 )
 from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.tree import allocate_empty, has_meta_states, needs_materialization, unit_modules
@@ -121,14 +123,14 @@ class _ShardFirstRun:
         pending = {id(m) for m in modules if has_meta_states(m)}
         allocate_empty(modules, env.device)
         index = shard_index(env)
+        rules = subtree_rules(env.plan.root.module)
 
         def init(module: nn.Module, fqn: str) -> None:
-            reset = initializer_of(module) if id(module) in pending else None
-            if reset is None:  # real, or buffers only: to_empty gave it storage
-                return
+            if id(module) not in pending or initializer_of(module) is None:
+                return  # real, or buffers only: to_empty gave it storage
             with torch.random.fork_rng(devices=_fork_devices(env.device)):
                 seed_generators(shard_seed(self.base_seed, index, fqn), env.device)
-                reset()
+                run_initializer(module, fqn, rules.get(id(module), ()))
 
         initialize_children_first(
             unit.module,

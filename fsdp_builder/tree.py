@@ -76,7 +76,8 @@ def needs_materialization(modules: Iterable[nn.Module], ignored: IgnoredStates) 
     return False
 
 
-def _tied_groups(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+def tied_groups(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) slots of each parameter registered more than once."""
     by_param: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in modules:
         for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
@@ -93,7 +94,7 @@ def allocate_empty(
     module its own new tensor, which would untie them). States that were already real keep
     their values in the new storage: an initializer that does not write them (a buffer filled
     in ``__init__``) never leaves them uninitialized. Returns the bytes given storage."""
-    tied = _tied_groups(modules)
+    tied = tied_groups(modules)
     allocated = 0
     for m in modules:
         own = direct_states(m)
@@ -110,9 +111,15 @@ def allocate_empty(
                     if new is not old:
                         new.copy_(old)
             allocated += sum(t.numel() * t.element_size() for t in direct_states(m))
+    retie(tied)
+    return allocated
+
+
+def retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Make every slot of each group hold its first slot's parameter again (``to_empty`` gives
+    each module a new tensor of its own, which unties them)."""
     for slots in tied:
         owner, name = slots[0]
         shared = getattr(owner, name)
         for m, n in slots[1:]:
             setattr(m, n, shared)
-    return allocated

@@ -217,7 +217,7 @@ def test_init_fn_sees_allocated_storage_children_first() -> None:
             p.fill_(1.0)
 
     model = on_meta(lambda: nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.LayerNorm(2))))
-    InitFn(fn).materialize_model(model)
+    InitFn(fn, allocate=True).materialize_model(model)
     assert seen == ["LayerNorm", "Sequential", "Linear", "Sequential"]  # reversed breadth-first
     assert all(torch.equal(p, torch.ones_like(p)) for p in model.parameters())
 

@@ -1,0 +1,262 @@
+"""Init fidelity against code we did not write: FSDP1's ``param_init_fn`` patterns of PyTorch's
+test_fsdp_meta.py, ``nn.Transformer``'s constructor, and storage that nobody wrote."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from fsdp_builder import (
+    CPUDevice,
+    DeterministicInit,
+    FSDPBuilder,
+    FullyShardBuilder,
+    InitFn,
+    MaterializationError,
+    ResetParameters,
+    ShardFirstReset,
+)
+from fsdp_builder.demo import full_state_dict
+from fsdp_builder.launch import run_ranks
+
+CPU = torch.device("cpu")
+
+
+# -- a model in the style of PyTorch's test_fsdp_meta.py: every module has reset_parameters ----
+
+
+class MyLinear(nn.Linear):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.normal_(0.0, 0.5)
+            if self.bias is not None:
+                self.bias.uniform_(-0.1, 0.1)
+
+
+class MyBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.empty(3, 3))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.buf.normal_()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = MyLinear(4, 4, bias=False)
+        self.lin2 = MyLinear(4, 4)
+        self.buf_mod = MyBuffer()
+
+    def reset_parameters(self) -> None:
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.relu(self.lin1(x))) + self.buf_mod.buf.sum()
+
+
+class MyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = MyLinear(4, 2)
+        self.scale = nn.Parameter(torch.empty(4))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.scale.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) * self.scale
+        return self.head(x)
+
+
+def _meta_states(module: nn.Module) -> bool:
+    return any(
+        t.is_meta
+        for t in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+    )
+
+
+def init_with_guard(module: nn.Module) -> None:
+    """test_fsdp_meta.py's ``_init_with_reset_params``: only modules still on meta."""
+    if _meta_states(module):
+        module.to_empty(device=CPU, recurse=False)
+        module.reset_parameters()  # type: ignore[operator]
+
+
+def init_without_guard(module: nn.Module) -> None:
+    """``to_empty(recurse=False)`` + ``reset_parameters()`` on every module, unconditionally."""
+    module.to_empty(device=CPU, recurse=False)
+    module.reset_parameters()  # type: ignore[operator]
+
+
+PATTERNS: dict[str, Callable[[nn.Module], None]] = {
+    "guard": init_with_guard,
+    "no_guard": init_without_guard,
+}
+
+
+def _meta_model() -> MyModel:
+    with torch.device("meta"):
+        model = MyModel()
+    # ModuleList has no reset_parameters; give it one, as test_fsdp_meta's models do.
+    model.blocks.reset_parameters = lambda: None  # type: ignore[method-assign,assignment]
+    return model
+
+
+def _parity(pattern: str) -> dict[str, Any]:
+    """Both ways on this rank: FSDP1's own param_init_fn path, and the builder."""
+    fn = PATTERNS[pattern]
+    torch.manual_seed(11)
+    by_hand = FullyShardedDataParallel(
+        _meta_model(),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        param_init_fn=fn,
+        device_id=CPU,
+    )
+    expected = full_state_dict(by_hand)
+    torch.manual_seed(11)
+    built = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(InitFn(fn))
+    got = full_state_dict(built.build(_meta_model()))
+    return {"expected": expected, "got": got}
+
+
+def _parity_all() -> dict[str, Any]:
+    return {pattern: _parity(pattern) for pattern in PATTERNS}
+
+
+def _assert_bit_equal(result: dict[str, Any]) -> None:
+    expected, got = result["expected"], result["got"]
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_init_fn_equals_fsdp1_param_init_fn_on_one_rank(world1: None, pattern: str) -> None:
+    _assert_bit_equal(_parity(pattern))
+
+
+@pytest.mark.timeout(180)
+def test_init_fn_equals_fsdp1_param_init_fn_on_two_ranks() -> None:
+    results = run_ranks(_parity_all, 2, timeout=150)
+    for rank_result in results:
+        for pattern in PATTERNS:
+            _assert_bit_equal(rank_result[pattern])
+
+
+def test_init_fn_that_leaves_a_module_on_meta_is_refused(world1: None) -> None:
+    def only_linears(module: nn.Module) -> None:
+        if isinstance(module, MyLinear):
+            init_with_guard(module)
+
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(InitFn(only_linears))
+    with pytest.raises(MaterializationError, match=r"still on the meta device: .*buf_mod\.buf"):
+        builder.build(_meta_model())
+
+
+def test_allocating_init_fn_that_writes_nothing_is_refused(world1: None) -> None:
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
+    builder.materialize(InitFn(lambda m: None, allocate=True))
+    with pytest.raises(MaterializationError, match=r"never written: blocks\.0\.lin1\.weight"):
+        builder.build(_meta_model())
+
+
+# -- poisoned allocations: no materializer may leave storage from torch.empty unwritten ---------
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``torch.empty_like`` (what ``to_empty`` allocates with) returns NaN-filled memory."""
+    real = torch.empty_like
+
+    def poisoned(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(*args, **kwargs)
+        if out.is_floating_point() and not out.is_meta:
+            out.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
+
+
+MATERIALIZERS: dict[str, Callable[[], Any]] = {
+    "reset": ResetParameters,
+    "deterministic": lambda: DeterministicInit(seed=1),
+    "init_fn": lambda: InitFn(init_with_guard),
+    "init_fn_allocate": lambda: InitFn(lambda m: m.reset_parameters(), allocate=True),  # type: ignore[operator]
+    "shard_first": lambda: ShardFirstReset(seed=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATERIALIZERS))
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_no_poison_survives_a_build(
+    world1: None, poisoned_empty: None, name: str, backend: str
+) -> None:
+    builder = FSDPBuilder() if backend == "fsdp1" else FullyShardBuilder()
+    builder.device(CPUDevice()).wrap(Block).materialize(MATERIALIZERS[name]())
+    state = full_state_dict(builder.build(_meta_model()))
+    assert torch.isnan(torch.empty_like(torch.zeros(2))).all()  # the poison is active
+    poisoned = [k for k, v in state.items() if v.is_floating_point() and torch.isnan(v).any()]
+    assert not poisoned
+
+
+# -- nn.Transformer with its layers wrapped: the constructor's Xavier reaches every layer -------
+
+TRANSFORMER = {"d_model": 64, "nhead": 4, "num_encoder_layers": 2, "num_decoder_layers": 2}
+LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def _eager_stds(seeds: int = 4) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        for name, p in nn.Transformer(**TRANSFORMER).named_parameters():
+            totals[name] = totals.get(name, 0.0) + float(p.detach().std()) / seeds
+    return totals
+
+
+BUILDS: dict[str, Callable[[], Any]] = {
+    "fsdp1_reset": lambda: FSDPBuilder().materialize(ResetParameters()),
+    "fsdp2_reset": lambda: FullyShardBuilder().materialize(ResetParameters()),
+    "fsdp1_deterministic": lambda: FSDPBuilder().materialize(DeterministicInit(seed=5)),
+    "fsdp2_deterministic": lambda: FullyShardBuilder().materialize(DeterministicInit(seed=5)),
+    "fsdp2_shard_first": lambda: FullyShardBuilder().materialize(ShardFirstReset(seed=5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_wrapped_transformer_layers_match_eager_statistics(world1: None, name: str) -> None:
+    eager = _eager_stds()
+    with torch.device("meta"):
+        model = nn.Transformer(**TRANSFORMER)
+    torch.manual_seed(123)
+    built = BUILDS[name]().device(CPUDevice()).wrap(LAYERS).build(model)
+    state = full_state_dict(built)
+    assert state.keys() == eager.keys()
+    off = {}
+    for key, std in eager.items():
+        got = float(state[key].std())
+        if std == 0.0:  # biases zeroed and norms set to ones by their constructors
+            if got != 0.0:
+                off[key] = (got, std)
+        elif abs(got - std) > 0.1 * std:
+            off[key] = (got, std)
+    assert not off, off
