@@ -19,13 +19,16 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from fsdp_builder.errors import config_error
 from fsdp_builder.logs import warn_user
 
-_FSDP_WRAPPED_PREFIX = "_fsdp_wrapped_module."
-_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+# The attribute names under which wrappers hold the module they wrap: FSDP1, activation
+# checkpointing (checkpoint_wrapper) and torch.compile's OptimizedModule.
+WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def clean_name(name: str) -> str:
-    """A state name without the prefixes wrappers insert (as FSDP's ``clean_tensor_name``)."""
-    return name.replace(_FSDP_WRAPPED_PREFIX, "").replace(_CHECKPOINT_PREFIX, "")
+    """A module or state name without the parts wrappers insert (as FSDP's
+    ``clean_tensor_name``, and also torch.compile's ``_orig_mod``): the name the unwrapped model
+    gives it, so seeds and state-dict keys do not change when wrappers are added."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
 def is_wrapped(module: nn.Module) -> bool:

@@ -260,3 +260,31 @@ def test_wrapped_transformer_layers_match_eager_statistics(world1: None, name: s
         elif abs(got - std) > 0.1 * std:
             off[key] = (got, std)
     assert not off, off
+
+
+# -- wrappers do not change names: activation checkpointing and compile ---------------------------
+
+
+def test_deterministic_init_ignores_checkpoint_and_compile_wrappers(world1: None) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    def built(wrap: str) -> dict[str, torch.Tensor]:
+        model = _meta_model()
+        if wrap == "checkpoint":
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        elif wrap == "compile":
+            model.head = torch.compile(model.head, backend="eager")  # type: ignore[assignment]
+        builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
+        sharded = builder.materialize(DeterministicInit(seed=2)).build(model)
+        return {
+            k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v
+            for k, v in full_state_dict(sharded).items()
+        }
+
+    plain = built("none")
+    for wrap in ("checkpoint", "compile"):
+        other = built(wrap)
+        assert other.keys() == plain.keys(), wrap
+        assert all(torch.equal(other[k], plain[k]) for k in plain), wrap
