@@ -1,6 +1,7 @@
 """fsdp_builder: PyTorch FSDP initialization as a fluent builder with pluggable strategies."""
 
 from fsdp_builder.builder import BuilderConfig, FSDPBuilder, FullyShardBuilder, ShardingBuilder
+from fsdp_builder.checkpoints import FromCheckpoint
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
     BaseDeviceResolver,
@@ -100,6 +101,7 @@ __all__ = [
     "BroadcastFromRank0",
     "DeferredInit",
     "DeterministicInit",
+    "FromCheckpoint",
     "FromStateDict",
     "InitFn",
     "VerifyReplicas",

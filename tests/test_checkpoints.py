@@ -1,0 +1,598 @@
+"""FromCheckpoint: Hugging Face safetensors folders and DCP folders read rank-locally.
+
+A real HF-layout folder (three shard files, ``model.safetensors.index.json``, HF key names) of
+the torchtitan-style Llama in docs/recipes is written once per module; one spawn per world size
+runs every scenario (see ``isolated``) and the tests compare what the ranks gathered with the
+plain PyTorch load written out below.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from structlog.testing import capture_logs
+from torch import nn
+
+from fsdp_builder import (
+    ConfigurationError,
+    CPUDevice,
+    FromCheckpoint,
+    FSDPBuilder,
+    FullyShardBuilder,
+    ShardingBuilder,
+)
+from fsdp_builder.demo import full_state_dict
+from fsdp_builder.launch import run_ranks
+
+# One scenario on one rank: its value, or the formatted error it raised.
+Results = dict[Hashable, tuple[Any, str | None]]
+
+
+def _load_llama() -> Any:
+    path = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "llama_model.py"
+    spec = importlib.util.spec_from_file_location("llama_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("llama_model", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+llama = _load_llama()
+# 61 rows of vocabulary: the last shard is short (31/30 at 2 ranks, 16/16/16/13 at 4).
+ARGS = llama.ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=61, multiple_of=16)
+OTHER = llama.ModelArgs(dim=48, n_layers=3, n_heads=4, vocab_size=61, multiple_of=16)
+
+# Checkpoint (HF) names → model (torchtitan) names, as a user would write them.
+KEY_MAP = [
+    (r"^model\.embed_tokens\.", "tok_embeddings."),
+    (r"^model\.norm\.", "norm."),
+    (r"^lm_head\.", "output."),
+    (r"^model\.layers\.", "layers."),
+    (r"\.self_attn\.([qkvo])_proj\.", r".attention.w\1."),
+    (r"\.mlp\.gate_proj\.", ".feed_forward.w1."),
+    (r"\.mlp\.down_proj\.", ".feed_forward.w2."),
+    (r"\.mlp\.up_proj\.", ".feed_forward.w3."),
+    (r"\.input_layernorm\.", ".attention_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+]
+
+
+def hf_names(n_layers: int) -> dict[str, str]:
+    """Model name → HF name, spelled out (the reference does not use KEY_MAP)."""
+    names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    per_layer = {
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wk.weight": "self_attn.k_proj.weight",
+        "attention.wv.weight": "self_attn.v_proj.weight",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+        "feed_forward.w1.weight": "mlp.gate_proj.weight",
+        "feed_forward.w2.weight": "mlp.down_proj.weight",
+        "feed_forward.w3.weight": "mlp.up_proj.weight",
+        "attention_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    }
+    for i in range(n_layers):
+        for ours, theirs in per_layer.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    return names
+
+
+def source_model(args: Any = ARGS, seed: int = 123) -> nn.Module:
+    torch.manual_seed(seed)
+    model = llama.Transformer(args)
+    model.init_weights()
+    with torch.no_grad():  # RMSNorm weights start at one: make them tell layers apart
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p))
+    return model
+
+
+def hf_state(args: Any = ARGS) -> dict[str, torch.Tensor]:
+    names = hf_names(args.n_layers)
+    return {names[k]: v.detach().clone() for k, v in source_model(args).state_dict().items()}
+
+
+def write_hf_folder(folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """Three shard files and the index, as transformers' save_pretrained lays them out."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    groups: list[dict[str, torch.Tensor]] = [{}, {}, {}]
+    for key, value in state.items():
+        if key.startswith("model.layers."):
+            part = min(int(key.split(".")[2]), 2)
+        else:
+            part = 0 if "embed" in key else 2
+        groups[part][key] = value
+    weight_map = {}
+    for i, group in enumerate(groups, start=1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def reference_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The plain PyTorch way: every tensor on one process, renamed, load_state_dict."""
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    loaded: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        loaded.update(load_file(str(folder / name)))
+    back = {theirs: ours for ours, theirs in hf_names(ARGS.n_layers).items()}
+    model = llama.Transformer(ARGS)
+    model.load_state_dict({back[k]: v for k, v in loaded.items()})
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# -- inside the ranks ------------------------------------------------------------------------
+
+
+def meta_llama(args: Any = ARGS) -> nn.Module:
+    with torch.device("meta"):
+        model = llama.Transformer(args)
+    # Non-persistent: no checkpoint holds it; computed on the CPU, not loaded.
+    model.freqs_cis = model._precompute_freqs_cis("cpu")
+    return model
+
+
+def builder(backend: str, strategy: str) -> ShardingBuilder:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = FSDPBuilder if backend == "fsdp1" else FullyShardBuilder
+    b = kind().device(CPUDevice()).wrap(llama.TransformerBlock).sharding(strategy)
+    if strategy == "hybrid":
+        b.groups(init_device_mesh("cpu", (2, dist.get_world_size() // 2)))
+    return b
+
+
+def load_case(backend: str, strategy: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    """Build from ``path``; the gathered state (rank 0) and the dtype events."""
+    with capture_logs() as events:
+        sharded = builder(backend, strategy).materialize(FromCheckpoint(path, **kwargs))
+        model = sharded.build(meta_llama())
+    state = full_state_dict(model)
+    logged = [e for e in events if e.get("event") in ("converted_dtypes", "checkpoint_partial")]
+    return {"state": state if dist.get_rank() == 0 else None, "events": logged}
+
+
+def partial_case(path: str) -> dict[str, Any]:
+    """strict=False: the output layer is missing from the checkpoint and real in the model
+    (it keeps its values), and the checkpoint has a key the model lacks."""
+    model = meta_llama()
+    torch.manual_seed(5)
+    model.output = nn.Linear(ARGS.dim, ARGS.vocab_size, bias=False)
+    kept = model.output.weight.detach().clone()
+    with capture_logs() as events:
+        sharded = builder("fsdp2", "full").materialize(
+            FromCheckpoint(path, key_map=KEY_MAP, strict=False)
+        )
+        built = sharded.build(model)
+    state = full_state_dict(built)
+    partial_events = [e for e in events if e.get("event") == "checkpoint_partial"]
+    return {"state": state, "kept": kept, "events": partial_events}
+
+
+def bad_case(backend: str, path: str, key_map: Any = KEY_MAP) -> tuple[str, str, bool] | None:
+    model = meta_llama()
+    try:
+        builder(backend, "full").materialize(FromCheckpoint(path, key_map=key_map)).build(model)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), all(p.is_meta for p in model.parameters())
+    return None
+
+
+_COLLECTIVES = (
+    "broadcast",
+    "scatter",
+    "gather",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "broadcast_object_list",
+    "all_gather_object",
+)
+
+
+def _tensor_bytes(value: Any) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        return [value.numel() * value.element_size()]
+    if isinstance(value, list | tuple):
+        return [n for v in value for n in _tensor_bytes(v)]
+    return []
+
+
+def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
+    """Build with every torch.distributed collective wrapped to count the tensors it carries."""
+    import torch.distributed.distributed_c10d as c10d
+
+    seen: list[int] = []
+    saved: list[tuple[Any, str, Any]] = []
+
+    def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for value in (*args, *kwargs.values()):
+                seen.extend(_tensor_bytes(value))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for module in (dist, c10d):
+        for name in _COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is not None:
+                saved.append((module, name, original))
+                setattr(module, name, counting(original))
+    try:
+        b = builder(backend, "full").materialize(
+            FromCheckpoint(path, key_map=KEY_MAP, shared_filesystem=shared)
+        )
+        b.build(meta_llama())
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+    return {"largest": max(seen, default=0), "total": sum(seen), "calls": len(seen)}
+
+
+def dcp_save_case(hf: str, folder: str) -> None:
+    """Save a sharded model (FSDP2, loaded from the HF folder) with dcp.save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = (
+        builder("fsdp2", "full")
+        .materialize(FromCheckpoint(hf, key_map=KEY_MAP))
+        .build(meta_llama())
+    )
+    dcp.save(get_model_state_dict(model), checkpoint_id=folder)
+
+
+BACKENDS = ["fsdp1", "fsdp2"]
+STRATEGIES = {1: ["full"], 2: ["full", "grad_op"], 4: ["full", "hybrid"]}
+BAD = [
+    "missing_file",
+    "absent_key",
+    "truncated",
+    "other_model",
+    "wrong_shape",
+    "missing_key",
+    "int_dtype",
+    "no_metadata",
+    "not_there",
+]
+
+
+def cases(paths: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    world = dist.get_world_size()
+    for backend in BACKENDS:
+        for strategy in STRATEGIES[world]:
+            yield (
+                ("hf", backend, strategy),
+                partial(load_case, backend, strategy, paths["hf"], key_map=KEY_MAP),
+            )
+        yield (
+            ("bf16", backend),
+            partial(load_case, backend, "full", paths["bf16"], key_map=KEY_MAP),
+        )
+        yield (
+            ("rank0", backend),
+            partial(
+                load_case, backend, "full", paths["hf"], key_map=KEY_MAP, shared_filesystem=False
+            ),
+        )
+        yield ("dcp_plain", backend), partial(load_case, backend, "full", paths["dcp_plain"])
+        yield ("dcp_bf16", backend), partial(load_case, backend, "full", paths["dcp_bf16"])
+    yield "partial", partial(partial_case, paths["partial"])
+    if world > 1:
+        dcp_folder = f"{paths['dcp_root']}/w{world}"
+        yield "dcp_save", partial(dcp_save_case, paths["hf"], dcp_folder)
+        for backend in BACKENDS:
+            yield ("dcp", backend), partial(load_case, backend, "full", dcp_folder)
+            for shared in (True, False):
+                yield (
+                    ("counted", backend, shared),
+                    partial(counted_case, backend, paths["hf"], shared),
+                )
+        for case in BAD:
+            for backend in BACKENDS:
+                key_map = None if case == "no_metadata" else KEY_MAP
+                yield ("bad", case, backend), partial(bad_case, backend, paths[case], key_map)
+
+
+def scenarios(paths: dict[str, str]) -> Results:
+    """Every scenario of one world size, each on its own: a failure fails only its tests."""
+    results: Results = {}
+    for key, run in cases(paths):
+        try:
+            results[key] = (run(), None)
+        except Exception:
+            results[key] = (None, traceback.format_exc())
+    return results
+
+
+# -- the test process -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    state = hf_state()
+    write_hf_folder(root / "hf", state)
+    save_file({k: v.bfloat16() for k, v in state.items()}, str(root / "bf16.safetensors"))
+    partial_state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    partial_state["model.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(partial_state, str(root / "partial.safetensors"))
+
+    names = hf_names(ARGS.n_layers)
+    back = {theirs: ours for ours, theirs in names.items()}
+    with warnings.catch_warnings():  # saving on one process without a group is the point
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        for name, convert in (("dcp_plain", False), ("dcp_bf16", True)):
+            dcp.save(
+                {back[k]: v.bfloat16() if convert else v for k, v in state.items()},
+                checkpoint_id=str(root / name),
+                no_dist=True,
+            )
+    (root / "dcp").mkdir()
+
+    def variant(name: str, edit: Callable[[Path], None]) -> str:
+        folder = root / name
+        write_hf_folder(folder, state)
+        edit(folder)
+        return str(folder)
+
+    def drop_file(folder: Path) -> None:
+        (folder / "model-00002-of-00003.safetensors").unlink()
+
+    def extra_key(folder: Path) -> None:
+        index_path = folder / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        index["weight_map"]["model.layers.1.mlp.up_proj.bias"] = "model-00002-of-00003.safetensors"
+        index_path.write_text(json.dumps(index))
+
+    def truncate(folder: Path) -> None:
+        shard = folder / "model-00003-of-00003.safetensors"
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+
+    from fsdp_builder.demo import DemoConfig, DemoTransformer
+
+    demo = DemoTransformer(DemoConfig(vocab=61, dim=32, heads=2, layers=2, seq=8))
+    save_file(
+        {k: v.contiguous() for k, v in demo.state_dict().items()}, str(root / "other.safetensors")
+    )
+    write_hf_folder(root / "wrong_shape", hf_state(OTHER))
+    save_file(partial_state, str(root / "missing.safetensors"))
+    ints = dict(state)
+    ints["model.norm.weight"] = torch.ones(ARGS.dim, dtype=torch.int32)
+    save_file(ints, str(root / "ints.safetensors"))
+    (root / "no_metadata").mkdir()
+    (root / "no_metadata" / "__0_0.distcp").write_bytes(b"\0" * 16)
+    return {
+        "hf": str(root / "hf"),
+        "bf16": str(root / "bf16.safetensors"),
+        "partial": str(root / "partial.safetensors"),
+        "dcp_plain": str(root / "dcp_plain"),
+        "dcp_bf16": str(root / "dcp_bf16"),
+        "dcp_root": str(root / "dcp"),
+        "missing_file": variant("missing_file", drop_file),
+        "absent_key": variant("absent_key", extra_key),
+        "truncated": variant("truncated", truncate),
+        "other_model": str(root / "other.safetensors"),
+        "wrong_shape": str(root / "wrong_shape"),
+        "missing_key": str(root / "missing.safetensors"),
+        "int_dtype": str(root / "ints.safetensors"),
+        "no_metadata": str(root / "no_metadata"),
+        "not_there": str(root / "absent"),
+    }
+
+
+_SPAWNS: dict[int, list[Results] | BaseException] = {}
+
+
+def scenario(world: int, paths: dict[str, str], key: Hashable) -> list[Any]:
+    """Scenario ``key``'s value on every rank; one spawn per world size, run when a test first
+    asks for it."""
+    if world not in _SPAWNS:
+        try:
+            _SPAWNS[world] = run_ranks(scenarios, world, paths, timeout=300)
+        except Exception as exc:
+            _SPAWNS[world] = exc
+    ranks = _SPAWNS[world]
+    if isinstance(ranks, BaseException):
+        pytest.fail(f"the spawn of {world} rank(s) failed as a whole:\n{ranks}", pytrace=False)
+    errors = [f"rank {r}:\n{res[key][1]}" for r, res in enumerate(ranks) if res[key][1]]
+    if errors:
+        pytest.fail(f"scenario {key!r} failed\n" + "\n".join(errors), pytrace=False)
+    return [res[key][0] for res in ranks]
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: Any) -> None:
+    assert got.keys() == want.keys(), what
+    for k in want:
+        assert got[k].dtype == want[k].dtype, (what, k)
+        assert torch.equal(got[k], want[k]), (what, k)
+
+
+LOADS = [(w, b, s) for w in STRATEGIES for b in BACKENDS for s in STRATEGIES[w]]
+WORLDS = [1, 2, 4]
+MULTI = [2, 4]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("world", "backend", "strategy"), LOADS)
+def test_hf_folder_loads_bit_equal_to_plain_pytorch(
+    paths: dict[str, str], world: int, backend: str, strategy: str
+) -> None:
+    got = scenario(world, paths, ("hf", backend, strategy))[0]["state"]
+    assert_same(got, reference_state(Path(paths["hf"])), (world, backend, strategy))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_checkpoint_converts_to_the_model_dtype(
+    paths: dict[str, str], world: int, backend: str
+) -> None:
+    ranks = scenario(world, paths, ("bf16", backend))
+    want = {k: v.bfloat16().float() for k, v in reference_state(Path(paths["hf"])).items()}
+    assert_same(ranks[0]["state"], want, (world, backend))
+    for rank in ranks:
+        (event,) = rank["events"]
+        assert event["event"] == "converted_dtypes"
+        assert event["conversions"] == {"bfloat16->float32": len(want)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank0_read_without_a_shared_filesystem(
+    paths: dict[str, str], world: int, backend: str
+) -> None:
+    got = scenario(world, paths, ("rank0", backend))[0]["state"]
+    assert_same(got, reference_state(Path(paths["hf"])), (world, backend))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dcp_folder_saved_on_one_process_loads(
+    paths: dict[str, str], world: int, backend: str
+) -> None:
+    got = scenario(world, paths, ("dcp_plain", backend))[0]["state"]
+    assert_same(got, reference_state(Path(paths["hf"])), (world, backend))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_dcp_folder_converts_to_the_model_dtype(
+    paths: dict[str, str], world: int, backend: str
+) -> None:
+    ranks = scenario(world, paths, ("dcp_bf16", backend))
+    want = {k: v.bfloat16().float() for k, v in reference_state(Path(paths["hf"])).items()}
+    assert_same(ranks[0]["state"], want, (world, backend))
+    assert [e["event"] for e in ranks[-1]["events"]] == ["converted_dtypes"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", MULTI)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dcp_folder_saved_from_a_sharded_model_loads(
+    paths: dict[str, str], world: int, backend: str
+) -> None:
+    scenario(world, paths, "dcp_save")
+    got = scenario(world, paths, ("dcp", backend))[0]["state"]
+    assert_same(got, reference_state(Path(paths["hf"])), (world, backend))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLDS)
+def test_strict_false_keeps_real_states_and_reports_the_rest(
+    paths: dict[str, str], world: int
+) -> None:
+    ranks = scenario(world, paths, "partial")
+    want = reference_state(Path(paths["hf"]))
+    want["output.weight"] = ranks[0]["kept"]
+    assert_same(ranks[0]["state"], want, world)
+    (event,) = ranks[0]["events"]
+    assert event["missing"] == ["output.weight"]
+    assert event["unexpected"] == ["model.rotary_emb.inv_freq"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", MULTI)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_local_load_sends_no_weight_bytes(
+    paths: dict[str, str], world: int, backend: str
+) -> None:
+    local = scenario(world, paths, ("counted", backend, True))
+    rank0 = scenario(world, paths, ("counted", backend, False))
+    weights = sum(v.numel() * 4 for v in hf_state().values())
+    for rank in range(world):
+        # Only the agreements' pairs of int64 travel (16 bytes per rank).
+        assert 0 < local[rank]["largest"] <= 64, local[rank]
+        assert local[rank]["total"] < weights // 100, local[rank]
+    # The counter sees weights when they do travel: rank 0 scatters / broadcasts them.
+    assert rank0[0]["total"] >= weights // world
+
+
+EXPECTED = {
+    "missing_file": "names shard file(s) that do not exist: model-00002-of-00003.safetensors",
+    "absent_key": "1 key(s) in its index but not in their file: model.layers.1.mlp.up_proj.bias",
+    "truncated": "model-00003-of-00003.safetensors', which is truncated or not a safetensors",
+    "other_model": "of the model's 30 states are in it: a checkpoint of another model",
+    "wrong_shape": "30 wrong shape(s): 'model.layers.0.input_layernorm.weight' is [48] in the "
+    "checkpoint but [32] in the model",
+    "missing_key": "1 missing key(s): output.weight",
+    "int_dtype": "'model.norm.weight' is torch.int32 in the checkpoint but torch.float32",
+    "no_metadata": "holds DCP shard files (*.distcp) but no .metadata file",
+    "not_there": "does not exist (on rank 0)",
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", MULTI)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", BAD)
+def test_bad_checkpoint_raises_one_clear_error_everywhere(
+    paths: dict[str, str], world: int, backend: str, case: str
+) -> None:
+    ranks = scenario(world, paths, ("bad", case, backend))
+    expected = EXPECTED[case]
+    for rank, outcome in enumerate(ranks):
+        assert outcome is not None, (case, rank, "built")
+        kind, message, untouched = outcome
+        assert untouched, (case, rank)
+        if case == "not_there":  # each rank names itself
+            assert kind == ConfigurationError.__name__, message
+            assert "does not exist (on rank" in message, message
+            continue
+        assert (kind, message) == ranks[0][:2], (case, rank)
+        assert kind == ConfigurationError.__name__, message
+        assert expected in message, message
+
+
+def test_key_map_forms() -> None:
+    from fsdp_builder.checkpoints import key_mapper
+
+    assert key_mapper({"a": "b"})("a") == "b"
+    assert key_mapper({"a": "b"})("c") == "c"
+    assert key_mapper(KEY_MAP)("model.layers.3.self_attn.k_proj.weight") == (
+        "layers.3.attention.wk.weight"
+    )
+    assert key_mapper(lambda k: None if k.startswith("x") else k.upper())("xy") is None
+    with pytest.raises(ConfigurationError, match="is not a regex"):
+        FromCheckpoint("x", key_map=[("(", "")])
+    with pytest.raises(ConfigurationError, match="expected a dict"):
+        FromCheckpoint("x", key_map=3)  # type: ignore[arg-type]
