@@ -230,11 +230,22 @@ def _tensor_bytes(value: Any) -> list[int]:
 
 
 def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
-    """Build with every torch.distributed collective wrapped to count the tensors it carries."""
+    """Build with every torch.distributed collective wrapped to count the tensors it carries,
+    and the checkpoint's reads wrapped to count the bytes this rank read."""
     import torch.distributed.distributed_c10d as c10d
 
+    from fsdp_builder.checkpoints import _SafetensorsSource
+
     seen: list[int] = []
-    saved: list[tuple[Any, str, Any]] = []
+    read: list[int] = []
+    saved: list[tuple[Any, str, Any]] = [(_SafetensorsSource, "read", _SafetensorsSource.read)]
+
+    def reading(self: Any, key: str, index: Any = None) -> torch.Tensor:
+        tensor: torch.Tensor = saved[0][2](self, key, index)
+        read.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    _SafetensorsSource.read = reading  # type: ignore[method-assign]
 
     def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -258,7 +269,7 @@ def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
-    return {"largest": max(seen, default=0), "total": sum(seen), "calls": len(seen)}
+    return {"largest": max(seen, default=0), "total": sum(seen), "read": sum(read)}
 
 
 def dcp_save_case(hf: str, folder: str) -> None:
@@ -545,6 +556,12 @@ def test_rank_local_load_sends_no_weight_bytes(
         assert local[rank]["total"] < weights // 100, local[rank]
     # The counter sees weights when they do travel: rank 0 scatters / broadcasts them.
     assert rank0[0]["total"] >= weights // world
+    assert [r["read"] for r in rank0] == [weights] + [0] * (world - 1)
+    if backend == "fsdp2":  # each rank reads its own rows: every byte once, over all ranks
+        assert sum(r["read"] for r in local) == weights
+        assert all(r["read"] < weights // world * 1.2 for r in local), local
+    else:  # FSDP1 keeps its shard of whole units that every rank reads
+        assert all(r["read"] == weights for r in local), local
 
 
 EXPECTED = {
