@@ -9,7 +9,7 @@ overrides an earlier choice.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import attrs
@@ -17,11 +17,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
 
 from fsdp_builder.backends import Backend
-from fsdp_builder.backends.fsdp1 import FSDP1Backend
+from fsdp_builder.backends.fsdp1 import FSDP1Backend, check_fsdp2_only_options
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
+from fsdp_builder.config import PerUnitFn, ShardingOptions, check_reshard_after_forward
 from fsdp_builder.devices import DeviceResolver, ExplicitDevice
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, config_error
@@ -178,31 +186,69 @@ class ShardingBuilder:
 
     def mixed_precision(
         self: B,
-        policy: MixedPrecision | None = None,
+        policy: MixedPrecision | MixedPrecisionPolicy | None = None,
         *,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         buffer_dtype: torch.dtype | None = None,
+        output_dtype: torch.dtype | None = None,
+        cast_forward_inputs: bool | None = None,
     ) -> B:
-        """A torch MixedPrecision, or its dtypes as keywords."""
-        if policy is not None and any(
-            d is not None for d in (param_dtype, reduce_dtype, buffer_dtype)
-        ):
+        """A torch MixedPrecision, or its fields as keywords, with MixedPrecision's defaults.
+
+        (``FullyShardBuilder`` also takes a MixedPrecisionPolicy, and maps keywords to
+        ``fully_shard``'s defaults.)"""
+        keywords = {
+            "param_dtype": param_dtype,
+            "reduce_dtype": reduce_dtype,
+            "buffer_dtype": buffer_dtype,
+            "output_dtype": output_dtype,
+            "cast_forward_inputs": cast_forward_inputs,
+        }
+        given = {k: v for k, v in keywords.items() if v is not None}
+        if policy is not None and given:
             raise config_error(
                 "ShardingBuilder.mixed_precision",
                 "policy",
                 "both a policy and keyword dtypes were given",
-                "Pass either MixedPrecision(...) or the dtypes as keywords.",
+                "Pass either a policy object or the dtypes as keywords.",
             )
         if policy is None:
-            policy = MixedPrecision(
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype
-            )
+            policy = self._keyword_mixed_precision(given)
+        self._check_backend_options(mixed_precision=policy)
         return self._option(mixed_precision=policy)
 
-    def cpu_offload(self: B, offload: CPUOffload | bool = True) -> B:
-        """Keep sharded parameters on the CPU between uses."""
+    def _keyword_mixed_precision(self, given: dict[str, Any]) -> Any:
+        if "output_dtype" in given:
+            raise config_error(
+                f"{type(self).__name__}.mixed_precision",
+                "output_dtype",
+                "FullyShardedDataParallel's MixedPrecision has no output dtype",
+                "Cast the model's output yourself, or use FullyShardBuilder.",
+            )
+        return MixedPrecision(**given)
+
+    def _check_backend_options(self, **changes: Any) -> None:
+        """Refuse at once, before recording them, options this builder's backend cannot take."""
+        check_fsdp2_only_options(ShardingOptions(**changes))
+
+    def cpu_offload(self: B, offload: CPUOffload | OffloadPolicy | bool = True) -> B:
+        """Keep sharded parameters on the CPU between uses (FSDP2 also takes an OffloadPolicy /
+        CPUOffloadPolicy, used as given)."""
+        self._check_backend_options(cpu_offload=offload)
         return self._option(cpu_offload=offload)
+
+    def per_unit(self: B, fn: PerUnitFn) -> B:
+        """Per-unit overrides: ``fn(module, fqn)`` returns the backend's own arguments for that
+        unit (``FullyShardedDataParallel``'s or ``fully_shard``'s), or None for none."""
+        if not callable(fn):
+            raise config_error(
+                f"{type(self).__name__}.per_unit",
+                "fn",
+                f"expected a callable (module, fqn) -> dict | None, got {type(fn).__name__}",
+                'Pass e.g. lambda module, fqn: {"reshard_after_forward": False} if ... else None.',
+            )
+        return self._option(per_unit=fn)
 
     def prefetch(
         self: B,
@@ -289,6 +335,31 @@ class FSDPBuilder(ShardingBuilder):
 class FullyShardBuilder(ShardingBuilder):
     """Builds ``torch.distributed.fsdp.fully_shard`` (FSDP2) models; see
     ``fsdp_builder.backends.fsdp2`` for how each option maps and which ones are refused."""
+
+    def _keyword_mixed_precision(self, given: dict[str, Any]) -> Any:
+        """Keywords are fully_shard's: MixedPrecisionPolicy with its defaults (inputs cast)."""
+        if "buffer_dtype" in given:
+            raise config_error(
+                "FullyShardBuilder.mixed_precision",
+                "buffer_dtype",
+                "FSDP2 keeps buffers in their own dtype and does not cast them",
+                "Drop buffer_dtype, or cast the buffers of the model yourself before build().",
+            )
+        return MixedPrecisionPolicy(**given)
+
+    def _check_backend_options(self, **changes: Any) -> None:
+        return None
+
+    def reshard_after_forward(self: B, value: bool | int) -> B:
+        """``fully_shard``'s ``reshard_after_forward`` for every unit, the root included: True,
+        False, or the size of the group parameters are resharded to after forward. Unset, it
+        follows the strategy (and the root keeps its parameters after forward)."""
+        check_reshard_after_forward(value)
+        return self._option(reshard_after_forward=value)
+
+    def shard_placement_fn(self: B, fn: Callable[[nn.Parameter], Any]) -> B:
+        """``fully_shard``'s ``shard_placement_fn`` (a ``Shard(dim)`` or None per parameter)."""
+        return self._option(shard_placement_fn=fn)
 
     def _backend(self) -> Backend:
         return FullyShardBackend()

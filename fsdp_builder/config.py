@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeAlias
 
 import attrs
 from attrs import frozen
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch import nn
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
 
 from fsdp_builder.errors import config_error
 
@@ -45,16 +53,24 @@ def to_sharding_strategy(value: ShardingStrategy | str) -> ShardingStrategy:
     )
 
 
-def to_cpu_offload(value: CPUOffload | bool | None) -> CPUOffload | None:
-    if value is None or isinstance(value, CPUOffload):
+# A per-unit override function: ``(module, fqn) -> {argument: value}`` or None for no override.
+PerUnitFn: TypeAlias = Callable[[nn.Module, str], "Mapping[str, Any] | None"]
+
+
+def to_cpu_offload(
+    value: CPUOffload | OffloadPolicy | bool | None,
+) -> CPUOffload | OffloadPolicy | None:
+    """FSDP1's CPUOffload, FSDP2's OffloadPolicy / CPUOffloadPolicy (kept as given), or a bool."""
+    if value is None or isinstance(value, CPUOffload | OffloadPolicy):
         return value
     if isinstance(value, bool):
         return CPUOffload(offload_params=value)
     raise config_error(
         "ShardingBuilder.cpu_offload",
         "offload",
-        f"expected a bool or torch.distributed.fsdp.CPUOffload, got {type(value).__name__}",
-        "Pass CPUOffload(offload_params=True) or True.",
+        f"expected a bool or a torch.distributed.fsdp CPUOffload / OffloadPolicy, "
+        f"got {type(value).__name__}",
+        "Pass CPUOffload(offload_params=True), CPUOffloadPolicy(...) (FSDP2) or True.",
     )
 
 
@@ -76,12 +92,42 @@ def _to_names(value: Iterable[str]) -> frozenset[str]:
 
 
 def _check_mixed_precision(_inst: Any, _attr: Any, value: Any) -> None:
-    if value is not None and not isinstance(value, MixedPrecision):
+    if value is not None and not isinstance(value, MixedPrecision | MixedPrecisionPolicy):
         raise config_error(
             "ShardingBuilder.mixed_precision",
             "policy",
-            f"expected torch.distributed.fsdp.MixedPrecision, got {type(value).__name__}",
-            "Pass MixedPrecision(param_dtype=..., reduce_dtype=...) or keyword dtypes.",
+            f"expected torch.distributed.fsdp.MixedPrecision or MixedPrecisionPolicy, got "
+            f"{type(value).__name__}",
+            "Pass MixedPrecision(param_dtype=..., reduce_dtype=...), MixedPrecisionPolicy(...) "
+            "(FSDP2) or keyword dtypes.",
+        )
+
+
+def check_reshard_after_forward(value: Any, where: str = "reshard_after_forward") -> None:
+    """``fully_shard``'s ``reshard_after_forward``: a bool, or a positive int (the group size
+    parameters are resharded to after forward)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 1):
+        return
+    raise config_error(
+        f"FullyShardBuilder.{where}",
+        "reshard_after_forward",
+        f"expected a bool or a positive int, got {value!r}",
+        "Pass True, False, or a factor of the shard group size.",
+    )
+
+
+def _check_reshard(_inst: Any, _attr: Any, value: Any) -> None:
+    if value is not None:
+        check_reshard_after_forward(value)
+
+
+def _check_callable(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not callable(value):
+        raise config_error(
+            f"ShardingBuilder.{attr.name}",
+            attr.name,
+            f"expected a callable, got {type(value).__name__}",
+            "Pass a function.",
         )
 
 
@@ -105,16 +151,25 @@ class ShardingOptions:
     strategy: ShardingStrategy = attrs.field(
         default=ShardingStrategy.FULL_SHARD, converter=to_sharding_strategy
     )
-    mixed_precision: MixedPrecision | None = attrs.field(
+    mixed_precision: MixedPrecision | MixedPrecisionPolicy | None = attrs.field(
         default=None, validator=_check_mixed_precision
     )
-    cpu_offload: CPUOffload | None = attrs.field(default=None, converter=to_cpu_offload)
+    cpu_offload: CPUOffload | OffloadPolicy | None = attrs.field(
+        default=None, converter=to_cpu_offload
+    )
     backward_prefetch: BackwardPrefetch | None = attrs.field(
         default=BackwardPrefetch.BACKWARD_PRE, converter=to_backward_prefetch
     )
     forward_prefetch: bool = attrs.field(default=False, validator=_check_bool)
     limit_all_gathers: bool = attrs.field(default=True, validator=_check_bool)
     use_orig_params: bool = attrs.field(default=False, validator=_check_bool)
+    # FSDP2 only (``fully_shard``'s own arguments); None: derived from the strategy / torch's.
+    reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_check_reshard)
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = attrs.field(
+        default=None, validator=_check_callable
+    )
+    # Per-unit overrides of the backend's own arguments, ``(module, fqn) -> dict | None``.
+    per_unit: PerUnitFn | None = attrs.field(default=None, validator=_check_callable)
     explicit: frozenset[str] = attrs.field(default=frozenset(), converter=_to_names)
 
     @property

@@ -7,7 +7,8 @@ so it can be printed and checked on a laptop for a model built on the meta devic
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -42,6 +43,8 @@ class Unit:
     params: tuple[TensorInfo, ...]
     buffers: tuple[TensorInfo, ...]
     is_root: bool
+    # The wrap policy's own arguments for this unit (a torch CustomPolicy's kwargs dict).
+    overrides: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
 
     @property
     def label(self) -> str:
@@ -139,6 +142,7 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
     modules and ignored parameters. A parameter reachable from two units is a PlanError.
     """
     chosen = wrap.select(model, ignored.modules)
+    overrides = wrap.overrides(model, ignored.modules)
     order = [(clean_name(fqn), m) for fqn, m in _post_order(model, "", ignored.modules, set())]
     unit_modules = [(fqn, m) for fqn, m in order if m in chosen and not is_wrapped(m)]
     unit_modules.append(("", model))
@@ -190,6 +194,7 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
             params=tuple(owned[module][0]),
             buffers=tuple(owned[module][1]),
             is_root=module is model,
+            overrides=overrides.get(module, {}),
         )
         for fqn, module in unit_modules
     )

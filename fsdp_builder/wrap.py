@@ -7,13 +7,14 @@ wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
 from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
 
+from fsdp_builder.config import PerUnitFn
 from fsdp_builder.errors import config_error
 
 WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
@@ -89,6 +90,31 @@ class WrapPolicy:
                 selected.add(module)
         return selected
 
+    def overrides(
+        self, root: nn.Module, ignored_modules: frozenset[nn.Module]
+    ) -> dict[nn.Module, dict[str, Any]]:
+        """The per-unit arguments a torch ``CustomPolicy`` returns (module -> its kwargs dict);
+        empty for every other form. The backend applies them to that unit.
+
+        FullyShardedDataParallel's auto-wrap never applies an override to the root (the root
+        takes the constructor's arguments), so an override for the root is refused rather than
+        applied or dropped."""
+        if self.torch_policy is None:
+            return {}
+        chosen = self.torch_policy._run_policy(root, set(ignored_modules), {})
+        found = {m: dict(kwargs) for m, kwargs in chosen.items() if kwargs}
+        if root in found:
+            raise config_error(
+                "ShardingBuilder.wrap",
+                "policy",
+                f"{type(self.torch_policy).__name__} returned overrides "
+                f"{sorted(found[root])} for the root module, which FullyShardedDataParallel's "
+                "auto-wrap ignores",
+                "Return True (or False) for the root and set the root's options on the builder "
+                "(or through per_unit(...)).",
+            )
+        return found
+
     def describe(self) -> str:
         if self.torch_policy is not None:
             return type(self.torch_policy).__name__
@@ -100,6 +126,41 @@ class WrapPolicy:
         if self.predicate is not None:
             return getattr(self.predicate, "__name__", "predicate")
         return "root-only"
+
+
+def unit_overrides(
+    module: nn.Module,
+    fqn: str,
+    from_policy: Mapping[str, Any],
+    per_unit: PerUnitFn | None,
+    where: str,
+) -> dict[str, Any]:
+    """One unit's overrides: the wrap policy's (``CustomPolicy``) and ``per_unit(module, fqn)``'s.
+    The same argument from both is refused: each is set in one place."""
+    merged = dict(from_policy)
+    if per_unit is None:
+        return merged
+    extra = per_unit(module, fqn)
+    if extra is None:
+        return merged
+    label = fqn or "<root>"
+    if not isinstance(extra, Mapping):
+        raise config_error(
+            f"{where}.per_unit",
+            "per_unit",
+            f"the function returned {type(extra).__name__} for unit '{label}'",
+            "Return a dict of arguments for the unit, or None for no override.",
+        )
+    both = sorted(set(extra) & set(merged))
+    if both:
+        raise config_error(
+            f"{where}.per_unit",
+            "per_unit",
+            f"both the wrap policy and per_unit set {both} for unit '{label}'",
+            "Set each per-unit argument in one place.",
+        )
+    merged.update(extra)
+    return merged
 
 
 def _is_legacy_policy(fn: Callable[..., Any]) -> bool:
@@ -136,4 +197,4 @@ def _legacy_select(
     return selected
 
 
-__all__ = ["WrapPolicy", "WrapPredicate", "WrapSpec"]
+__all__ = ["WrapPolicy", "WrapPredicate", "WrapSpec", "unit_overrides"]

@@ -1,4 +1,10 @@
-"""FSDP1 backend: each unit becomes a ``FullyShardedDataParallel`` instance."""
+"""FSDP1 backend: each unit becomes a ``FullyShardedDataParallel`` instance.
+
+Per-unit overrides (a torch ``CustomPolicy``'s kwargs dict, or ``per_unit(fn)``) are passed to
+that unit's ``FullyShardedDataParallel``, as torch's auto-wrap does. The arguments that must be
+the same for every unit of a build (groups, device, ignored states, initialization,
+``use_orig_params``) are refused, as are FSDP2's own option objects.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,127 @@ import attrs
 import torch
 from attrs import frozen
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
-from fsdp_builder.config import ShardingOptions
+from fsdp_builder.config import (
+    HYBRID_STRATEGIES,
+    ShardingOptions,
+    to_backward_prefetch,
+    to_cpu_offload,
+    to_sharding_strategy,
+)
 from fsdp_builder.environment import Environment
+from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.plan import Unit
+from fsdp_builder.wrap import unit_overrides
+
+_WHERE = "FSDPBuilder"
+
+# What one unit may override, and how the value is normalized.
+_PER_UNIT: dict[str, Any] = {
+    "sharding_strategy": to_sharding_strategy,
+    "cpu_offload": to_cpu_offload,
+    "backward_prefetch": to_backward_prefetch,
+    "mixed_precision": lambda v: v,
+    "forward_prefetch": bool,
+    "limit_all_gathers": bool,
+}
+# Arguments that are the same for every unit of a build, and where they are set.
+_BUILD_WIDE = {
+    "process_group": "groups(...)",
+    "device_mesh": "groups(...)",
+    "device_id": "device(...)",
+    "ignored_modules": "ignore(...)",
+    "ignored_states": "ignore(...)",
+    "param_init_fn": "materialize(InitFn(...))",
+    "sync_module_states": "synchronize(BroadcastFromRank0())",
+    "auto_wrap_policy": "wrap(...)",
+    "use_orig_params": "use_orig_params(...)",
+}
 
 
-def fsdp1_kwargs(env: Environment) -> dict[str, Any]:
-    """The FullyShardedDataParallel arguments for one unit of this environment.
+def check_fsdp2_only_options(options: ShardingOptions) -> None:
+    """Refuse FSDP2's own option objects and options on an FSDP1 build."""
+    if isinstance(options.mixed_precision, MixedPrecisionPolicy):
+        raise config_error(
+            f"{_WHERE}.mixed_precision",
+            "policy",
+            "MixedPrecisionPolicy is fully_shard's (FSDP2); FullyShardedDataParallel takes "
+            "MixedPrecision, whose casting defaults differ",
+            "Pass torch.distributed.fsdp.MixedPrecision(param_dtype=..., reduce_dtype=...), or "
+            "use FullyShardBuilder.",
+        )
+    if isinstance(options.cpu_offload, OffloadPolicy):
+        raise config_error(
+            f"{_WHERE}.cpu_offload",
+            "offload",
+            f"{type(options.cpu_offload).__name__} is fully_shard's (FSDP2)",
+            "Pass CPUOffload(offload_params=True) or True, or use FullyShardBuilder.",
+        )
+    for name, fix in (
+        ("reshard_after_forward", "sharding('full') or sharding('grad_op')"),
+        ("shard_placement_fn", "FullyShardBuilder"),
+    ):
+        if getattr(options, name) is not None:
+            raise config_error(
+                f"{_WHERE}.{name}",
+                name,
+                "FullyShardedDataParallel has no such argument",
+                f"Use {fix}.",
+            )
+
+
+def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]:
+    """The checked ``FullyShardedDataParallel`` arguments this unit overrides."""
+    overrides = unit_overrides(unit.module, unit.fqn, unit.overrides, options.per_unit, _WHERE)
+    checked: dict[str, Any] = {}
+    for name, value in overrides.items():
+        if name in _BUILD_WIDE:
+            raise config_error(
+                f"{_WHERE}.per_unit",
+                name,
+                f"'{name}' is the same for every unit of a build and cannot be overridden "
+                f"(unit '{unit.label}')",
+                f"Set it for the whole model with {_BUILD_WIDE[name]}.",
+            )
+        if name not in _PER_UNIT:
+            raise config_error(
+                f"{_WHERE}.per_unit",
+                name,
+                f"'{name}' is not an argument FullyShardedDataParallel takes per unit "
+                f"(unit '{unit.label}')",
+                f"Use one of {sorted(_PER_UNIT)}.",
+            )
+        if name == "mixed_precision" and not (value is None or isinstance(value, MixedPrecision)):
+            raise config_error(
+                f"{_WHERE}.per_unit",
+                name,
+                f"expected MixedPrecision or None for unit '{unit.label}', "
+                f"got {type(value).__name__}",
+                "Pass torch.distributed.fsdp.MixedPrecision(...).",
+            )
+        checked[name] = _PER_UNIT[name](value)
+    strategy = checked.get("sharding_strategy")
+    if strategy is not None and (strategy in HYBRID_STRATEGIES) != options.is_hybrid:
+        raise config_error(
+            f"{_WHERE}.per_unit",
+            "sharding_strategy",
+            f"unit '{unit.label}' asks for {strategy.name} but the build uses "
+            f"{options.strategy.name}: hybrid and non-hybrid units need different groups",
+            "Keep per-unit strategies hybrid (or not) like the build's sharding(...).",
+        )
+    return checked
+
+
+def fsdp1_kwargs(env: Environment, unit: Unit | None = None) -> dict[str, Any]:
+    """The FullyShardedDataParallel arguments for one unit of this environment (with the
+    unit's own overrides when ``unit`` is given).
 
     States are already materialized, moved and synchronized, so FSDP's own init steps for those
     (``param_init_fn``, ``sync_module_states``) stay off.
@@ -45,6 +162,8 @@ def fsdp1_kwargs(env: Environment) -> dict[str, Any]:
         kwargs["ignored_modules"] = list(env.ignored.modules)
     elif env.ignored.params:
         kwargs["ignored_states"] = list(env.ignored.params)
+    if unit is not None:
+        kwargs.update(fsdp1_unit_overrides(unit, opts))
     return kwargs
 
 
@@ -59,7 +178,7 @@ class FSDP1Backend:
     shard_communicates: ClassVar[bool] = False
 
     def check(self, options: ShardingOptions) -> None:
-        return None
+        check_fsdp2_only_options(options)
 
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
@@ -67,4 +186,4 @@ class FSDP1Backend:
         return groups
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
-        return FullyShardedDataParallel(unit.module, **fsdp1_kwargs(env))
+        return FullyShardedDataParallel(unit.module, **fsdp1_kwargs(env, unit))

@@ -12,13 +12,25 @@ HYBRID_SHARD / _HYBRID_SHARD_ZERO2 2-D ``(replicate, shard)`` mesh; reshard as t
 NO_SHARD                          2-D ``(replicate=N, shard=1)`` mesh: every rank holds whole
                                   parameters and gradients are all-reduced, as DDP would (a
                                   world of one rank gets a 1-D mesh of size one)
-MixedPrecision                    MixedPrecisionPolicy(param_dtype, reduce_dtype); the root unit
+MixedPrecisionPolicy              ``mp_policy``, as given, for every unit
+keyword dtypes                    MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
+                                  cast_forward_inputs): fully_shard's defaults (inputs cast)
+MixedPrecision (FSDP1's object)   MixedPrecisionPolicy(param_dtype, reduce_dtype); the root unit
                                   casts its inputs when ``cast_root_forward_inputs``, others
                                   when ``cast_forward_inputs``. ``buffer_dtype`` and
                                   ``keep_low_precision_grads`` have no FSDP2 counterpart:
                                   ConfigurationError
+OffloadPolicy / CPUOffloadPolicy  ``offload_policy``, as given (``pin_memory`` included)
 CPUOffload(offload_params=True)   CPUOffloadPolicy (pinned memory on CUDA); on a CPU compute
                                   device parameters already live on the CPU: no policy
+reshard_after_forward(x)          ``reshard_after_forward=x`` (bool or int) for every unit, the
+                                  root included, as ``fully_shard`` calls written out by hand;
+                                  unset: from the strategy as above
+shard_placement_fn(fn)            ``shard_placement_fn=fn`` for every unit
+per_unit(fn) / CustomPolicy       ``fn(module, fqn)`` / the policy's dict: ``fully_shard``
+                                  arguments for that unit (``reshard_after_forward``,
+                                  ``mp_policy``, ``offload_policy``, ``shard_placement_fn``);
+                                  anything else: ConfigurationError
 ignored modules / parameters      ``ignored_params`` (the parameters of ignored modules too);
                                   a torch without that argument: ConfigurationError
 ================================  =============================================================
@@ -62,11 +74,16 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from fsdp_builder.config import NO_RESHARD_AFTER_FORWARD, ShardingOptions
+from fsdp_builder.config import (
+    NO_RESHARD_AFTER_FORWARD,
+    ShardingOptions,
+    check_reshard_after_forward,
+)
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups, check_mesh
 from fsdp_builder.plan import Unit
+from fsdp_builder.wrap import unit_overrides
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
@@ -114,10 +131,36 @@ def check_fsdp1_only_options(options: ShardingOptions) -> None:
         )
 
 
-def mixed_precision_policy(policy: MixedPrecision | None, is_root: bool) -> MixedPrecisionPolicy:
-    """The FSDP2 policy for one unit; refuses the FSDP1 fields FSDP2 has no counterpart for."""
+def check_reshard_option(options: ShardingOptions) -> None:
+    """``reshard_after_forward`` set next to a strategy that says the opposite is refused."""
+    explicit = options.explicit
+    value = options.reshard_after_forward
+    if "reshard_after_forward" not in explicit or value is None or "strategy" not in explicit:
+        return
+    strategy = options.strategy
+    if strategy == ShardingStrategy.NO_SHARD:
+        return
+    keeps = strategy in NO_RESHARD_AFTER_FORWARD
+    if keeps != (value is False):
+        raise config_error(
+            f"{_where()}.reshard_after_forward",
+            "reshard_after_forward",
+            f"{value!r} contradicts sharding({strategy.name}), which "
+            f"{'keeps' if keeps else 'frees'} the parameters after forward",
+            "Set only one of them: reshard_after_forward(...) with the default or a hybrid "
+            "strategy, or sharding(...) alone.",
+        )
+
+
+def mixed_precision_policy(
+    policy: MixedPrecision | MixedPrecisionPolicy | None, is_root: bool
+) -> MixedPrecisionPolicy:
+    """The FSDP2 policy for one unit: a MixedPrecisionPolicy as given, an FSDP1 MixedPrecision
+    mapped (refusing the fields FSDP2 has no counterpart for)."""
     if policy is None:
         return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
     if policy.buffer_dtype is not None:
         raise config_error(
             f"{_where()}.mixed_precision",
@@ -142,6 +185,8 @@ def mixed_precision_policy(policy: MixedPrecision | None, is_root: bool) -> Mixe
 
 def offload_policy(options: ShardingOptions, device: torch.device) -> OffloadPolicy:
     offload = options.cpu_offload
+    if isinstance(offload, OffloadPolicy):
+        return offload
     if offload is None or not offload.offload_params or device.type == "cpu":
         # Computing on the CPU: sharded parameters already live there.
         return OffloadPolicy()
@@ -262,10 +307,73 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
     return DeviceMesh.from_group(groups.shard_group, device_type)
 
 
+# FSDP1 argument names a per-unit override may use by habit, and what fully_shard calls them.
+_FSDP1_NAMES = {
+    "mixed_precision": "mp_policy=MixedPrecisionPolicy(...)",
+    "cpu_offload": "offload_policy=CPUOffloadPolicy(...)",
+    "sharding_strategy": "reshard_after_forward=True/False",
+}
+
+
+def _check_override(name: str, value: Any, label: str) -> None:
+    where = f"{_where()}.per_unit"
+    if name == "reshard_after_forward":
+        check_reshard_after_forward(value, "per_unit")
+        return
+    expected: dict[str, tuple[type, ...]] = {
+        "mp_policy": (MixedPrecisionPolicy,),
+        "offload_policy": (OffloadPolicy,),
+    }
+    if name in expected:
+        if not isinstance(value, expected[name]):
+            raise config_error(
+                where,
+                name,
+                f"expected {expected[name][0].__name__} for unit '{label}', "
+                f"got {type(value).__name__}",
+                f"Pass a torch.distributed.fsdp.{expected[name][0].__name__}.",
+            )
+        return
+    if name == "shard_placement_fn":
+        if value is not None and not callable(value):
+            raise config_error(
+                where, name, f"expected a callable for unit '{label}'", "Pass a function or None."
+            )
+        return
+    if name in ("mesh", "ignored_params"):
+        fix = "groups(...)" if name == "mesh" else "ignore(...)"
+        raise config_error(
+            where,
+            name,
+            f"'{name}' is the same for every unit of a build and cannot be overridden "
+            f"(unit '{label}')",
+            f"Set it for the whole model with {fix}.",
+        )
+    hint = _FSDP1_NAMES.get(name)
+    raise config_error(
+        where,
+        name,
+        f"'{name}' is not an argument fully_shard takes per unit (unit '{label}')",
+        f"Use {hint}."
+        if hint
+        else "Use reshard_after_forward, mp_policy, offload_policy or shard_placement_fn.",
+    )
+
+
+def unit_fully_shard_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]:
+    """The checked ``fully_shard`` arguments this unit overrides (CustomPolicy, per_unit)."""
+    overrides = unit_overrides(unit.module, unit.fqn, unit.overrides, options.per_unit, _where())
+    for name, value in overrides.items():
+        _check_override(name, value, unit.label)
+    return overrides
+
+
 def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
     """The ``fully_shard`` arguments for one unit of this environment."""
     opts = env.options
-    if unit.is_root:
+    if "reshard_after_forward" in opts.explicit and opts.reshard_after_forward is not None:
+        reshard: bool | int = opts.reshard_after_forward
+    elif unit.is_root:
         reshard = False
     else:
         reshard = opts.strategy not in NO_RESHARD_AFTER_FORWARD
@@ -275,7 +383,10 @@ def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
         "mp_policy": mixed_precision_policy(opts.mixed_precision, unit.is_root),
         "offload_policy": offload_policy(opts, env.device),
     }
+    if opts.shard_placement_fn is not None:
+        kwargs["shard_placement_fn"] = opts.shard_placement_fn
     kwargs.update(ignored_params_kwargs(unit.module, env.ignored.params))
+    kwargs.update(unit_fully_shard_overrides(unit, opts))
     return kwargs
 
 
@@ -292,6 +403,7 @@ class FullyShardBackend:
 
     def check(self, options: ShardingOptions) -> None:
         check_fsdp1_only_options(options)
+        check_reshard_option(options)
         # Both the root and the other units take the same dtype fields: check them once here,
         # before any collective.
         mixed_precision_policy(options.mixed_precision, is_root=True)
@@ -320,8 +432,10 @@ __all__ = [
     "FullyShardBackend",
     "build_mesh",
     "check_fsdp1_only_options",
+    "check_reshard_option",
     "fully_shard_kwargs",
     "ignored_params_kwargs",
     "mixed_precision_policy",
     "supports_ignored_params",
+    "unit_fully_shard_overrides",
 ]
