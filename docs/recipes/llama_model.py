@@ -7,9 +7,10 @@ The layout and the initialization follow torchtitan's Llama 3 model:
 - the rotary embedding table ``freqs_cis`` is a non-persistent buffer: it is not in the state
   dict and is recomputed by ``init_weights``;
 - weights are initialized by ``init_weights`` methods, not ``reset_parameters``: the root's
-  ``init_weights(buffer_device=None)`` recomputes the buffer and calls each block's
-  ``init_weights()``, which initializes its attention and feed-forward with a depth-scaled
-  standard deviation (``0.02 / sqrt(2 * (layer_id + 1))``).
+  ``init_weights(buffer_device=None)`` recomputes the buffer, initializes what the root owns
+  (``init_root_weights``) and calls each block's ``init_weights()``, which initializes its
+  attention and feed-forward with a depth-scaled standard deviation
+  (``0.02 / sqrt(2 * (layer_id + 1))``).
 
 Only ``nn.Linear``, ``nn.Embedding`` and ``nn.RMSNorm`` have ``reset_parameters``, so a model
 built on the meta device must be materialized with ``InitFn`` (calling ``init_weights``) or from
@@ -176,13 +177,18 @@ class Transformer(nn.Module):
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """Initialize every weight and recompute ``freqs_cis`` on ``buffer_device`` (default:
         where the buffer is now, which must not be meta when the model is used)."""
-        buffers = self.get_buffer("freqs_cis")
-        device = buffer_device if buffer_device is not None else buffers.device
-        self.freqs_cis = self._precompute_freqs_cis(device)
-        nn.init.normal_(self.tok_embeddings.weight)
+        self.init_root_weights(buffer_device)
         for layer in self.layers.values():
             assert isinstance(layer, TransformerBlock)
             layer.init_weights()
+
+    def init_root_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """What the root owns besides the blocks: ``freqs_cis``, the embeddings, the final norm
+        and the output projection (for a build where each block is a unit of its own)."""
+        buffer = self.get_buffer("freqs_cis")
+        device = buffer_device if buffer_device is not None else buffer.device
+        self.freqs_cis = self._precompute_freqs_cis(device)
+        nn.init.normal_(self.tok_embeddings.weight)
         self.norm.reset_parameters()
         if not self.model_args.tie_embeddings:
             std = self.model_args.dim**-0.5

@@ -1,0 +1,114 @@
+"""Every recipe in docs/recipes/ runs as its page says, on CPU ranks (gloo)."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from fsdp_builder.launch import free_port, run_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "docs" / "recipes"
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+TESTED = {"torchrun_one_node.py", "multinode.py", "llama_train.py", "custom_strategies.py"}
+
+
+def torchrun(*args: str, timeout: float = 150) -> str:
+    proc = subprocess.run(
+        [*TORCHRUN, *args], capture_output=True, text=True, timeout=timeout, check=False, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def floats(line: str) -> list[float]:
+    return [float(x) for x in line.split("losses:")[1].split()]
+
+
+def test_every_recipe_script_is_tested_and_shown() -> None:
+    scripts = {p.name for p in RECIPES.glob("*.py")} - {"llama_model.py"}  # a module, not a job
+    assert scripts == TESTED
+    pages = "\n".join(p.read_text() for p in RECIPES.glob("*.md"))
+    for name in sorted(scripts | {"llama_model.py"}):
+        assert f'--8<-- "docs/recipes/{name}"' in pages, f"{name} is not shown on a page"
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_one_node() -> None:
+    out = torchrun("--nproc-per-node", "2", "--standalone", "docs/recipes/torchrun_one_node.py")
+    lines = sorted(line for line in out.splitlines() if "losses:" in line)
+    assert [line.split()[1] for line in lines] == ["0/2", "1/2"]
+    for line in lines:
+        losses = floats(line)
+        assert len(losses) == 3 and losses == sorted(losses, reverse=True)
+
+
+@pytest.mark.timeout(180)
+def test_several_nodes_with_c10d_rendezvous() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [
+        *TORCHRUN,
+        "--nnodes", "2",
+        "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", endpoint,
+        "--rdzv-id", "recipe",
+        "docs/recipes/multinode.py",
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = []
+    try:
+        for node in nodes:
+            out, err = node.communicate(timeout=150)
+            assert node.returncode == 0, out + err
+            outs.append(out)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    lines = sorted(line for out in outs for line in out.splitlines() if "losses:" in line)
+    assert [line.split()[:4] for line in lines] == [
+        ["node", "0", "rank", "0/2:"],
+        ["node", "1", "rank", "1/2:"],
+    ]
+    for line in lines:
+        losses = floats(line)
+        assert losses == sorted(losses, reverse=True)
+
+
+def recipe_module(name: str) -> ModuleType:
+    """A recipe script imported as a module; its folder goes on sys.path, as when it runs as a
+    script (and spawned ranks inherit that path)."""
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    return importlib.import_module(name)
+
+
+@pytest.mark.timeout(180)
+def test_llama_training_script() -> None:
+    # The script's train() on two ranks the test starts (what main() runs under torchrun).
+    llama_train = recipe_module("llama_train")
+    per_rank = run_ranks(llama_train.train, 2, 3, timeout=150)
+    for losses in per_rank:
+        assert len(losses) == 3 and losses == sorted(losses, reverse=True)
+        assert 4.0 < losses[0] < 6.0  # about ln(128) = 4.85 for a fresh model
+
+
+@pytest.mark.timeout(180)
+def test_custom_strategies() -> None:
+    custom = recipe_module("custom_strategies")
+    results = run_ranks(custom.build_and_run, 2, timeout=150)
+    for result in results:
+        assert result["initialized"] == ["0.ff", "0.norm", "1.ff", "1.norm", "2"]
+        assert result["checked"] == ["0", "1", "<root>"]
+    assert results[0]["output"] == results[1]["output"]
