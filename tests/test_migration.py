@@ -13,7 +13,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
+    CPUOffloadPolicy,
     FSDPModule,
     FullyShardedDataParallel,
     MixedPrecision,
@@ -30,8 +31,8 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     fully_shard,
 )
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_builder import (
     BroadcastFromRank0,
@@ -194,6 +195,15 @@ def check1_cpu_offload() -> None:
 
 def check1_auto_wrap_policy() -> None:
     both1(lambda m: {}, lambda b, m: b)  # both1 wraps Block both ways and compares the units
+    # A CustomPolicy's per-unit kwargs reach that unit; per_unit gives the same overrides.
+    mp = MixedPrecision(param_dtype=torch.bfloat16)
+    policy = CustomPolicy(lambda m: {"mixed_precision": mp} if isinstance(m, Block) else False)
+    _, built = both1(
+        lambda m: {"auto_wrap_policy": policy},
+        lambda b, m: b.per_unit(lambda module, fqn: {"mixed_precision": mp} if fqn else None),
+    )
+    assert settings1(built)["_fsdp_wrapped_module.0"]["mixed_precision"] == mp
+    assert root_settings(built)["mixed_precision"].param_dtype is None
 
 
 def check1_backward_prefetch() -> None:
@@ -322,11 +332,14 @@ def settings2(root: nn.Module) -> dict[str, Any]:
         out[name] = {
             "mp_policy": group.mp_policy,
             "reshard_after_forward": group.post_forward_mesh_info is not None,
-            "offload_policy": type(group.offload_policy).__name__,
+            "offload_policy": group.offload_policy,
             "mesh": (mesh.ndim, mesh.mesh.tolist()),
             "params": sorted(
                 f"{modules[id(p._module_info.module)]}.{p._module_info.param_name}".lstrip(".")
                 for p in group.fsdp_params
+            ),
+            "placements": sorted(
+                str(cast(DTensor, p.sharded_param).placements) for p in group.fsdp_params
             ),
         }
     return out
@@ -374,6 +387,39 @@ def check2_reshard_after_forward() -> None:
     assert [s["reshard_after_forward"] for s in mine.values()] == [False, True, True]
     # reshard_after_forward=False is .sharding("grad_op"): checked on two ranks below, since one
     # rank makes the builder use NO_SHARD, as FSDP1 does.
+    # The value itself, for every unit (the root too), as written in each fully_shard call.
+    for value in (True, False):
+        mine, _, _ = both2(*_reshard_both_ways(value))
+        assert [s["reshard_after_forward"] for s in mine.values()] == [value] * 3
+
+
+def _reshard_both_ways(
+    value: bool,
+) -> tuple[Callable[..., dict[str, Any]], Callable[..., FullyShardBuilder]]:
+    return (
+        lambda m, kw: {**kw, "reshard_after_forward": value},
+        lambda b, m: b.reshard_after_forward(value),
+    )
+
+
+def _on_dim1(p: nn.Parameter) -> Shard | None:
+    return Shard(1) if p.ndim == 2 else None
+
+
+def check2_shard_placement_fn() -> None:
+    mine, _, _ = both2(
+        lambda m, kw: {**kw, "shard_placement_fn": _on_dim1},
+        lambda b, m: b.shard_placement_fn(_on_dim1),
+    )
+    assert "(Shard(dim=1),)" in mine["0"]["placements"]
+
+
+def check2_offload_policy() -> None:
+    policy = CPUOffloadPolicy(pin_memory=False)
+    mine, _, _ = both2(
+        lambda m, kw: {**kw, "offload_policy": policy}, lambda b, m: b.cpu_offload(policy)
+    )
+    assert all(s["offload_policy"] == policy for s in mine.values())
 
 
 def _grad_op_on_two_ranks() -> bool:
@@ -388,10 +434,21 @@ def check2_mp_policy() -> None:
     mp = MixedPrecision(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
     )
-    mine, _, _ = both2(
-        lambda m, kw: {**kw, "mp_policy": policy}, lambda b, m: b.mixed_precision(mp)
+    for configure in (
+        lambda b, m: b.mixed_precision(policy),
+        # Keywords take MixedPrecisionPolicy's defaults.
+        lambda b, m: b.mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        lambda b, m: b.mixed_precision(mp),
+    ):
+        mine, _, _ = both2(lambda m, kw: {**kw, "mp_policy": policy}, configure)
+        assert all(s["mp_policy"] == policy for s in mine.values())
+    custom = MixedPrecisionPolicy(
+        reduce_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False
     )
-    assert all(s["mp_policy"] == policy for s in mine.values())
+    mine, _, _ = both2(
+        lambda m, kw: {**kw, "mp_policy": custom}, lambda b, m: b.mixed_precision(custom)
+    )
+    assert all(s["mp_policy"] == custom for s in mine.values())
 
 
 def check2_ignored_params() -> None:
@@ -408,7 +465,9 @@ FSDP2_CHECKS: dict[str, Callable[[], None]] = {
     "module": check2_module,
     "mesh": check2_mesh,
     "reshard_after_forward": check2_reshard_after_forward,
+    "shard_placement_fn": check2_shard_placement_fn,
     "mp_policy": check2_mp_policy,
+    "offload_policy": check2_offload_policy,
     "ignored_params": check2_ignored_params,
 }
 
