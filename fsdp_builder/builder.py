@@ -40,7 +40,7 @@ from fsdp_builder.pipeline import BuilderConfig, BuildResult, plan_for, run_buil
 from fsdp_builder.plan import UnitPlan
 from fsdp_builder.report import BuildReport
 from fsdp_builder.synchronizers import Chain, StateSynchronizer
-from fsdp_builder.wrap import WrapPolicy
+from fsdp_builder.wrap import WrapPolicy, checkpoint_predicate
 
 B = TypeVar("B", bound="ShardingBuilder")
 
@@ -249,6 +249,13 @@ class ShardingBuilder:
                 'Pass e.g. lambda module, fqn: {"reshard_after_forward": False} if ... else None.',
             )
         return self._option(per_unit=fn)
+
+    def activation_checkpointing(self: B, policy: Any) -> B:
+        """Activation checkpointing for the modules ``policy`` chooses (module classes or a
+        ``(module, fqn) -> bool``): each is wrapped in torch's ``checkpoint_wrapper``
+        (non-reentrant) before its unit is sharded; a chosen module inside another chosen one is
+        not wrapped again. State-dict keys stay those of the unwrapped model."""
+        return self._option(activation_checkpointing=checkpoint_predicate(policy))
 
     def prefetch(
         self: B,

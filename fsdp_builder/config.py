@@ -53,6 +53,8 @@ def to_sharding_strategy(value: ShardingStrategy | str) -> ShardingStrategy:
     )
 
 
+# Which modules are activation-checkpointed: ``(module, fqn) -> bool``.
+CheckpointPredicate: TypeAlias = Callable[[nn.Module, str], bool]
 # A per-unit override function: ``(module, fqn) -> {argument: value}`` or None for no override.
 PerUnitFn: TypeAlias = Callable[[nn.Module, str], "Mapping[str, Any] | None"]
 
@@ -170,6 +172,10 @@ class ShardingOptions:
     )
     # Per-unit overrides of the backend's own arguments, ``(module, fqn) -> dict | None``.
     per_unit: PerUnitFn | None = attrs.field(default=None, validator=_check_callable)
+    # Modules wrapped in torch's checkpoint_wrapper before their unit is sharded.
+    activation_checkpointing: CheckpointPredicate | None = attrs.field(
+        default=None, validator=_check_callable
+    )
     explicit: frozenset[str] = attrs.field(default=frozenset(), converter=_to_names)
 
     @property

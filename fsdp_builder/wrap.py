@@ -14,8 +14,9 @@ from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
 
-from fsdp_builder.config import PerUnitFn
+from fsdp_builder.config import CheckpointPredicate, PerUnitFn
 from fsdp_builder.errors import config_error
+from fsdp_builder.ignored import is_wrapped
 
 WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
 WrapSpec: TypeAlias = "type[nn.Module] | Iterable[type[nn.Module]] | WrapPredicate | _Policy"
@@ -163,6 +164,72 @@ def unit_overrides(
     return merged
 
 
+def checkpoint_predicate(spec: Any) -> CheckpointPredicate:
+    """What ``.activation_checkpointing(...)`` takes: module classes or a ``(module, fqn)``
+    predicate, as a predicate."""
+    if isinstance(spec, _Policy) or (callable(spec) and _is_legacy_policy(spec)):
+        raise config_error(
+            "ShardingBuilder.activation_checkpointing",
+            "policy",
+            "a torch wrap policy was given",
+            "Pass module classes or a callable (module, fqn) -> bool.",
+        )
+    try:
+        policy = WrapPolicy.of(spec)
+    except Exception as exc:
+        raise config_error(
+            "ShardingBuilder.activation_checkpointing",
+            "policy",
+            str(exc).split(": ", 1)[-1],
+            "Pass module classes or a callable (module, fqn) -> bool.",
+        ) from exc
+    if policy.predicate is not None:
+        return policy.predicate
+    classes = policy.classes
+    if not classes:
+        raise config_error(
+            "ShardingBuilder.activation_checkpointing",
+            "policy",
+            "no module classes were given",
+            "Pass module classes or a callable (module, fqn) -> bool.",
+        )
+
+    def is_chosen(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, classes)
+
+    is_chosen.__name__ = ",".join(c.__name__ for c in classes)
+    return is_chosen
+
+
+def checkpoint_unit(
+    module: nn.Module, fqn: str, chosen: CheckpointPredicate, stop: frozenset[nn.Module]
+) -> nn.Module:
+    """Wrap the modules of one unit that ``chosen`` selects in torch's ``checkpoint_wrapper``
+    (non-reentrant), outermost only, before the unit is sharded. Nested units (already
+    sharded) and ``stop`` modules are not entered. Returns the module to shard: the unit's own
+    module, or its wrapper when the unit itself is chosen (it then takes the unit's slot).
+
+    ``checkpoint_wrapper`` removes its ``_checkpoint_wrapped_module.`` prefix from state-dict
+    keys (and adds it back on load), so saved keys stay those of the unwrapped model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if chosen(module, fqn):
+        return checkpoint_wrapper(module)
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for name, child in list(parent.named_children()):
+            if child in stop or is_wrapped(child):
+                continue
+            child_fqn = f"{prefix}.{name}" if prefix else name
+            if chosen(child, child_fqn):
+                setattr(parent, name, checkpoint_wrapper(child))
+            else:
+                visit(child, child_fqn)
+
+    visit(module, fqn)
+    return module
+
+
 def _is_legacy_policy(fn: Callable[..., Any]) -> bool:
     """FSDP1's callable policies take ``recurse`` and ``nonwrapped_numel``; predicates do not."""
     try:
@@ -197,4 +264,11 @@ def _legacy_select(
     return selected
 
 
-__all__ = ["WrapPolicy", "WrapPredicate", "WrapSpec", "unit_overrides"]
+__all__ = [
+    "WrapPolicy",
+    "WrapPredicate",
+    "WrapSpec",
+    "checkpoint_predicate",
+    "checkpoint_unit",
+    "unit_overrides",
+]

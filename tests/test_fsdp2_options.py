@@ -18,6 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -28,7 +33,7 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     fully_shard,
 )
-from torch.distributed.fsdp.wrap import CustomPolicy
+from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_builder import (
@@ -50,6 +55,7 @@ class Block(nn.Module):
     gets float32 inputs, which only fully_shard's default input casting makes work in bf16."""
 
     gain: torch.Tensor
+    calls = 0  # forward calls, recomputations under activation checkpointing included
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,6 +63,7 @@ class Block(nn.Module):
         self.register_buffer("gain", torch.ones(DIM))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
         return (x + torch.tanh(self.lin(x))) * self.gain
 
 
@@ -293,6 +300,79 @@ def test_fsdp1_per_unit_overrides_are_honoured(how: str, world1: None) -> None:
     assert fsdp1_settings(built) == fsdp1_settings(hand)
     assert fsdp1_settings(built)["blocks.1"][0] == mp
     assert train(built) == pytest.approx(train(hand), abs=1e-5, rel=0)
+
+
+# -- activation checkpointing ------------------------------------------------------------------
+
+
+def _structure(model: nn.Module) -> list[tuple[str, str]]:
+    return [(name, type(m).__name__) for name, m in model.named_modules()]
+
+
+def _counted_train(model: nn.Module) -> tuple[list[float], int]:
+    Block.calls = 0
+    losses = train(model)
+    return losses, Block.calls
+
+
+CLEAN_KEYS = list(new_net().state_dict())
+
+
+@pytest.mark.parametrize("what", ["blocks", "linears"])
+def test_fsdp2_activation_checkpointing_matches_plain_calls(what: str, mesh1: DeviceMesh) -> None:
+    if what == "blocks":
+        built = build_fsdp2(lambda b: b.activation_checkpointing(Block))
+    else:
+        built = build_fsdp2(
+            lambda b: b.activation_checkpointing(lambda m, fqn: fqn.endswith(".lin"))
+        )
+    hand = new_net()
+    for i, block in enumerate(hand.blocks):
+        if what == "blocks":
+            hand.blocks[i] = checkpoint_wrapper(block)
+        else:
+            block.lin = checkpoint_wrapper(block.get_submodule("lin"))
+        fully_shard(hand.blocks[i], mesh=mesh1, reshard_after_forward=True)
+    fully_shard(hand, mesh=mesh1, reshard_after_forward=False)
+
+    assert _structure(built) == _structure(hand)
+    wrappers = [m for m in built.modules() if isinstance(m, CheckpointWrapper)]
+    assert len(wrappers) == 3
+    assert list(built.state_dict()) == list(hand.state_dict()) == CLEAN_KEYS
+    (losses, calls), (hand_losses, hand_calls) = _counted_train(built), _counted_train(hand)
+    assert losses == hand_losses and calls == hand_calls
+    # Blocks checkpointed as a whole run their forward again in backward.
+    assert calls == (6 if what == "blocks" else 3) * STEPS
+    assert fsdp2_settings(built) == fsdp2_settings(hand)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_fsdp1_activation_checkpointing_matches_plain_calls(world1: None) -> None:
+    built = FSDPBuilder().device(CPUDevice()).wrap(Block).activation_checkpointing(Block)
+    built_model = built.build(new_net())
+    hand = FullyShardedDataParallel(
+        new_net(),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.NO_SHARD,
+    )
+    apply_activation_checkpointing(hand, check_fn=lambda m: isinstance(m, Block))
+    assert _structure(built_model) == _structure(hand)
+    assert list(built_model.state_dict()) == list(hand.state_dict()) == CLEAN_KEYS
+    (losses, calls), (hand_losses, hand_calls) = _counted_train(built_model), _counted_train(hand)
+    assert losses == hand_losses and calls == hand_calls == 6 * STEPS
+
+
+@pytest.mark.parametrize(
+    ("policy", "pattern"),
+    [
+        (ModuleWrapPolicy({Block}), r"`policy`.*a torch wrap policy"),
+        (3.5, r"`policy`.*float is not a wrap policy"),
+    ],
+)
+def test_activation_checkpointing_policy_is_checked(policy: Any, pattern: str) -> None:
+    with pytest.raises(ConfigurationError, match=pattern):
+        FullyShardBuilder().activation_checkpointing(policy)
 
 
 # -- refused, with a clear error -------------------------------------------------------------

@@ -4,6 +4,9 @@ Per-unit overrides (a torch ``CustomPolicy``'s kwargs dict, or ``per_unit(fn)``)
 that unit's ``FullyShardedDataParallel``, as torch's auto-wrap does. The arguments that must be
 the same for every unit of a build (groups, device, ignored states, initialization,
 ``use_orig_params``) are refused, as are FSDP2's own option objects.
+
+``activation_checkpointing(policy)``: the chosen modules of a unit are wrapped in torch's
+``checkpoint_wrapper`` before the unit's ``FullyShardedDataParallel``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.plan import Unit
-from fsdp_builder.wrap import unit_overrides
+from fsdp_builder.wrap import checkpoint_unit, unit_overrides
 
 _WHERE = "FSDPBuilder"
 
@@ -186,4 +189,11 @@ class FSDP1Backend:
         return groups
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
-        return FullyShardedDataParallel(unit.module, **fsdp1_kwargs(env, unit))
+        kwargs = fsdp1_kwargs(env, unit)
+        target = unit.module
+        chosen = env.options.activation_checkpointing
+        if chosen is not None:
+            # FullyShardedDataParallel(checkpoint_wrapper(block)): the structure torch's
+            # apply_activation_checkpointing gives after wrapping, FSDP outside the recompute.
+            target = checkpoint_unit(target, unit.fqn, chosen, env.ignored.modules)
+        return FullyShardedDataParallel(target, **kwargs)

@@ -27,6 +27,9 @@ reshard_after_forward(x)          ``reshard_after_forward=x`` (bool or int) for 
                                   root included, as ``fully_shard`` calls written out by hand;
                                   unset: from the strategy as above
 shard_placement_fn(fn)            ``shard_placement_fn=fn`` for every unit
+activation_checkpointing(policy)  the chosen modules of a unit are wrapped in torch's
+                                  ``checkpoint_wrapper`` before ``fully_shard`` (a chosen unit:
+                                  ``fully_shard`` of its wrapper, which takes its slot)
 per_unit(fn) / CustomPolicy       ``fn(module, fqn)`` / the policy's dict: ``fully_shard``
                                   arguments for that unit (``reshard_after_forward``,
                                   ``mp_policy``, ``offload_policy``, ``shard_placement_fn``);
@@ -83,7 +86,7 @@ from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups, check_mesh
 from fsdp_builder.plan import Unit
-from fsdp_builder.wrap import unit_overrides
+from fsdp_builder.wrap import checkpoint_unit, unit_overrides
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
@@ -416,7 +419,13 @@ class FullyShardBackend:
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         kwargs = fully_shard_kwargs(unit, env)
-        fully_shard(unit.module, **kwargs)
+        target = unit.module
+        chosen = env.options.activation_checkpointing
+        if chosen is not None:
+            # Checkpoint first, then shard the wrapper, as torchtitan does: FSDP's hooks stay
+            # outside the recomputed forward.
+            target = checkpoint_unit(target, unit.fqn, chosen, env.ignored.modules)
+        fully_shard(target, **kwargs)
         env.logger.debug(
             "fully_shard",
             unit=unit.label,
@@ -424,8 +433,8 @@ class FullyShardBackend:
             reshard_after_forward=kwargs["reshard_after_forward"],
             ignored=len(kwargs.get("ignored_params", ())),
         )
-        # In place: the module keeps its slot in the parent.
-        return unit.module
+        # In place: the module (or its checkpoint wrapper) keeps the slot in the parent.
+        return target
 
 
 __all__ = [
