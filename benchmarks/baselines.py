@@ -94,6 +94,44 @@ def fsdp2_load_bcast(job: Job) -> Outcome:
     return Outcome(module=model, comm_bytes=_nbytes(_shapes(job)))
 
 
+def fsdp2_file_bcast(job: Job) -> Outcome:
+    """What Accelerate and Lightning do with a safetensors checkpoint: rank 0 reads it with
+    ``safetensors.torch.load_file``, then ``set_model_state_dict(broadcast_from_rank0=True)``
+    into an FSDP2 model on meta (the read is part of the job)."""
+    from safetensors.torch import load_file
+
+    assert job.checkpoint is not None
+    model = _fully_shard_meta(job)
+    full: dict[str, Any] = load_file(job.checkpoint) if job.rank == 0 else {}
+    set_model_state_dict(
+        model,
+        full,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    return Outcome(module=model, comm_bytes=_nbytes(_shapes(job)))
+
+
+def read_floor(job: Job) -> Outcome:
+    """Each rank reads its dim-0 slices of every tensor from the safetensors file into tensors
+    of its own, with no model and no communication (the floor of a rank-local load)."""
+    from safetensors import safe_open
+
+    assert job.checkpoint is not None
+    kept: dict[str, torch.Tensor] = {}
+    with safe_open(job.checkpoint, framework="pt", device="cpu") as handle:
+        for name in handle.keys():
+            piece = handle.get_slice(name)
+            rows = piece.get_shape()[0]
+            per = -(-rows // job.world_size)
+            start = min(job.rank * per, rows)
+            rows_read = piece[start : min(start + per, rows)]
+            # Into storage of its own, as a model's shard: a slice may view the file's mapping.
+            kept[name] = torch.empty_like(rows_read, device=job.device).copy_(rows_read)
+    outcome = Outcome(comm_bytes=0)
+    del kept  # held until every slice was read, so the peak counts them all
+    return outcome
+
+
 def broadcast_floor(job: Job) -> Outcome:
     """The same bytes as the model, one ``dist.broadcast`` per tensor from rank 0.
 
@@ -185,6 +223,23 @@ BASELINES: tuple[Recipe, ...] = (
         "FSDP2 + set_model_state_dict(broadcast_from_rank0=True)",
         needs_source=True,
         deterministic=True,
+    ),
+    Recipe(
+        "fsdp2_file_bcast",
+        "baseline",
+        "load_file",
+        fsdp2_file_bcast,
+        "FSDP2 + rank 0 load_file(.safetensors) + set_model_state_dict(broadcast_from_rank0)",
+        needs_checkpoint=True,
+        deterministic=True,
+    ),
+    Recipe(
+        "read_floor",
+        "baseline",
+        "load_file",
+        read_floor,
+        "each rank reads its own dim-0 slices of the .safetensors file (rank-local read floor)",
+        needs_checkpoint=True,
     ),
     Recipe(
         "broadcast_floor",

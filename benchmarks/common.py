@@ -22,6 +22,8 @@ class Job:
     seed: int = 0
     # Rank 0's full state dict for recipes that load or broadcast it; None on other ranks.
     source: dict[str, torch.Tensor] | None = None
+    # A .safetensors file of the same weights that every rank can read, for checkpoint jobs.
+    checkpoint: str | None = None
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Recipe:
     run: Callable[[Job], Outcome]
     description: str
     needs_source: bool = False
+    # Every rank gets ``Job.checkpoint`` (written once per size before the measurements).
+    needs_checkpoint: bool = False
     # True when the gathered weights are a pure function of (config, seed): worth a checksum.
     deterministic: bool = False
     # Whether the recipe builds the model one unit at a time (for the memory target).

@@ -174,6 +174,8 @@ def _fixed_malloc_threshold() -> None:
 
 DEFAULT_MALLOC_ENV = "FSDP_BENCH_DEFAULT_MALLOC"
 WARMUP = BenchConfig(vocab=256, dim=64, heads=1, layers=2)
+# The warm-up model's checkpoint, next to the measured sizes' ones.
+WARMUP_CHECKPOINT = "warmup.safetensors"
 
 
 def make_source(cfg: BenchConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -190,6 +192,7 @@ def measure(
     want_checksum: bool,
     warmup: bool = True,
     source_path: str | None = None,
+    checkpoint_path: str | None = None,
 ) -> dict[str, Any]:
     """One rank of one measurement (runs inside a fresh rank)."""
     setup_start = time.perf_counter()
@@ -207,7 +210,21 @@ def measure(
         # One tiny build first: one-time costs (lazy imports, first-call caches, communicator
         # set-up) are paid once per process whatever the model size, so they are not timed.
         tiny = make_source(WARMUP, seed) if recipe.needs_source and rank == 0 else None
-        recipe.run(Job(cfg=WARMUP, rank=rank, world_size=world, device=device, source=tiny))
+        tiny_file = (
+            os.path.join(os.path.dirname(checkpoint_path), WARMUP_CHECKPOINT)
+            if checkpoint_path is not None
+            else None
+        )
+        recipe.run(
+            Job(
+                cfg=WARMUP,
+                rank=rank,
+                world_size=world,
+                device=device,
+                source=tiny,
+                checkpoint=tiny_file,
+            )
+        )
         del tiny
     source: dict[str, torch.Tensor] | None = None
     if recipe.needs_source and rank == 0:
@@ -217,7 +234,15 @@ def measure(
             source = torch.load(source_path, map_location=device, weights_only=True)
         else:
             source = {k: v.to(device) for k, v in make_source(cfg, seed).items()}
-    job = Job(cfg=cfg, rank=rank, world_size=world, device=device, seed=seed, source=source)
+    job = Job(
+        cfg=cfg,
+        rank=rank,
+        world_size=world,
+        device=device,
+        seed=seed,
+        source=source,
+        checkpoint=checkpoint_path,
+    )
     gc.collect()
     memory = PeakMemory(device)
     dist.barrier()
@@ -426,6 +451,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             # again in every measurement would cost more than the measurements themselves.
             sources[size] = os.path.join(scratch.name, f"source-{size}.pt")
             torch.save(make_source(cfg, args.seed), sources[size])
+    checkpoints: dict[int, str] = {}
+    if any(r.needs_checkpoint for r in recipes):
+        from safetensors.torch import save_file
+
+        # Every rank of a checkpoint job reads this file itself (a shared filesystem).
+        save_file(make_source(WARMUP, args.seed), os.path.join(scratch.name, WARMUP_CHECKPOINT))
+        for size, cfg in configs.items():
+            checkpoints[size] = os.path.join(scratch.name, f"checkpoint-{size}.safetensors")
+            save_file(make_source(cfg, args.seed), checkpoints[size])
     labels = {size: label for size, label in zip(sizes, sizes_text.split(","), strict=True)}
     order = _plan(recipes, sizes, worlds, repeats)
     records: list[dict[str, Any]] = []
@@ -463,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 repeat == 0,
                 not args.no_warmup,
                 sources.get(size) if recipe.needs_source else None,
+                checkpoints.get(size) if recipe.needs_checkpoint else None,
                 timeout=args.timeout,
                 backend=backend,
                 method=args.launcher,

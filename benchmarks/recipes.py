@@ -88,6 +88,19 @@ def fsdp2_load(job: Job) -> Outcome:
     return _build(job, "fsdp2", _cls("FromStateDict")(source))
 
 
+def _checkpoint(job: Job, backend: str) -> Outcome:
+    assert job.checkpoint is not None
+    return _build(job, backend, _cls("FromCheckpoint")(job.checkpoint))
+
+
+def fsdp2_checkpoint(job: Job) -> Outcome:
+    return _checkpoint(job, "fsdp2")
+
+
+def fsdp1_checkpoint(job: Job) -> Outcome:
+    return _checkpoint(job, "fsdp1")
+
+
 _CANDIDATES: tuple[tuple[Recipe, tuple[str, ...]], ...] = (
     (
         Recipe(
@@ -158,6 +171,32 @@ _CANDIDATES: tuple[tuple[Recipe, tuple[str, ...]], ...] = (
             per_unit=True,
         ),
         ("FullyShardBuilder", "FromStateDict"),
+    ),
+    (
+        Recipe(
+            "builder_fsdp2_checkpoint",
+            "builder",
+            "load_file",
+            fsdp2_checkpoint,
+            "FullyShardBuilder, FromCheckpoint: each rank reads its own rows of the .safetensors",
+            needs_checkpoint=True,
+            deterministic=True,
+            per_unit=True,
+        ),
+        ("FullyShardBuilder", "FromCheckpoint"),
+    ),
+    (
+        Recipe(
+            "builder_fsdp1_checkpoint",
+            "builder",
+            "load_file",
+            fsdp1_checkpoint,
+            "FSDPBuilder, FromCheckpoint: each rank reads one unit at a time, FSDP1 cuts its shard",
+            needs_checkpoint=True,
+            deterministic=True,
+            per_unit=True,
+        ),
+        ("FromCheckpoint",),
     ),
     (
         Recipe(

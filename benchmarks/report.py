@@ -190,6 +190,27 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "≤",
                 1.3,
             )
+        local, file_bcast = (
+            get("builder_fsdp2_checkpoint", size, world),
+            get("fsdp2_file_bcast", size, world),
+        )
+        read = get("read_floor", size, world)
+        if local and file_bcast and local["seconds"]:
+            add(
+                "rank-local checkpoint load: load_file + set_model_state_dict(broadcast) ÷ builder",
+                where,
+                file_bcast["seconds"] / local["seconds"],
+                "≥",
+                2.5,
+            )
+        if local and read and read["seconds"]:
+            add(
+                "rank-local checkpoint load: builder ÷ each rank reading its slices (floor)",
+                where,
+                local["seconds"] / read["seconds"],
+                "≤",
+                1.2,
+            )
         full = get(REFERENCE, size, world)
         built = [
             r
