@@ -39,12 +39,18 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_builder import (
     ConfigurationError,
     CPUDevice,
+    DeterministicInit,
     FSDPBuilder,
     FullyShardBuilder,
     ShardingOptions,
 )
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
+from fsdp_builder.builder import ShardingBuilder
+from fsdp_builder.demo import Block as DemoBlock
+from fsdp_builder.demo import DemoConfig, DemoTransformer
+from fsdp_builder.demo import train as demo_train
 from fsdp_builder.launch import run_ranks
+from fsdp_builder.sharded_init import ShardFirstReset
 
 DIM = 8
 STEPS = 3
@@ -100,10 +106,15 @@ def train(model: nn.Module, rank: int = 0) -> list[float]:
 UNIT_FQNS = ("blocks.0", "blocks.1", "blocks.2", "")
 
 
-def by_hand_fsdp2(mesh: DeviceMesh, kwargs_for: Callable[[str], dict[str, Any]]) -> Net:
-    """``fully_shard`` per block, then the root, with ``kwargs_for(fqn)``."""
+def by_hand_fsdp2(
+    mesh: DeviceMesh, kwargs_for: Callable[[str], dict[str, Any]], checkpoint: bool = False
+) -> Net:
+    """``fully_shard`` per block (``checkpoint``: of its checkpoint wrapper), then the root,
+    with ``kwargs_for(fqn)``."""
     model = new_net()
     for i, block in enumerate(model.blocks):
+        if checkpoint:
+            block = model.blocks[i] = checkpoint_wrapper(block)
         fully_shard(block, mesh=mesh, **kwargs_for(f"blocks.{i}"))
     fully_shard(model, mesh=mesh, **kwargs_for(""))
     return model
@@ -176,6 +187,8 @@ def _scenario_kwargs(name: str, fqn: str) -> dict[str, Any]:
         return {"reshard_after_forward": 2}
     if name == "placement":
         return {"shard_placement_fn": _shard_cols, **default_reshard}
+    if name == "checkpoint":
+        return default_reshard
     if name == "per_unit":
         if fqn == "blocks.1":
             return {"reshard_after_forward": False, "mp_policy": BF16}
@@ -198,6 +211,8 @@ def _configure(name: str, builder: FullyShardBuilder) -> None:
         builder.shard_placement_fn(_shard_cols)
     elif name == "per_unit":
         builder.per_unit(_middle_unit)
+    elif name == "checkpoint":
+        builder.activation_checkpointing(Block)
     else:
         raise AssertionError(name)
 
@@ -207,7 +222,7 @@ SINGLE_RANK = ("mp_keywords", "mp_policy", "offload", "reshard_false", "placemen
 
 def _compare_fsdp2(name: str, rank: int, mesh: DeviceMesh) -> dict[str, Any]:
     built = build_fsdp2(lambda b: _configure(name, b))
-    hand = by_hand_fsdp2(mesh, lambda fqn: _scenario_kwargs(name, fqn))
+    hand = by_hand_fsdp2(mesh, lambda fqn: _scenario_kwargs(name, fqn), name == "checkpoint")
     losses = (train(built, rank), train(hand, rank))
     return {"losses": losses, "settings": (fsdp2_settings(built), fsdp2_settings(hand))}
 
@@ -363,6 +378,36 @@ def test_fsdp1_activation_checkpointing_matches_plain_calls(world1: None) -> Non
     assert losses == hand_losses and calls == hand_calls == 6 * STEPS
 
 
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_activation_checkpointing_keeps_meta_initialization(backend: str, world1: None) -> None:
+    """From meta, with the materializer each backend initializes with (FSDP2: shard-first),
+    checkpointing changes neither the weights nor the losses."""
+    cfg = DemoConfig(layers=2)
+    runs = []
+    for checkpoint in (False, True):
+        with torch.device("meta"):
+            model = DemoTransformer(cfg)
+        builder: ShardingBuilder = (
+            FSDPBuilder().materialize(DeterministicInit(seed=0))
+            if backend == "fsdp1"
+            else FullyShardBuilder().materialize(ShardFirstReset())
+        )
+        builder.device(CPUDevice()).wrap(DemoBlock)
+        if checkpoint:
+            builder.activation_checkpointing(DemoBlock)
+        built = builder.build(model)
+        state = {
+            k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in built.state_dict().items()
+        }
+        runs.append((state, demo_train(built, cfg, STEPS, 0, 1)))
+    (plain_state, plain_losses), (state, losses) = runs
+    assert list(state) == list(plain_state)
+    assert all(torch.equal(state[k], plain_state[k]) for k in state)
+    assert losses == plain_losses
+
+
 @pytest.mark.parametrize(
     ("policy", "pattern"),
     [
@@ -458,7 +503,7 @@ def test_fsdp1_build_wide_overrides_are_refused(world1: None) -> None:
 
 # -- several ranks: one spawn for every scenario ------------------------------------------------
 
-MULTI_RANK = ("mp_keywords", "reshard_int", "placement", "per_unit")
+MULTI_RANK = ("mp_keywords", "reshard_int", "placement", "per_unit", "checkpoint")
 
 
 def rank_main(world: int) -> dict[str, Any]:
@@ -498,7 +543,7 @@ def four_ranks() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", [*MULTI_RANK, "fsdp1_custom_policy"])
 def test_four_ranks_match_plain_calls(name: str, four_ranks: list[dict[str, Any]]) -> None:
     for rank_result in four_ranks:
-        _assert_same(rank_result[name], exact=name in ("reshard_int", "placement"))
+        _assert_same(rank_result[name], exact=name in ("reshard_int", "placement", "checkpoint"))
     if name == "reshard_int":
         units = four_ranks[0][name]["settings"][0]["units"]
         # Resharded to groups of 2 after forward (the root too, as set by hand).
