@@ -483,6 +483,12 @@ def test_fsdp2_overrides_that_cannot_be_honoured(
         build_fsdp2(configure)
 
 
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinned memory works here")
+def test_pinned_offload_without_an_accelerator_is_refused(world1: None) -> None:
+    with pytest.raises(ConfigurationError, match=r"`pin_memory`.*pin_memory=False"):
+        build_fsdp2(lambda b: b.cpu_offload(CPUOffloadPolicy()))
+
+
 def test_overrides_set_twice_or_for_the_root_are_refused(world1: None) -> None:
     twice = CustomPolicy(lambda m: {"mp_policy": BF16} if isinstance(m, Block) else False)
     with pytest.raises(ConfigurationError, match=r"both the wrap policy and per_unit set"):

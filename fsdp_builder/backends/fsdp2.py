@@ -189,6 +189,17 @@ def mixed_precision_policy(
 def offload_policy(options: ShardingOptions, device: torch.device) -> OffloadPolicy:
     offload = options.cpu_offload
     if isinstance(offload, OffloadPolicy):
+        if (
+            isinstance(offload, CPUOffloadPolicy)
+            and offload.pin_memory
+            and not torch.accelerator.is_available()
+        ):
+            raise config_error(
+                f"{_where()}.cpu_offload",
+                "pin_memory",
+                "pinned memory needs an accelerator and this machine has none",
+                "Pass CPUOffloadPolicy(pin_memory=False).",
+            )
         return offload
     if offload is None or not offload.offload_params or device.type == "cpu":
         # Computing on the CPU: sharded parameters already live there.
