@@ -1,21 +1,25 @@
 """FSDP2 (fully_shard) builds: option mapping, mesh checks, training parity with a single-process
 reference on 2 and 4 gloo ranks, shard-first initialization and state-dict scattering.
 
-Every scenario of one world size runs in one spawn (starting ranks dominates the cost here).
+Every scenario of one world size runs in one spawn (starting ranks dominates the cost here), each
+on its own (see ``isolated``): a broken scenario fails only the tests that read it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
 from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
+from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -63,8 +67,10 @@ from fsdp_builder.demo import (
     reference,
     train,
 )
-from fsdp_builder.launch import run_ranks
 from fsdp_builder.sharded_init import ShardFirstReset, local_bytes
+
+# Whichever test first reads a world size's results starts its spawn (deadline 240 s).
+pytestmark = pytest.mark.timeout(300)
 
 STEPS = 3
 CFG = DemoConfig(layers=2)
@@ -207,75 +213,91 @@ class _FailingState(dict[str, torch.Tensor]):
         return super().__getitem__(key)
 
 
-def _load_scenarios(strategy: str, groups: Any) -> dict[str, Any]:
-    """Uneven shapes, converted dtypes and a source that fails half-way, through both loading
-    materializers."""
-    rank = dist.get_rank()
-    out: dict[str, Any] = {}
-    source = _odd_source() if rank == 0 else None
-    for name, make in (("from_state_dict", FromStateDict),):
-        builder = FullyShardBuilder().device(CPUDevice()).wrap(OddBlock).sharding(strategy)
-        if groups is not None:
-            builder.groups(groups)
-        loaded = builder.materialize(make(source)).build(_odd_model("meta"))
-        out[f"odd/{name}"] = full_state_dict(loaded)
-    failing = _FailingState(_odd_source(), "blocks.1.up.weight") if rank == 0 else None
+def _odd_builder(strategy: str, groups: Any) -> FullyShardBuilder:
     builder = FullyShardBuilder().device(CPUDevice()).wrap(OddBlock).sharding(strategy)
     if groups is not None:
         builder.groups(groups)
-    builder.materialize(FromStateDict(failing))
-    out["read_error"] = _expect_error(lambda: builder.build(_odd_model("meta")), Exception)
-    return out
+    return builder
 
 
-def rank_main(world: int) -> dict[str, Any]:
-    """Everything one world size checks, in one spawn."""
-    rank = dist.get_rank()
-    out: dict[str, Any] = {"train": {}, "errors": {}}
+def _load_odd(strategy: str, groups: Any) -> dict[str, torch.Tensor]:
+    """Uneven shapes and converted dtypes, loaded through FromStateDict."""
+    source = _odd_source() if dist.get_rank() == 0 else None
+    loaded = _odd_builder(strategy, groups).materialize(FromStateDict(source))
+    return full_state_dict(loaded.build(_odd_model("meta")))
 
-    # Training parity: start every build from the reference weights (seeded meta-free model).
-    scenarios: list[tuple[str, str | None]] = [("full", None), ("grad_op", None)]
-    if world == 4:
-        scenarios += [("hybrid", "mesh"), ("hybrid", "auto")]
-    else:
-        scenarios += [("none", None), ("hybrid", "auto")]
-    for strategy, groups in scenarios:
-        builder = _builder(strategy, _hybrid_groups(groups) if groups else None)
-        out["train"][f"{strategy}/{groups}"] = _build_train(builder, make_model(CFG))
 
-    # The same weights from both backends (and any world size) with DeterministicInit.
-    for name, cls in (("fsdp1", FSDPBuilder), ("fsdp2", FullyShardBuilder)):
-        b = cls().device(CPUDevice()).wrap(Block).materialize(DeterministicInit(seed=3))
-        out[f"deterministic/{name}"] = full_state_dict(b.build(make_model(CFG, device="meta")))
+def _load_read_error(strategy: str, groups: Any) -> str:
+    """A source that fails half-way through the load."""
+    failing = _FailingState(_odd_source(), "blocks.1.up.weight") if dist.get_rank() == 0 else None
+    builder = _odd_builder(strategy, groups).materialize(FromStateDict(failing))
+    return _expect_error(lambda: builder.build(_odd_model("meta")), Exception)
 
-    # Shard-first: only local shards are allocated, and they differ across ranks.
-    shard_first = ("hybrid", "mesh") if world == 4 else ("full", None)
-    builder = _builder(shard_first[0], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
+
+# The training scenarios of each world size: "strategy/groups".
+TRAIN = {
+    2: ["full/None", "grad_op/None", "none/None", "hybrid/auto"],
+    4: ["full/None", "grad_op/None", "hybrid/mesh", "hybrid/auto"],
+}
+
+
+def _groups_of(kind: str | None) -> Any:
+    return _hybrid_groups(kind) if kind and kind != "None" else None
+
+
+def _train_case(key: str) -> dict[str, Any]:
+    """Training parity: start the build from the reference weights (seeded meta-free model)."""
+    strategy, groups = key.split("/")
+    return _build_train(_builder(strategy, _groups_of(groups)), make_model(CFG))
+
+
+def _deterministic_case(cls: type[FSDPBuilder | FullyShardBuilder]) -> dict[str, torch.Tensor]:
+    """The same weights from both backends (and any world size) with DeterministicInit."""
+    b = cls().device(CPUDevice()).wrap(Block).materialize(DeterministicInit(seed=3))
+    return full_state_dict(b.build(make_model(CFG, device="meta")))
+
+
+def _shard_first_layout(world: int) -> tuple[str, str | None]:
+    """The strategy and groups of the shard-first and loading scenarios."""
+    return ("hybrid", "mesh") if world == 4 else ("full", None)
+
+
+def _shard_first_case(world: int) -> dict[str, Any]:
+    """Shard-first: only local shards are allocated, and they differ across ranks."""
+    strategy, groups = _shard_first_layout(world)
+    builder = _builder(strategy, _groups_of(groups))
     builder.materialize(ShardFirstReset(seed=5))
     sharded = builder.build(make_model(CFG, device="meta"))
     env = builder.environment
-    out["shard_first"] = {
+    out: dict[str, Any] = {
         "param_bytes": local_bytes(sharded),
         "model_bytes": env.plan.nbytes,
         "largest_unit_bytes": env.plan.largest_unit_bytes,
         "shard_size": env.groups.world_size,
         "initial": full_state_dict(sharded),
     }
-    out["shard_first"]["losses"] = train(sharded, CFG, STEPS, rank, world)
+    out["losses"] = train(sharded, CFG, STEPS, dist.get_rank(), world)
+    return out
 
-    # Synchronizers on sharded units: a shard travels among its replicas only, so broadcasting
-    # keeps distinct shards distinct, and verification passes where replicas agree.
-    builder = _builder(shard_first[0], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
+
+def _shard_first_synced_case(world: int) -> dict[str, torch.Tensor]:
+    """Synchronizers on sharded units: a shard travels among its replicas only, so broadcasting
+    keeps distinct shards distinct, and verification passes where replicas agree."""
+    strategy, groups = _shard_first_layout(world)
+    builder = _builder(strategy, _groups_of(groups))
     builder.materialize(ShardFirstReset(seed=5)).synchronize(BroadcastFromRank0(), VerifyReplicas())
-    out["shard_first_synced"] = full_state_dict(builder.build(make_model(CFG, device="meta")))
-    out["raw_defect"] = _raw_reset_parameters_on_meta()
+    return full_state_dict(builder.build(make_model(CFG, device="meta")))
 
-    # Loading: FromStateDict shards first with FSDP2, so rank 0 scatters its tensors and the
-    # others receive only their slices.
+
+def _from_state_dict_case(world: int) -> dict[str, Any]:
+    """Loading: FromStateDict shards first with FSDP2, so rank 0 scatters its tensors and the
+    others receive only their slices."""
+    rank = dist.get_rank()
+    strategy, groups = _shard_first_layout(world)
     source = make_model(CFG, seed=7).state_dict() if rank == 0 else None
-    builder = _builder(*shard_first[:1], _hybrid_groups(shard_first[1]) if shard_first[1] else None)
+    builder = _builder(strategy, _groups_of(groups))
     loaded = builder.materialize(FromStateDict(source)).build(make_model(CFG, device="meta"))
-    out["from_state_dict"] = {
+    return {
         "state": full_state_dict(loaded),
         "received": sum(r.bytes for r in builder.report.records if r.stage == "materialize"),
         "model_bytes": builder.environment.plan.nbytes,
@@ -283,26 +305,67 @@ def rank_main(world: int) -> dict[str, Any]:
         "losses": train(loaded, CFG, STEPS, rank, world),
     }
 
-    # Uneven shards, dtype conversion and a failing read, on the same groups.
-    groups = _hybrid_groups(shard_first[1]) if shard_first[1] else None
-    out["load"] = _load_scenarios(shard_first[0], groups)
 
-    # Bad meshes, refused on every rank alike.
-    names3 = ("a", "b", "c")
-    mesh3 = init_device_mesh("cpu", (1, world // 2, 2), mesh_dim_names=names3)
-    out["errors"]["meshgroups_3d"] = _expect_error(lambda: MeshGroups(mesh3), ConfigurationError)
-    out["errors"]["factory_3d"] = _expect_error(
-        lambda: _builder("full", _FixedGroups(mesh3)).build(make_model(CFG)), ConfigurationError
-    )
-    small = init_device_mesh("cpu", (world, 1), mesh_dim_names=("x", "y"))["y"]
-    out["errors"]["factory_size"] = _expect_error(
-        lambda: _builder("full", _FixedGroups(small)).build(make_model(CFG)), ConfigurationError
-    )
-    out["errors"]["meshgroups_size"] = _expect_error(
-        lambda: _builder("full", small).build(make_model(CFG)), ConfigurationError
-    )
-    out["tied"] = _tied_scenarios()
-    return out
+def _mesh3(world: int) -> DeviceMesh:
+    return init_device_mesh("cpu", (1, world // 2, 2), mesh_dim_names=("a", "b", "c"))
+
+
+def _small_mesh(world: int) -> DeviceMesh:
+    return init_device_mesh("cpu", (world, 1), mesh_dim_names=("x", "y"))["y"]
+
+
+def _meshgroups_3d(world: int) -> str:
+    mesh3 = _mesh3(world)
+    return _expect_error(lambda: MeshGroups(mesh3), ConfigurationError)
+
+
+def _factory_3d(world: int) -> str:
+    builder = _builder("full", _FixedGroups(_mesh3(world)))
+    return _expect_error(lambda: builder.build(make_model(CFG)), ConfigurationError)
+
+
+def _factory_size(world: int) -> str:
+    builder = _builder("full", _FixedGroups(_small_mesh(world)))
+    return _expect_error(lambda: builder.build(make_model(CFG)), ConfigurationError)
+
+
+def _meshgroups_size(world: int) -> str:
+    small = _small_mesh(world)
+    return _expect_error(lambda: _builder("full", small).build(make_model(CFG)), ConfigurationError)
+
+
+# Bad meshes, refused on every rank alike.
+ERRORS: dict[str, Callable[[int], str]] = {
+    "meshgroups_3d": _meshgroups_3d,
+    "factory_3d": _factory_3d,
+    "factory_size": _factory_size,
+    "meshgroups_size": _meshgroups_size,
+}
+
+
+def cases(world: int) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    """Every scenario of one world size, keyed as the tests read them."""
+    for key in TRAIN[world]:
+        yield ("train", key), partial(_train_case, key)
+    yield ("deterministic", "fsdp1"), partial(_deterministic_case, FSDPBuilder)
+    yield ("deterministic", "fsdp2"), partial(_deterministic_case, FullyShardBuilder)
+    yield "shard_first", partial(_shard_first_case, world)
+    yield "shard_first_synced", partial(_shard_first_synced_case, world)
+    yield "raw_defect", _raw_reset_parameters_on_meta
+    yield "from_state_dict", partial(_from_state_dict_case, world)
+    # Uneven shards, dtype conversion and a failing read, on the same groups.
+    strategy, groups = _shard_first_layout(world)
+    yield ("load", "odd"), lambda: _load_odd(strategy, _groups_of(groups))
+    yield ("load", "read_error"), lambda: _load_read_error(strategy, _groups_of(groups))
+    for name, check in ERRORS.items():
+        yield ("errors", name), partial(check, world)
+    for name in TIED:
+        yield ("tied", name), partial(_tied_case, name)
+
+
+def rank_main(world: int) -> Results:
+    """Everything one world size checks, in one spawn: each scenario's result or error."""
+    return run_each(cases(world))
 
 
 class TiedLM(nn.Module):
@@ -323,35 +386,44 @@ def _tied_model(device: str) -> TiedLM:
         return TiedLM()
 
 
-def _tied_scenarios() -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for name, materializer in (("reset", None), ("shard_first", ShardFirstReset(seed=1))):
-        builder = FullyShardBuilder().device(CPUDevice()).wrap(Block)
-        if materializer is not None:
-            builder.materialize(materializer)
-        model = builder.build(_tied_model("meta" if materializer else "cpu"))
-        inner = cast(DemoTransformer, model.inner)
-        results[name] = {
-            "tied": inner.head.weight is inner.embed.weight,
-            "initial": full_state_dict(model),
-            "losses": train(model, CFG, STEPS, dist.get_rank(), dist.get_world_size()),
-        }
-    return results
+TIED = ["reset", "shard_first"]
 
 
-# -- fixtures ---------------------------------------------------------------------------------
+def _tied_case(name: str) -> dict[str, Any]:
+    materializer = ShardFirstReset(seed=1) if name == "shard_first" else None
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block)
+    if materializer is not None:
+        builder.materialize(materializer)
+    model = builder.build(_tied_model("meta" if materializer else "cpu"))
+    inner = cast(DemoTransformer, model.inner)
+    return {
+        "tied": inner.head.weight is inner.embed.weight,
+        "initial": full_state_dict(model),
+        "losses": train(model, CFG, STEPS, dist.get_rank(), dist.get_world_size()),
+    }
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def world(request: pytest.FixtureRequest) -> Iterator[tuple[int, list[dict[str, Any]]]]:
-    size = request.param
-    yield size, run_ranks(rank_main, size, size, timeout=240)
+# -- the spawns -------------------------------------------------------------------------------
+
+SIZES = [2, 4]
+SPAWNS = Spawns(rank_main, timeout=240)
+
+
+def scenario(size: int, key: Hashable) -> list[Any]:
+    """Scenario ``key`` on ``size`` ranks, per rank; one spawn per size, whichever test asks
+    first."""
+    return values(SPAWNS(size, size), key)
 
 
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], atol=atol, rtol=0), name
+
+
+@functools.cache
+def _plain_reference(size: int) -> dict[str, Any]:
+    return reference(make_model(CFG), CFG, STEPS, size)
 
 
 def _reference_from(state: dict[str, torch.Tensor], world: int) -> dict[str, Any]:
@@ -372,78 +444,89 @@ def _random_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # -- multi-rank results -----------------------------------------------------------------------
 
-
-def test_training_matches_single_process_reference(world: Any) -> None:
-    size, ranks = world
-    ref = reference(make_model(CFG), CFG, STEPS, size)
-    for key in ranks[0]["train"]:
-        for rank in range(size):
-            got = ranks[rank]["train"][key]
-            assert torch.allclose(
-                torch.tensor(got["losses"]), torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0
-            ), (key, rank, got["losses"], ref["losses"][rank])
-            _close(got["final"], ref["state_dict"])
+TRAIN_CASES = [(size, key) for size in SIZES for key in TRAIN[size]]
 
 
-def test_strategies_map_to_meshes_and_reshard(world: Any) -> None:
-    size, ranks = world
-    train_results = ranks[0]["train"]
-    assert train_results["full/None"]["mesh"] == [size]
-    assert train_results["grad_op/None"]["mesh"] == [size]
-    assert train_results["hybrid/auto"]["mesh"] == [size // 2, 2]
-    assert train_results["hybrid/auto"]["strategy"] == "HYBRID_SHARD"
-    if size == 2:
-        assert train_results["none/None"]["mesh"] == [2, 1]
-        assert train_results["none/None"]["param_local_numel"] == CFG_NUMEL
-    for result in train_results.values():
-        assert result["fsdp_modules"] == result["units"]
+@pytest.mark.parametrize(("size", "key"), TRAIN_CASES)
+def test_training_matches_single_process_reference(size: int, key: str) -> None:
+    ranks = scenario(size, ("train", key))
+    ref = _plain_reference(size)
+    for rank in range(size):
+        got = ranks[rank]
+        assert torch.allclose(
+            torch.tensor(got["losses"]), torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0
+        ), (key, rank, got["losses"], ref["losses"][rank])
+        _close(got["final"], ref["state_dict"])
+
+
+# The device mesh each training scenario shards over.
+MESHES = {
+    "full/None": lambda size: [size],
+    "grad_op/None": lambda size: [size],
+    "none/None": lambda size: [size, 1],
+    "hybrid/auto": lambda size: [size // 2, 2],
+    "hybrid/mesh": lambda size: [size // 2, 2],
+}
+
+
+@pytest.mark.parametrize(("size", "key"), TRAIN_CASES)
+def test_strategies_map_to_meshes_and_reshard(size: int, key: str) -> None:
+    result = scenario(size, ("train", key))[0]
+    assert result["mesh"] == MESHES[key](size)
+    if key.startswith("hybrid/"):
+        assert result["strategy"] == "HYBRID_SHARD"
+    if key == "none/None":
+        assert result["param_local_numel"] == CFG_NUMEL
+    assert result["fsdp_modules"] == result["units"]
 
 
 CFG_NUMEL = sum(p.numel() for p in make_model(CFG, device="meta").parameters())
 
 
-def test_deterministic_init_gives_the_same_weights_on_both_backends(world: Any) -> None:
-    size, ranks = world
-    fsdp1 = ranks[0]["deterministic/fsdp1"]
-    fsdp2 = ranks[0]["deterministic/fsdp2"]
+@pytest.mark.parametrize("size", SIZES)
+def test_deterministic_init_gives_the_same_weights_on_both_backends(size: int) -> None:
+    fsdp1 = scenario(size, ("deterministic", "fsdp1"))[0]
+    per_rank = scenario(size, ("deterministic", "fsdp2"))
+    fsdp2 = per_rank[0]
     assert fsdp1.keys() == fsdp2.keys()
     for name in fsdp1:
         assert torch.equal(fsdp1[name], fsdp2[name]), name
     for rank in range(1, size):
         for name in fsdp2:
-            assert torch.equal(ranks[rank]["deterministic/fsdp2"][name], fsdp2[name]), name
+            assert torch.equal(per_rank[rank][name], fsdp2[name]), name
 
 
-def test_plain_reset_parameters_on_meta_repeats_one_shard(world: Any) -> None:
+@pytest.mark.parametrize("size", SIZES)
+def test_plain_reset_parameters_on_meta_repeats_one_shard(size: int) -> None:
     """The defect the shard-first materializer exists for: every rank draws the same numbers."""
-    size, ranks = world
-    weights = _random_weights(ranks[0]["raw_defect"])
+    weights = _random_weights(scenario(size, "raw_defect")[0])
     assert weights and all(_repeated(w, size) for w in weights.values())
 
 
-def test_shard_first_shards_differ_and_replicas_agree(world: Any) -> None:
-    size, ranks = world
-    state = ranks[0]["shard_first"]["initial"]
-    shards = ranks[0]["shard_first"]["shard_size"]
+@pytest.mark.parametrize("size", SIZES)
+def test_shard_first_shards_differ_and_replicas_agree(size: int) -> None:
+    ranks = scenario(size, "shard_first")
+    state = ranks[0]["initial"]
+    shards = ranks[0]["shard_size"]
     weights = _random_weights(state)
     assert weights
     repeated = [k for k, w in weights.items() if _repeated(w, shards)]
     assert not repeated, repeated
     for rank in range(1, size):  # the gathered weights agree on every rank (replicas too)
         for name, value in state.items():
-            assert torch.equal(ranks[rank]["shard_first"]["initial"][name], value), name
+            assert torch.equal(ranks[rank]["initial"][name], value), name
 
 
-def test_synchronizers_keep_shard_first_shards(world: Any) -> None:
-    size, ranks = world
-    for rank in range(size):
-        _close(ranks[rank]["shard_first_synced"], ranks[0]["shard_first"]["initial"], atol=0)
+@pytest.mark.parametrize("size", SIZES)
+def test_synchronizers_keep_shard_first_shards(size: int) -> None:
+    initial = scenario(size, "shard_first")[0]["initial"]
+    for synced in scenario(size, "shard_first_synced"):
+        _close(synced, initial, atol=0)
 
 
-def test_shard_first_allocates_one_shard_per_rank(world: Any) -> None:
-    size, ranks = world
-    for rank in range(size):
-        r = ranks[rank]["shard_first"]
+@pytest.mark.parametrize("size", SIZES)
+def test_shard_first_allocates_one_shard_per_rank(size: int) -> None:
+    for rank, r in enumerate(scenario(size, "shard_first")):
         expected = r["model_bytes"] / r["shard_size"]
         assert abs(r["param_bytes"] - expected) <= 0.1 * expected + r["largest_unit_bytes"], (
             rank,
@@ -453,21 +536,22 @@ def test_shard_first_allocates_one_shard_per_rank(world: Any) -> None:
         assert r["param_bytes"] < r["model_bytes"]
 
 
-def test_shard_first_model_trains_like_the_reference(world: Any) -> None:
-    size, ranks = world
-    ref = _reference_from(ranks[0]["shard_first"]["initial"], size)
+@pytest.mark.parametrize("size", SIZES)
+def test_shard_first_model_trains_like_the_reference(size: int) -> None:
+    ranks = scenario(size, "shard_first")
+    ref = _reference_from(ranks[0]["initial"], size)
     for rank in range(size):
-        got = torch.tensor(ranks[rank]["shard_first"]["losses"])
+        got = torch.tensor(ranks[rank]["losses"])
         assert torch.allclose(got, torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0)
 
 
-def test_state_dict_is_scattered_from_rank0(world: Any) -> None:
-    size, ranks = world
-    materializer = "from_state_dict"
+@pytest.mark.parametrize("size", SIZES)
+def test_state_dict_is_scattered_from_rank0(size: int) -> None:
+    ranks = scenario(size, "from_state_dict")
     source = make_model(CFG, seed=7).state_dict()
     ref = reference(make_model(CFG, seed=7), CFG, STEPS, size)
     for rank in range(size):
-        r = ranks[rank][materializer]
+        r = ranks[rank]
         for name, value in source.items():
             assert torch.equal(r["state"][name], value), name
         assert torch.allclose(
@@ -475,58 +559,62 @@ def test_state_dict_is_scattered_from_rank0(world: Any) -> None:
         )
     for rank in range(1, size):
         # Each non-source rank receives about its own slices, never the whole model.
-        r = ranks[rank][materializer]
+        r = ranks[rank]
         expected = r["model_bytes"] / r["shard_size"]
         assert 0 < r["received"] <= 1.1 * expected + 1024, (rank, r["received"], expected)
 
 
-def test_uneven_shards_load_exactly(world: Any) -> None:
-    size, ranks = world
+@pytest.mark.parametrize("size", SIZES)
+def test_uneven_shards_load_exactly(size: int) -> None:
     source = _odd_source()
-    for rank in range(size):
-        for name in ("from_state_dict",):
-            got = ranks[rank]["load"][f"odd/{name}"]
-            assert got.keys() == source.keys()
-            for key, value in source.items():
-                assert got[key].dtype == _odd_model("meta").state_dict()[key].dtype, key
-                assert torch.equal(got[key], value.to(got[key].dtype)), (name, key)
+    for got in scenario(size, ("load", "odd")):
+        assert got.keys() == source.keys()
+        for key, value in source.items():
+            assert got[key].dtype == _odd_model("meta").state_dict()[key].dtype, key
+            assert torch.equal(got[key], value.to(got[key].dtype)), key
 
 
-def test_a_failing_read_raises_on_every_rank(world: Any) -> None:
-    size, ranks = world
-    for rank in range(size):
-        message = ranks[rank]["load"]["read_error"]
+@pytest.mark.parametrize("size", SIZES)
+def test_a_failing_read_raises_on_every_rank(size: int) -> None:
+    for message in scenario(size, ("load", "read_error")):
         assert "could not read unit 'blocks.1'" in message, message
         assert "disk went away" in message, message
 
 
-def test_bad_meshes_are_refused(world: Any) -> None:
-    size, ranks = world
+ERROR_PATTERNS = {
+    "meshgroups_3d": lambda size: "a 3-D mesh of shape",
+    "factory_3d": lambda size: (
+        "FullyShardBuilder.groups` got an invalid `mesh`: a 3-D mesh of shape"
+    ),
+    "factory_size": lambda size: f"the mesh spans 1 ranks but the world has {size}",
+    "meshgroups_size": lambda size: f"the mesh spans 1 ranks but the world has {size}",
+}
+assert ERROR_PATTERNS.keys() == ERRORS.keys()
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+@pytest.mark.parametrize("size", SIZES)
+def test_bad_meshes_are_refused(size: int, name: str) -> None:
+    for message in scenario(size, ("errors", name)):
+        assert ERROR_PATTERNS[name](size) in message, message
+
+
+@pytest.mark.parametrize("name", TIED)
+@pytest.mark.parametrize("size", SIZES)
+def test_tied_parameters_stay_tied(size: int, name: str) -> None:
+    ranks = scenario(size, ("tied", name))
+    initial = ranks[0]["initial"]
     for rank in range(size):
-        errors = ranks[rank]["errors"]
-        assert "a 3-D mesh of shape" in errors["meshgroups_3d"], errors["meshgroups_3d"]
-        refusal = "FullyShardBuilder.groups` got an invalid `mesh`: a 3-D mesh of shape"
-        assert refusal in errors["factory_3d"], errors["factory_3d"]
-        for key in ("factory_size", "meshgroups_size"):
-            assert f"the mesh spans 1 ranks but the world has {size}" in errors[key], errors[key]
-
-
-def test_tied_parameters_stay_tied(world: Any) -> None:
-    size, ranks = world
-    for name in ("reset", "shard_first"):
-        initial = ranks[0]["tied"][name]["initial"]
-        for rank in range(size):
-            r = ranks[rank]["tied"][name]
-            assert r["tied"], name
-        model = TiedLM.__new__(TiedLM)
-        nn.Module.__init__(model)
-        model.inner = make_model(CFG)
-        model.inner.head.weight = model.inner.embed.weight
-        model.load_state_dict(initial)
-        ref = reference(model, CFG, STEPS, size)
-        for rank in range(size):
-            got = torch.tensor(ranks[rank]["tied"][name]["losses"])
-            assert torch.allclose(got, torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0)
+        assert ranks[rank]["tied"], name
+    model = TiedLM.__new__(TiedLM)
+    nn.Module.__init__(model)
+    model.inner = make_model(CFG)
+    model.inner.head.weight = model.inner.embed.weight
+    model.load_state_dict(initial)
+    ref = reference(model, CFG, STEPS, size)
+    for rank in range(size):
+        got = torch.tensor(ranks[rank]["losses"])
+        assert torch.allclose(got, torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0)
 
 
 # -- option mapping (no process group) --------------------------------------------------------
@@ -635,7 +723,8 @@ def test_cli_demo_runs_without_sharding() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert (out["backend"], out["strategy"]) == ("fsdp2", "NO_SHARD")
-    ref = reference(deterministic_model(seed=DEMO_SEED), DemoConfig(), STEPS, 2)
+    # The demo trains on a fixed batch (its losses fall).
+    ref = reference(deterministic_model(seed=DEMO_SEED), DemoConfig(), STEPS, 2, fixed_batch=True)
     for rank, losses in enumerate(out["losses_per_rank"]):
         assert torch.allclose(
             torch.tensor(losses), torch.tensor(ref["losses"][rank]), atol=1e-5, rtol=0

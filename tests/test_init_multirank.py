@@ -1,17 +1,21 @@
 """Materializers and synchronizers on 1, 2 and 4 gloo ranks with the FSDP1 backend.
 
-One spawn per world size runs every scenario; the tests below only read its results and compare
-them with single-process references computed here.
+One spawn per world size runs every scenario, each on its own (see ``isolated``); the tests below
+only read their scenario's results and compare them with single-process references computed here.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
 from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
+from isolated import Results, Spawns, run_each, values
 from structlog.testing import capture_logs
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -32,7 +36,9 @@ from fsdp_builder import (
     VerifyReplicas,
 )
 from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, full_state_dict, reference, train
-from fsdp_builder.launch import run_ranks
+
+# Whichever test first reads a world size's results starts its spawn (deadline 240 s).
+pytestmark = pytest.mark.timeout(300)
 
 CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
 STEPS = 2
@@ -92,7 +98,7 @@ def materializer(name: str, strategy: str, paths: dict[str, str]) -> Any:
     if name == "reset":
         return ResetParameters()
     if name == "init_fn":
-        return InitFn(init_fn)
+        return InitFn(init_fn, allocate=True)
     if name == "deterministic":
         return DeterministicInit(SEED)
     fmt = LOAD_FORMAT[strategy]
@@ -115,76 +121,110 @@ def _error(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
 
-def scenarios(paths: dict[str, str]) -> dict[str, Any]:
-    """Everything one rank does; returns what the tests compare."""
+def matrix_case(backend: str, strategy: str, name: str, paths: dict[str, str]) -> dict[str, Any]:
+    """Build with one materializer, train, gather: the initial and final full states and losses
+    (and, for deterministic init with full sharding, the build's stage events and local shards)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict[Any, Any] = {"matrix": {}, "mixed": {}, "verify": {}, "bad": {}}
-
-    for backend, strategy, name in MATRIX[world]:
-        torch.manual_seed(0)  # RNG-based materializers draw the same numbers on every rank
-        b = builder(strategy, backend).materialize(materializer(name, strategy, paths))
-        if name == "deterministic" and strategy == "full":
-            with capture_logs() as events:
-                sharded = b.build(meta_model())
-            out["events", backend] = [e for e in events if e.get("event") == "build_stage"]
-            out["shards", backend] = local_shards(sharded)
-        else:
+    torch.manual_seed(0)  # RNG-based materializers draw the same numbers on every rank
+    b = builder(strategy, backend).materialize(materializer(name, strategy, paths))
+    out: dict[str, Any] = {}
+    if name == "deterministic" and strategy == "full":
+        with capture_logs() as events:
             sharded = b.build(meta_model())
-        initial = full_state_dict(sharded)
-        losses = train(sharded, CFG, STEPS, rank, world)
-        final = full_state_dict(sharded)  # collective: every rank gathers
-        out["matrix"][name, strategy, backend] = {
-            "initial": initial if rank == 0 else None,
-            "final": final if rank == 0 else None,
-            "losses": losses,
-        }
-
-    if world > 1:
-        for strategy in ("full", "hybrid") if world == 4 else ("full",):
-            # pytorch issue 105840: only rank 0 holds real weights, the others are on meta.
-            model = real_model(5) if rank == 0 else meta_model()
-            b = builder(strategy).materialize(ResetParameters()).synchronize(BroadcastFromRank0())
-            out["mixed"][strategy] = full_state_dict(b.build(model))
-
-            # A divergence planted on the last rank: caught, then fixed by the broadcast.
-            def planted() -> DemoTransformer:
-                model = real_model(0)
-                if rank == world - 1:
-                    with torch.no_grad():
-                        first = cast(Block, model.blocks[1]).mlp[0]
-                        cast(nn.Linear, first).weight[0, 0] += 1.0
-                return model
-
-            caught: tuple[str, str] | None = None
-            try:
-                builder(strategy).materialize(KeepAsIs()).synchronize(VerifyReplicas()).build(
-                    planted()
-                )
-            except Exception as exc:
-                caught = _error(exc)
-            fixed = (
-                builder(strategy)
-                .materialize(KeepAsIs())
-                .synchronize(BroadcastFromRank0(bucket_bytes=4096), VerifyReplicas())
-                .build(planted())
-            )
-            out["verify"][strategy] = {"caught": caught, "fixed": full_state_dict(fixed)}
-
-        tied = builder("full").materialize(DeterministicInit(SEED)).build(meta_model(TiedDemo))
-        tied_initial = full_state_dict(tied)
-        train(tied, CFG, 1, rank, world)
-        out["tied"] = (tied_initial, full_state_dict(tied))
-
-        for case, source in bad_sources(paths).items():
-            model = meta_model()
-            try:
-                builder("full").materialize(FromStateDict(source if rank == 0 else None)).build(
-                    model
-                )
-                out["bad"][case] = None
-            except Exception as exc:
-                out["bad"][case] = (*_error(exc), all(p.is_meta for p in model.parameters()))
+        out["events"] = [e for e in events if e.get("event") == "build_stage"]
+        out["shards"] = local_shards(sharded)
+    else:
+        sharded = b.build(meta_model())
+    initial = full_state_dict(sharded)
+    losses = train(sharded, CFG, STEPS, rank, world)
+    final = full_state_dict(sharded)  # collective: every rank gathers
+    out.update(
+        initial=initial if rank == 0 else None, final=final if rank == 0 else None, losses=losses
+    )
     return out
+
+
+def mixed_case(strategy: str) -> dict[str, torch.Tensor]:
+    """pytorch issue 105840: only rank 0 holds real weights, the others are on meta."""
+    model = real_model(5) if dist.get_rank() == 0 else meta_model()
+    b = builder(strategy).materialize(ResetParameters()).synchronize(BroadcastFromRank0())
+    return full_state_dict(b.build(model))
+
+
+def verify_case(strategy: str) -> dict[str, Any]:
+    """A divergence planted on the last rank: caught, then fixed by the broadcast."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def planted() -> DemoTransformer:
+        model = real_model(0)
+        if rank == world - 1:
+            with torch.no_grad():
+                first = cast(Block, model.blocks[1]).mlp[0]
+                cast(nn.Linear, first).weight[0, 0] += 1.0
+        return model
+
+    caught: tuple[str, str] | None = None
+    try:
+        builder(strategy).materialize(KeepAsIs()).synchronize(VerifyReplicas()).build(planted())
+    except Exception as exc:
+        caught = _error(exc)
+    fixed = (
+        builder(strategy)
+        .materialize(KeepAsIs())
+        .synchronize(BroadcastFromRank0(bucket_bytes=4096), VerifyReplicas())
+        .build(planted())
+    )
+    return {"caught": caught, "fixed": full_state_dict(fixed)}
+
+
+def tied_case() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tied = builder("full").materialize(DeterministicInit(SEED)).build(meta_model(TiedDemo))
+    tied_initial = full_state_dict(tied)
+    train(tied, CFG, 1, rank, world)
+    return tied_initial, full_state_dict(tied)
+
+
+def bad_case(case: str, paths: dict[str, str]) -> tuple[str, str, bool] | None:
+    """A bad FromStateDict source: the error, and whether the model was left all on meta."""
+    source = bad_sources(paths)[case]
+    model = meta_model()
+    try:
+        b = builder("full").materialize(FromStateDict(source if dist.get_rank() == 0 else None))
+        b.build(model)
+    except Exception as exc:
+        return (*_error(exc), all(p.is_meta for p in model.parameters()))
+    return None
+
+
+def multi_strategies(world: int) -> tuple[str, ...]:
+    """The strategies of the mixed-device and verify scenarios on ``world`` ranks."""
+    return ("full", "hybrid") if world == 4 else ("full",)
+
+
+BAD_CASES = ["missing", "unexpected", "shape", "no_path", "not_state_dict"]
+
+
+def cases(paths: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    """Every scenario of one world size, keyed as the tests read them."""
+    world = dist.get_world_size()
+    for backend, strategy, name in MATRIX[world]:
+        yield (
+            ("matrix", name, strategy, backend),
+            partial(matrix_case, backend, strategy, name, paths),
+        )
+    if world > 1:
+        for strategy in multi_strategies(world):
+            yield ("mixed", strategy), partial(mixed_case, strategy)
+            yield ("verify", strategy), partial(verify_case, strategy)
+        yield "tied", tied_case
+        for case in BAD_CASES:
+            yield ("bad", case), partial(bad_case, case, paths)
+
+
+def scenarios(paths: dict[str, str]) -> Results:
+    """Everything one rank does; each scenario's result or error, for the tests to compare."""
+    return run_each(cases(paths))
 
 
 def bad_sources(paths: dict[str, str]) -> dict[str, Any]:
@@ -219,27 +259,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-_RUNS: dict[int, list[dict[str, Any]]] = {}
+SPAWNS = Spawns(scenarios, timeout=240)
 
 
-def _ranks(world: int, files: dict[str, str]) -> list[dict[str, Any]]:
-    """The scenarios on ``world`` ranks, run once per module whichever test asks first."""
-    if world not in _RUNS:
-        _RUNS[world] = run_ranks(scenarios, world, files, timeout=240)
-    return _RUNS[world]
+def scenario(world: int, files: dict[str, str], key: Hashable) -> list[Any]:
+    """Scenario ``key`` on ``world`` ranks, per rank; the spawn runs once per module whichever
+    test asks first."""
+    return values(SPAWNS(world, files), key)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4])
-def run(request: pytest.FixtureRequest, files: dict[str, str]) -> tuple[int, list[dict[str, Any]]]:
-    return request.param, _ranks(request.param, files)
-
-
-@pytest.fixture(scope="module", params=[2, 4])
-def multi(
-    request: pytest.FixtureRequest, files: dict[str, str]
-) -> tuple[int, list[dict[str, Any]]]:
-    """Like ``run``, for the checks that need several ranks."""
-    return request.param, _ranks(request.param, files)
+MULTI = [2, 4]  # the world sizes of the checks that need several ranks
 
 
 def expected_initial(name: str) -> dict[str, torch.Tensor]:
@@ -249,12 +278,19 @@ def expected_initial(name: str) -> dict[str, torch.Tensor]:
     if name == "reset":
         ResetParameters().materialize_model(model, wrap=Block)
     elif name == "init_fn":
-        InitFn(init_fn).materialize_model(model, wrap=Block)
+        InitFn(init_fn, allocate=True).materialize_model(model, wrap=Block)
     elif name == "deterministic":
         DeterministicInit(SEED).materialize_model(model)
     else:
         return source_state()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@functools.cache
+def _reference(name: str, world: int) -> dict[str, Any]:
+    model = DemoTransformer(CFG)
+    model.load_state_dict(expected_initial(name))
+    return reference(model, CFG, STEPS, world)
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: Any) -> None:
@@ -263,37 +299,38 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
         assert torch.equal(got[k], want[k]), (what, k)
 
 
-def test_gathered_initial_state_equals_single_process_materialization(run: Any) -> None:
-    world, ranks = run
-    wants = {name: expected_initial(name) for name in MATERIALIZERS}
-    for backend, strategy, name in MATRIX[world]:
-        got = ranks[0]["matrix"][name, strategy, backend]["initial"]
-        assert_same(got, wants[name], (name, strategy, backend))
+CELLS = [(w, *cell) for w in MATRIX for cell in MATRIX[w]]
+CELL_IDS = [f"w{w}-{b}-{s}-{m}" for w, b, s, m in CELLS]
 
 
-def test_training_matches_single_process_reference(run: Any) -> None:
-    world, ranks = run
-    for name in MATERIALIZERS:
-        model = DemoTransformer(CFG)
-        model.load_state_dict(expected_initial(name))
-        ref = reference(model, CFG, STEPS, world)
-        for backend in BACKENDS:
-            for strategy in STRATEGIES[world]:
-                case = (name, strategy, backend)
-                for rank in range(world):
-                    got = torch.tensor(ranks[rank]["matrix"][case]["losses"])
-                    want = torch.tensor(ref["losses"][rank])
-                    assert torch.allclose(got, want, atol=1e-5, rtol=0), (case, rank)
-                final = ranks[0]["matrix"][case]["final"]
-                for k, v in ref["state_dict"].items():
-                    assert torch.allclose(final[k], v, atol=1e-5, rtol=0), (case, k)
+@pytest.mark.parametrize(("world", "backend", "strategy", "name"), CELLS, ids=CELL_IDS)
+def test_gathered_initial_state_equals_single_process_materialization(
+    files: dict[str, str], world: int, backend: str, strategy: str, name: str
+) -> None:
+    got = scenario(world, files, ("matrix", name, strategy, backend))[0]["initial"]
+    assert_same(got, expected_initial(name), (name, strategy, backend))
+
+
+@pytest.mark.parametrize(("world", "backend", "strategy", "name"), CELLS, ids=CELL_IDS)
+def test_training_matches_single_process_reference(
+    files: dict[str, str], world: int, backend: str, strategy: str, name: str
+) -> None:
+    ranks = scenario(world, files, ("matrix", name, strategy, backend))
+    ref = _reference(name, world)
+    case = (name, strategy, backend)
+    for rank in range(world):
+        got = torch.tensor(ranks[rank]["losses"])
+        want = torch.tensor(ref["losses"][rank])
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (case, rank)
+    final = ranks[0]["final"]
+    for k, v in ref["state_dict"].items():
+        assert torch.allclose(final[k], v, atol=1e-5, rtol=0), (case, k)
 
 
 def test_deterministic_init_is_identical_across_world_sizes(files: dict[str, str]) -> None:
-    runs = {w: _ranks(w, files) for w in (1, 2, 4)}
     seen = [
-        r[0]["matrix"][name, strategy, backend]["initial"]
-        for w, r in runs.items()
+        scenario(w, files, ("matrix", name, strategy, backend))[0]["initial"]
+        for w in (1, 2, 4)
         for backend, strategy, name in MATRIX[w]
         if name == "deterministic"
     ]
@@ -302,68 +339,82 @@ def test_deterministic_init_is_identical_across_world_sizes(files: dict[str, str
         assert_same(other, seen[0], "world-size invariance")
 
 
-def test_ranks_never_hold_identical_random_shards(multi: Any) -> None:
-    world, ranks = multi
-    for backend in BACKENDS:
-        # The local shards of each parameter (or flat parameter) differ between every pair of
-        # ranks wherever they hold random values.
-        per_rank = [r["shards", backend] for r in ranks]
-        for i in range(len(per_rank[0])):
-            if not per_rank[0][i].std() > 0:
-                continue  # zeros and ones are the same everywhere by design
-            for a in range(world):
-                for b in range(a + 1, world):
-                    assert not torch.equal(per_rank[a][i], per_rank[b][i]), (backend, i, a, b)
-        # And no gathered random weight is one slice repeated (what FSDP2 + meta on CPU gives).
-        initial = ranks[0]["matrix"]["deterministic", "full", backend]["initial"]
-        for name, weight in initial.items():
-            if weight.dim() < 2 or not weight.any():
-                continue
-            chunks = weight.reshape(-1).chunk(world)
-            assert all(not torch.equal(chunks[0], c) for c in chunks[1:]), (backend, name)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", MULTI)
+def test_ranks_never_hold_identical_random_shards(
+    files: dict[str, str], world: int, backend: str
+) -> None:
+    ranks = scenario(world, files, ("matrix", "deterministic", "full", backend))
+    # The local shards of each parameter (or flat parameter) differ between every pair of
+    # ranks wherever they hold random values.
+    per_rank = [r["shards"] for r in ranks]
+    for i in range(len(per_rank[0])):
+        if not per_rank[0][i].std() > 0:
+            continue  # zeros and ones are the same everywhere by design
+        for a in range(world):
+            for b in range(a + 1, world):
+                assert not torch.equal(per_rank[a][i], per_rank[b][i]), (backend, i, a, b)
+    # And no gathered random weight is one slice repeated (what FSDP2 + meta on CPU gives).
+    initial = ranks[0]["initial"]
+    for name, weight in initial.items():
+        if weight.dim() < 2 or not weight.any():
+            continue
+        chunks = weight.reshape(-1).chunk(world)
+        assert all(not torch.equal(chunks[0], c) for c in chunks[1:]), (backend, name)
 
 
-def test_per_unit_order_materialize_move_sync_shard(run: Any) -> None:
-    world, ranks = run
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_per_unit_order_materialize_move_sync_shard(
+    files: dict[str, str], world: int, backend: str
+) -> None:
+    ranks = scenario(world, files, ("matrix", "deterministic", "full", backend))
     units = ["blocks.0", "blocks.1", "<root>"]
-    for backend in BACKENDS:
-        for rank in range(world):
-            events = ranks[rank]["events", backend]
-            assert all(e["rank"] == rank and e["world_size"] == world for e in events)
-            got = [(e["unit"], e["stage"]) for e in events]
-            assert got == [
-                (u, s) for u in units for s in ("materialize", "move", "synchronize", "shard")
-            ], backend
-
-
-def test_rank0_real_others_meta_is_filled_by_broadcast(multi: Any) -> None:
-    world, ranks = multi
-    want = real_model(5).state_dict()
     for rank in range(world):
-        for strategy, state in ranks[rank]["mixed"].items():
-            assert_same(state, dict(want), (rank, strategy))
+        events = ranks[rank]["events"]
+        assert all(e["rank"] == rank and e["world_size"] == world for e in events)
+        got = [(e["unit"], e["stage"]) for e in events]
+        assert got == [
+            (u, s) for u in units for s in ("materialize", "move", "synchronize", "shard")
+        ], backend
 
 
-def test_verify_replicas_catches_a_planted_divergence_and_broadcast_fixes_it(multi: Any) -> None:
-    world, ranks = multi
+MULTI_STRATEGIES = [(w, s) for w in MULTI for s in multi_strategies(w)]
+
+
+@pytest.mark.parametrize(("world", "strategy"), MULTI_STRATEGIES)
+def test_rank0_real_others_meta_is_filled_by_broadcast(
+    files: dict[str, str], world: int, strategy: str
+) -> None:
+    want = real_model(5).state_dict()
+    for rank, state in enumerate(scenario(world, files, ("mixed", strategy))):
+        assert_same(state, dict(want), (rank, strategy))
+
+
+@pytest.mark.parametrize(("world", "strategy"), MULTI_STRATEGIES)
+def test_verify_replicas_catches_a_planted_divergence_and_broadcast_fixes_it(
+    files: dict[str, str], world: int, strategy: str
+) -> None:
+    ranks = scenario(world, files, ("verify", strategy))
     want = dict(real_model(0).state_dict())
-    strategies = ("full", "hybrid") if world == 4 else ("full",)
-    for strategy in strategies:
-        messages = {ranks[r]["verify"][strategy]["caught"] for r in range(world)}
-        assert len(messages) == 1, messages  # the same error on every rank
-        kind, message = messages.pop()
-        assert kind == "StateMismatchError"
-        assert "'blocks.1.mlp.0.weight'" in message
-        assert re.search(rf"rank\(s\) {world - 1} differ from rank\(s\) 0", message)
-        for rank in range(world):
-            assert_same(ranks[rank]["verify"][strategy]["fixed"], want, (rank, strategy))
+    messages = {ranks[r]["caught"] for r in range(world)}
+    assert len(messages) == 1, messages  # the same error on every rank
+    caught = messages.pop()
+    assert caught is not None, "VerifyReplicas let the planted divergence through"
+    kind, message = caught
+    assert kind == "StateMismatchError"
+    assert "'blocks.1.mlp.0.weight'" in message
+    assert re.search(rf"rank\(s\) {world - 1} differ from rank\(s\) 0", message)
+    for rank in range(world):
+        assert_same(ranks[rank]["fixed"], want, (rank, strategy))
 
 
-def test_tied_weights_stay_tied(multi: Any) -> None:
-    _, ranks = multi
+@pytest.mark.parametrize("world", MULTI)
+def test_tied_weights_stay_tied(files: dict[str, str], world: int) -> None:
+    ranks = scenario(world, files, "tied")
     model = meta_model(TiedDemo)
     DeterministicInit(SEED).materialize_model(model)
-    initial, trained = ranks[0]["tied"]
+    initial, trained = ranks[0]
     assert torch.equal(initial["head.weight"], model.embed.weight.detach())
     assert torch.equal(initial["embed.weight"], initial["head.weight"])
     assert torch.equal(trained["embed.weight"], trained["head.weight"])
@@ -377,17 +428,21 @@ BAD = {
     "no_path": r"absent\.pt' does not exist on rank 0",
     "not_state_dict": r"notes\.txt' is not a state dict",
 }
+assert list(BAD) == BAD_CASES
 
 
-def test_bad_sources_raise_the_same_clear_error_on_every_rank_before_writing(multi: Any) -> None:
-    world, ranks = multi
-    for case, pattern in BAD.items():
-        seen = {ranks[r]["bad"][case] for r in range(world)}
-        assert len(seen) == 1, (case, seen)
-        outcome = seen.pop()
-        assert outcome is not None, case
-        kind, message, untouched = outcome
-        assert kind == "ConfigurationError", (case, message)
-        assert message.startswith("`FromStateDict` got an invalid `source`"), message
-        assert re.search(pattern, message), (case, message)
-        assert untouched, case  # no weight was written anywhere
+@pytest.mark.parametrize("case", BAD_CASES)
+@pytest.mark.parametrize("world", MULTI)
+def test_bad_sources_raise_the_same_clear_error_on_every_rank_before_writing(
+    files: dict[str, str], world: int, case: str
+) -> None:
+    pattern = BAD[case]
+    seen = set(scenario(world, files, ("bad", case)))
+    assert len(seen) == 1, (case, seen)
+    outcome = seen.pop()
+    assert outcome is not None, case
+    kind, message, untouched = outcome
+    assert kind == "ConfigurationError", (case, message)
+    assert message.startswith("`FromStateDict` got an invalid `source`"), message
+    assert re.search(pattern, message), (case, message)
+    assert untouched, case  # no weight was written anywhere
