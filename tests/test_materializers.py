@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -87,14 +88,17 @@ def test_deterministic_seed_is_validated(seed: object) -> None:
         DeterministicInit(seed)  # type: ignore[arg-type]
 
 
-def test_deferred_init_without_torchdistx_is_a_configuration_error() -> None:
-    try:
-        import torchdistx  # noqa: F401
-    except ImportError:
-        with pytest.raises(ConfigurationError, match=r"`DeferredInit`.*torchdistx"):
-            DeferredInit()
-    else:
+def test_deferred_init_without_torchdistx_is_a_configuration_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchdistx made unimportable, whether or not it is installed (None in sys.modules stops
+    # an import); with it importable, DeferredInit is built and used in test_deferred_init.py.
+    monkeypatch.setitem(sys.modules, "torchdistx", None)
+    monkeypatch.setitem(sys.modules, "torchdistx.deferred_init", None)
+    with pytest.raises(ConfigurationError, match=r"`DeferredInit`.*torchdistx") as info:
         DeferredInit()
+    assert "ResetParameters() or DeterministicInit(seed)" in str(info.value)
+    assert isinstance(info.value.__cause__, ImportError)
 
 
 # -- ResetParameters ----------------------------------------------------------------------------
