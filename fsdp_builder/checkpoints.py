@@ -51,7 +51,7 @@ from fsdp_builder.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.ignored import IgnoredStates, clean_name
-from fsdp_builder.loading import _LoadRun, _non_persistent_meta, _Reader, _unit_entries
+from fsdp_builder.loading import _LoadRun, _Reader, _unit_entries
 from fsdp_builder.materializers import BaseMaterializer, MaterializerRun
 from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.tree import allocate_empty, unit_modules
@@ -414,6 +414,20 @@ def local_index(tensor: DTensor) -> tuple[slice, ...]:
 # -- validation -------------------------------------------------------------------------------
 
 
+def _non_persistent_meta(plan: UnitPlan, ignored: IgnoredStates) -> list[str]:
+    """Non-persistent buffers still on meta: no checkpoint holds them."""
+    units = {u.module for u in plan}
+    out = []
+    for unit in plan:
+        stops = set(ignored.modules) | (units - {unit.module})
+        for m in unit_modules(unit.module, stops):
+            for n in getattr(m, "_non_persistent_buffers_set", set()):
+                b = m._buffers.get(n)
+                if b is not None and b.is_meta:
+                    out.append(f"{type(m).__name__}.{n}")
+    return out
+
+
 def _kind(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
@@ -560,7 +574,7 @@ class FromCheckpoint(BaseMaterializer):
 
     @override
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        unloadable = [n for u in plan for n in _non_persistent_meta(u, ignored, plan)]
+        unloadable = _non_persistent_meta(plan, ignored)
         if unloadable:
             raise MaterializationError(
                 "`FromCheckpoint` cannot give values to non-persistent buffers on the meta "

@@ -613,3 +613,93 @@ def test_key_map_forms() -> None:
         FromCheckpoint("x", key_map=[("(", "")])
     with pytest.raises(ConfigurationError, match="expected a dict"):
         FromCheckpoint("x", key_map=3)  # type: ignore[arg-type]
+
+
+# -- resume: build → train → dcp.save (model + optimizer) → new ranks → build → continue -------
+
+STEPS = 3
+
+
+def _steps(model: nn.Module, optim: torch.optim.Optimizer, first: int, count: int) -> list[float]:
+    """AdamW steps on this rank's slice of a batch fixed by the step number."""
+    rank = dist.get_rank()
+    losses = []
+    for step in range(first, first + count):
+        gen = torch.Generator().manual_seed(1000 + step)
+        tokens = torch.randint(0, ARGS.vocab_size, (2 * dist.get_world_size(), 9), generator=gen)
+        part = tokens[2 * rank : 2 * rank + 2]
+        logits = model(part[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), part[:, 1:].flatten())
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _model_key(key: str) -> str | None:
+    """The DCP folder holds {"model": ..., "optim": ...}: load the model's part only."""
+    return key.removeprefix("model.") if key.startswith("model.") else None
+
+
+def train_and_save(backend: str, hf: str, folder: str) -> list[float]:
+    """Build from the HF folder, train, save model and optimizer with DCP, train on: the
+    losses of the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = builder(backend, "full").materialize(FromCheckpoint(hf, key_map=KEY_MAP))
+    built = model.build(meta_llama())
+    optim = torch.optim.AdamW(built.parameters(), lr=1e-2)
+    losses = _steps(built, optim, 0, STEPS)
+    model_sd, optim_sd = get_state_dict(built, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    return losses + _steps(built, optim, STEPS, STEPS)
+
+
+def resume(backend: str, folder: str) -> list[float]:
+    """New ranks: build from the DCP folder, load the optimizer with PyTorch's own APIs,
+    continue."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
+
+    b = builder(backend, "full").materialize(FromCheckpoint(folder, key_map=_model_key))
+    built = b.build(meta_llama())
+    optim = torch.optim.AdamW(built.parameters(), lr=1e-2)
+    _, optim_sd = get_state_dict(built, optim)
+    dcp.load({"optim": optim_sd}, checkpoint_id=folder)
+    set_optimizer_state_dict(built, optim, optim_sd)
+    return _steps(built, optim, STEPS, STEPS)
+
+
+def train_and_save_all(hf: str, root: str) -> dict[str, list[float]]:
+    return {b: train_and_save(b, hf, f"{root}/{b}") for b in BACKENDS}
+
+
+def resume_all(root: str) -> dict[str, list[float]]:
+    return {b: resume(b, f"{root}/{b}") for b in BACKENDS}
+
+
+@pytest.fixture(scope="module")
+def resumed(
+    paths: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[dict[str, list[float]]], list[dict[str, list[float]]]]:
+    """Both backends' uninterrupted runs (one spawn) and resumed runs (new ranks)."""
+    root = str(tmp_path_factory.mktemp("resume"))
+    run = run_ranks(train_and_save_all, 2, paths["hf"], root, timeout=300)
+    return run, run_ranks(resume_all, 2, root, timeout=300)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_from_dcp_continues_the_uninterrupted_run(
+    resumed: tuple[list[dict[str, list[float]]], list[dict[str, list[float]]]], backend: str
+) -> None:
+    run, again = resumed
+    for rank in range(2):
+        want, got = run[rank][backend][STEPS:], again[rank][backend]
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6, rtol=0), (
+            rank,
+            want,
+            got,
+        )
