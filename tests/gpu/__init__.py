@@ -1,0 +1,1 @@
+"""GPU tests (NCCL): run where CUDA is available, skipped elsewhere (see conftest.py)."""
