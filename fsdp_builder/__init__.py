@@ -43,7 +43,7 @@ from fsdp_builder.materializers import (
 )
 from fsdp_builder.plan import Unit, UnitPlan, plan_units
 from fsdp_builder.report import BuildReport, StageRecord
-from fsdp_builder.sharded_init import ShardFirstReset
+from fsdp_builder.sharded_init import InitWeights, ShardFirstReset
 from fsdp_builder.synchronizers import (
     BaseSynchronizer,
     BroadcastFromRank0,
@@ -104,5 +104,6 @@ __all__ = [
     "FromCheckpoint",
     "FromStateDict",
     "InitFn",
+    "InitWeights",
     "VerifyReplicas",
 ]

@@ -23,6 +23,7 @@ from attrs import define, frozen
 from typing_extensions import override
 
 from fsdp_builder.agreement import agree
+from fsdp_builder.buffers import Computed, fill_buffers
 from fsdp_builder.collectives import (
     DEFAULT_BUCKET_BYTES,
     broadcast_tensors,
@@ -34,7 +35,7 @@ from fsdp_builder.collectives import (
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.ignored import IgnoredStates, clean_name
-from fsdp_builder.materializers import BaseMaterializer, MaterializerRun
+from fsdp_builder.materializers import BaseMaterializer, MaterializerRun, buffers_to_compute
 from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.tree import allocate_empty, module_names, qualified, unit_modules
 
@@ -310,15 +311,9 @@ class FromStateDict(BaseMaterializer):
         try:
             if box[0] is not None:
                 raise ConfigurationError(box[0])
-            unloadable = [
-                n for u in env.plan for n in _non_persistent_meta(u, env.ignored, env.plan)
-            ]
-            if unloadable:
-                raise MaterializationError(
-                    "`FromStateDict` cannot give values to non-persistent buffers on the meta "
-                    f"device (no state dict holds them): {', '.join(unloadable[:8])}. Build the "
-                    "modules owning them on a real device, or register the buffers as persistent."
-                )
+            # No state dict holds non-persistent buffers: the model computes them (the same on
+            # every rank, so a failure here is every rank's).
+            run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
         except BaseException:
             run.close()
             raise
@@ -339,8 +334,10 @@ class _LoadRun:
     env: Environment
     reader: _Reader | None
     bucket_bytes: int
+    computed: Computed = attrs.field(factory=dict)
 
     def close(self) -> None:
+        self.computed = {}
         if self.reader is not None:
             self.reader.close()
             self.reader = None
@@ -372,6 +369,7 @@ class _LoadRun:
         tensors = [e.tensor.detach() for e in entries]
         for group, src in sync_stages(env):
             written += broadcast_tensors(tensors, src, group, self.bucket_bytes)
+        fill_buffers(modules, self.computed, device)
         env.logger.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -406,4 +404,6 @@ class _LoadRun:
             received = 0  # the read error below says more than the entries it left out
         if error is not None:
             raise error
+        modules = unit_modules(unit.module, self.env.ignored.modules)
+        fill_buffers(modules, self.computed, self.env.device)
         return received

@@ -21,6 +21,12 @@ from attrs import define, frozen
 from torch import nn
 from typing_extensions import override
 
+from fsdp_builder.buffers import (
+    Computed,
+    compute_buffers,
+    fill_buffers,
+    nonpersistent_meta,
+)
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.hashing import digest63
@@ -114,6 +120,21 @@ def derived_seed(seed: int, fqn: str) -> int:
     return digest63(f"{seed}/{fqn}")
 
 
+def buffers_to_compute(
+    model: nn.Module, ignored: IgnoredStates, *, initialized: bool = True
+) -> Computed:
+    """The values of the model's non-persistent buffers on meta that no module initializer
+    sets (all of them when ``initialized`` is False: a loader runs no initializer), computed by
+    the model's whole-model initializer (see ``fsdp_builder.buffers``). Local."""
+    modules = [m for m in model.modules() if m not in ignored.modules]
+    wanted = [
+        (m, name)
+        for m, name in nonpersistent_meta(modules)
+        if not initialized or initializer_of(m) is None
+    ]
+    return compute_buffers(model, wanted)
+
+
 @runtime_checkable
 class MaterializerRun(Protocol):
     """One build's materialization: called per unit, closed once."""
@@ -181,16 +202,22 @@ def initialize_children_first(
 
 @define
 class _PerUnit:
-    """The run of a materializer that keeps no state between units."""
+    """The run of a materializer that keeps nothing between units but the non-persistent
+    buffers computed for the build."""
 
     materializer: BaseMaterializer
     env: Environment
+    computed: Computed
 
     def materialize(self, unit: Unit) -> int:
-        return self.materializer.materialize(unit, self.env)
+        done = self.materializer.materialize(unit, self.env)
+        if self.computed:
+            modules = unit_modules(unit.module, self.env.ignored.modules)
+            done += fill_buffers(modules, self.computed, self.env.device)
+        return done
 
     def close(self) -> None:
-        return None
+        self.computed.clear()
 
 
 class BaseMaterializer(DeclaredHooks):
@@ -215,7 +242,7 @@ class BaseMaterializer(DeclaredHooks):
         return None
 
     def prepare(self, env: Environment) -> MaterializerRun:
-        return _PerUnit(self, env)
+        return _PerUnit(self, env, buffers_to_compute(env.plan.root.module, env.ignored))
 
     def init_module(self, module: nn.Module, fqn: str) -> None:
         raise NotImplementedError
@@ -296,18 +323,16 @@ class BaseMaterializer(DeclaredHooks):
         ignored = resolve_ignored(model)
         plan = plan_units(model, WrapPolicy.of(wrap), ignored)
         self.check(plan, ignored)
+        computed = buffers_to_compute(model, ignored)
         unit_set = {u.module for u in plan}
         for unit in plan:
             # Nested units are not wrapped here, so the walk must stop at them explicitly.
             stop = set(ignored.modules) | (unit_set - {unit.module})
+            modules = unit_modules(unit.module, stop)
             self.materialize_modules(
-                unit.module,
-                unit.fqn,
-                torch.device(device),
-                unit_modules(unit.module, stop),
-                ignored,
-                model=model,
+                unit.module, unit.fqn, torch.device(device), modules, ignored, model=model
             )
+            fill_buffers(modules, computed, torch.device(device))
         return model
 
 
@@ -319,6 +344,8 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
             own = direct_states(m)
             if not own or (meta_only and not any(t.is_meta for t in own)):
                 continue
+            if _only_nonpersistent_buffers(m):
+                continue  # computed for the build (fsdp_builder.buffers)
             if initializer_of(m) is None:
                 missing.append(
                     f"{clean_name(qualified(unit.fqn, names.get(id(m), ''))) or '<root>'} "
@@ -327,9 +354,18 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
     return missing
 
 
+def _only_nonpersistent_buffers(module: nn.Module) -> bool:
+    """The module owns nothing but non-persistent buffers (which the build computes)."""
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    names += [n for n, _ in module.named_buffers(recurse=False)]
+    return bool(names) and all(n in module._non_persistent_buffers_set for n in names)
+
+
 def run_initializer(module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
     """The module's own initializer, then its ancestors' subtree rules on its parameters."""
     init = initializer_of(module)
+    if init is None and _only_nonpersistent_buffers(module):
+        return  # its buffers are computed for the build and filled after
     if init is None:  # refused by check(); reached only when bypassed
         raise MaterializationError(
             f"'{fqn or '<root>'}' ({type(module).__name__}) has no reset_parameters(); add one."

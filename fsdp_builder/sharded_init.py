@@ -19,6 +19,7 @@ on the meta device, then calls the materializer. Two materializers work on such 
 
 from __future__ import annotations
 
+import inspect
 from typing import ClassVar
 
 import attrs
@@ -30,14 +31,17 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from fsdp_builder.buffers import Computed, fill_buffers
 from fsdp_builder.collectives import collective_device
 from fsdp_builder.environment import Environment
-from fsdp_builder.errors import MaterializationError
+from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.hashing import digest63
 from fsdp_builder.ignored import IgnoredStates
 from fsdp_builder.materializers import (
+    BaseMaterializer,
     MaterializerRun,
     ResetParameters,
+    buffers_to_compute,
     check_seed,
     initialize_children_first,
     initializer_of,
@@ -113,6 +117,7 @@ class _ShardFirstRun:
 
     env: Environment
     base_seed: int
+    computed: Computed
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
@@ -141,10 +146,11 @@ class _ShardFirstRun:
             "Its initializer may need the whole tensor; use DeterministicInit(seed) for this "
             "model.",
         )
+        fill_buffers(modules, self.computed, env.device)
         return _owned_bytes(modules)
 
     def close(self) -> None:
-        return None
+        self.computed = {}
 
 
 @frozen
@@ -175,7 +181,100 @@ class ShardFirstReset(ResetParameters):
     @override
     def prepare(self, env: Environment) -> MaterializerRun:
         """Share the base seed over the build's groups (collective)."""
-        return _ShardFirstRun(env, agree_on_seed(env, self.seed))
+        computed = buffers_to_compute(env.plan.root.module, env.ignored)
+        return _ShardFirstRun(env, agree_on_seed(env, self.seed), computed)
 
 
-__all__ = ["ShardFirstReset", "local_bytes", "shard_index", "shard_seed"]
+@define
+class _InitWeightsRun:
+    """One build of ``InitWeights``: storage per unit as it comes, the model's initializer once
+    at the root, when every unit has its local storage."""
+
+    env: Environment
+    base_seed: int
+    method: str
+
+    def materialize(self, unit: Unit) -> int:
+        env = self.env
+        modules = unit_modules(unit.module, env.ignored.modules)
+        fresh = [m for m in modules if has_meta_states(m)]
+        allocated = allocate_empty(modules, env.device)
+        with torch.no_grad():
+            # Defined values until the root's initializer writes them (a synchronizer may look).
+            for module in fresh:
+                for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    local.zero_()
+        if unit.is_root:
+            init = getattr(unit.module, self.method)
+            kwargs = {}
+            if "buffer_device" in inspect.signature(init).parameters:
+                kwargs["buffer_device"] = env.device
+            with (
+                torch.no_grad(),
+                torch.random.fork_rng(devices=_fork_devices(env.device)),
+            ):
+                seed_generators(
+                    shard_seed(self.base_seed, shard_index(env), self.method), env.device
+                )
+                init(**kwargs)
+        return allocated
+
+    def close(self) -> None:
+        return None
+
+
+def _check_method(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str) or not value.isidentifier():
+        raise config_error(
+            type(instance).__name__,
+            attribute.name,
+            f"expected the name of the model's initializer method, got {value!r}",
+            "Pass e.g. InitWeights(method='init_weights').",
+        )
+
+
+@frozen
+class InitWeights(BaseMaterializer):
+    """torchtitan's convention: every unit is sharded on meta and given local storage, then the
+    model's own whole-model initializer runs once, ``model.init_weights(buffer_device=device)``
+    (``method`` names another), on the local shards (DTensors) of every unit, with the
+    non-persistent buffers it computes. FSDP2 (``FullyShardBuilder``) only: FSDP1's flat
+    parameters cannot be written through the model's modules.
+
+    Shards differ across ranks: each rank draws under a seed from ``(seed, shard index)``, so
+    the full weight is not one shard repeated (what plain ``fully_shard`` + ``init_weights``
+    gives on a CPU mesh), and replicas of a shard (hybrid) agree. Like ``ShardFirstReset``, the
+    values depend on the world size; for world-size-invariant weights use ``DeterministicInit``.
+    Synchronizers see zeros for every unit but the root (the initializer runs last).
+    """
+
+    method: str = attrs.field(default="init_weights", validator=_check_method)
+    seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
+    communicates: ClassVar[bool] = False  # only prepare() communicates
+    shard_first: ClassVar[bool] = True
+
+    @override
+    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
+        if not callable(getattr(plan.root.module, self.method, None)):
+            raise MaterializationError(
+                f"`InitWeights` needs the model's whole-model initializer, but "
+                f"{type(plan.root.module).__name__} has no method `{self.method}`. Pass "
+                "InitWeights(method=...) naming it, or use ResetParameters() / "
+                "DeterministicInit(seed) for models initialized module by module."
+            )
+
+    @override
+    def prepare(self, env: Environment) -> MaterializerRun:
+        if not env.shards_first:
+            raise config_error(
+                "InitWeights",
+                "materializer",
+                f"the {env.backend} backend cannot shard a unit on meta, so the model's "
+                "initializer would write FSDP1's flattened parameters",
+                "Use FullyShardBuilder, or DeterministicInit(seed) / InitFn(fn) with FSDPBuilder",
+            )
+        return _InitWeightsRun(env, agree_on_seed(env, self.seed), self.method)
+
+
+__all__ = ["InitWeights", "ShardFirstReset", "local_bytes", "shard_index", "shard_seed"]

@@ -50,7 +50,7 @@ class MyBuffer(nn.Module):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.buf.normal_()
+            self.get_buffer("buf").normal_()
 
 
 class Block(nn.Module):
@@ -64,7 +64,7 @@ class Block(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin2(torch.relu(self.lin1(x))) + self.buf_mod.buf.sum()
+        return self.lin2(torch.relu(self.lin1(x))) + self.buf_mod.get_buffer("buf").sum()
 
 
 class MyModel(nn.Module):
@@ -114,7 +114,7 @@ def _meta_model() -> MyModel:
     with torch.device("meta"):
         model = MyModel()
     # ModuleList has no reset_parameters; give it one, as test_fsdp_meta's models do.
-    model.blocks.reset_parameters = lambda: None  # type: ignore[method-assign,assignment]
+    model.blocks.reset_parameters = lambda: None  # type: ignore[assignment]
     return model
 
 
@@ -219,7 +219,12 @@ def test_no_poison_survives_a_build(
 
 # -- nn.Transformer with its layers wrapped: the constructor's Xavier reaches every layer -------
 
-TRANSFORMER = {"d_model": 64, "nhead": 4, "num_encoder_layers": 2, "num_decoder_layers": 2}
+TRANSFORMER: dict[str, Any] = {
+    "d_model": 64,
+    "nhead": 4,
+    "num_encoder_layers": 2,
+    "num_decoder_layers": 2,
+}
 LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
