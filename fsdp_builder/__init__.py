@@ -13,6 +13,7 @@ from fsdp_builder.devices import (
 )
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import (
+    CommunicationError,
     ConfigurationError,
     FSDPBuilderError,
     MaterializationError,
@@ -64,6 +65,7 @@ __all__ = [
     "BuilderConfig",
     "CPUDevice",
     "Chain",
+    "CommunicationError",
     "ConfigurationError",
     "DefaultGroups",
     "DeviceResolver",

@@ -271,6 +271,21 @@ class ShardingBuilder:
     def use_orig_params(self: B, enabled: bool = True) -> B:
         return self._option(use_orig_params=enabled)
 
+    def timeout(self: B, seconds: float) -> B:
+        """Bound every wait of the build: a collective that does not complete within
+        ``seconds`` (a peer died, hangs or never arrived) makes every surviving rank raise
+        ``CommunicationError`` naming the stage, the unit and, where the store can tell, the
+        missing ranks. Without it the process groups' own timeouts apply (30 min on gloo,
+        10 min on NCCL by default)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+            raise config_error(
+                "ShardingBuilder.timeout",
+                "seconds",
+                f"expected a positive number of seconds, got {seconds!r}",
+                "Pass e.g. .timeout(120).",
+            )
+        return self._set("timeout", float(seconds))
+
     def clone(self: B) -> B:
         """An unbuilt builder with the same configuration."""
         twin = type(self)()

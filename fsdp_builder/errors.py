@@ -40,6 +40,43 @@ class RankDisagreementError(FSDPBuilderError, RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class CommunicationError(FSDPBuilderError, RuntimeError):
+    """A collective of the build failed or timed out: a peer died, hangs or never arrived.
+    Raised on every surviving rank; ``__cause__`` is the rank's own local error when it had one,
+    else the backend's error.
+
+    ``missing_ranks`` lists the ranks that did not reach the stage, where the store could tell
+    (else it is empty).
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        unit: str | None,
+        missing_ranks: list[int],
+        detail: str,
+        timeout: float | None,
+    ) -> None:
+        self.stage = stage
+        self.unit = unit
+        self.missing_ranks = list(missing_ranks)
+        where = f"stage '{stage}'" + (f" of unit '{unit}'" if unit is not None else "")
+        who = (
+            f"rank(s) {', '.join(map(str, missing_ranks))} did not arrive"
+            if missing_ranks
+            else "a peer did not complete it"
+        )
+        bound = (
+            f"the build's timeout of {timeout:g} s"
+            if timeout is not None
+            else "the process group's timeout"
+        )
+        super().__init__(
+            f"A collective of {where} failed: {who} ({detail}). If a peer is only slow, raise "
+            f"{bound} with builder.timeout(seconds); if it died, its own log says why."
+        )
+
+
 def config_error(where: str, argument: str, problem: str, fix: str) -> ConfigurationError:
     """Build a ConfigurationError that reads `where(argument=...)`: problem. fix."""
     return ConfigurationError(f"`{where}` got an invalid `{argument}`: {problem}. {fix}")

@@ -73,6 +73,8 @@ class BuilderConfig:
     ignored_modules: tuple[nn.Module, ...] | None = None
     ignored_states: tuple[Any, ...] | None = None
     options: ShardingOptions = attrs.field(factory=ShardingOptions)
+    # Seconds any one wait of the build may last (None: the process groups' own timeouts).
+    timeout: float | None = None
 
 
 @define
