@@ -1,12 +1,18 @@
 """Rank agreement: before and after every step that can fail locally, ranks compare notes.
 
-A rank that failed, or that built a different model, makes every rank raise the same
-RankDisagreementError instead of leaving the others blocked in the next collective. The happy path
-costs one tiny all-gather; messages are exchanged only when something failed.
+A rank that failed, or that built a different model or configuration, makes every rank raise
+the same RankDisagreementError instead of leaving the others blocked in the next collective. The
+happy path costs one tiny all-gather; messages are exchanged only when something failed.
+
+When the all-gather itself fails (a peer died, or did not arrive within the build's timeout),
+every surviving rank raises CommunicationError naming the stage, the unit and, from marks each
+rank leaves in the process group's store before it waits, the ranks that never arrived; the
+rank's own local error, if it had one, stays its cause.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,32 +20,82 @@ import torch
 import torch.distributed as dist
 
 from fsdp_builder.collectives import collective_device
-from fsdp_builder.errors import RankDisagreementError
+from fsdp_builder.errors import CommunicationError, RankDisagreementError
 
 T = TypeVar("T")
 
+# Builds started in this process; ranks that build the same sequence of models number them
+# alike, which keeps their store marks apart.
+_BUILDS = itertools.count()
+
+
+class Arrival:
+    """Marks in the process group's store that say which ranks reached an agreement."""
+
+    def __init__(self, prefix: str, group: dist.ProcessGroup | None) -> None:
+        self.prefix = prefix
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else None
+        try:
+            self.store: Any = dist.distributed_c10d._get_default_store()
+        except Exception:  # no default store: the missing ranks stay unknown
+            self.store = None
+
+    def mark(self) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/{dist.get_rank()}", "1")
+
+    def missing(self) -> list[int]:
+        if self.store is None:
+            return []
+        ranks = self.ranks if self.ranks is not None else range(dist.get_world_size())
+        try:
+            return [r for r in ranks if not self.store.check([f"{self.prefix}/{r}"])]
+        except Exception:  # the store went with the peer that hosted it
+            return []
+
+
+def _lost(
+    stage: str,
+    unit: str | None,
+    exc: BaseException,
+    arrival: Arrival | None,
+    timeout: float | None,
+) -> CommunicationError:
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    missing = arrival.missing() if arrival is not None else []
+    return CommunicationError(stage, unit, missing, f"{type(exc).__name__}: {detail}", timeout)
+
 
 def _first_difference(descriptions: list[Any]) -> str:
+    """The first setting, then the first planned state, where a rank differs from rank 0."""
     reference = descriptions[0]
     for rank, desc in enumerate(descriptions[1:], start=1):
         if desc == reference:
             continue
-        ref_units = [u for u, _ in reference]
-        units = [u for u, _ in desc]
-        if ref_units != units:
-            return f"rank {rank} planned units {units}, rank 0 planned {ref_units}"
-        for (unit, ref_states), (_, states) in zip(reference, desc, strict=True):
-            for a, b in zip(ref_states, states, strict=False):
-                if a != b:
-                    return (
-                        f"in unit '{unit or '<root>'}', rank 0 has {a[0]} {list(a[1])} {a[2]} "
-                        f"but rank {rank} has {b[0]} {list(b[1])} {b[2]}"
-                    )
-            if len(ref_states) != len(states):
+        for (name, mine), (_, theirs) in zip(reference["config"], desc["config"], strict=False):
+            if mine != theirs:
+                return f"rank {rank} has {name}={theirs} but rank 0 has {name}={mine}"
+        return _plan_difference(rank, reference["plan"], desc["plan"])
+    return "ranks differ"
+
+
+def _plan_difference(rank: int, reference: Any, desc: Any) -> str:
+    ref_units = [u for u, _ in reference]
+    units = [u for u, _ in desc]
+    if ref_units != units:
+        return f"rank {rank} planned units {units}, rank 0 planned {ref_units}"
+    for (unit, ref_states), (_, states) in zip(reference, desc, strict=True):
+        for a, b in zip(ref_states, states, strict=False):
+            if a != b:
                 return (
-                    f"in unit '{unit or '<root>'}', rank 0 has {len(ref_states)} states but "
-                    f"rank {rank} has {len(states)}"
+                    f"in unit '{unit or '<root>'}', rank 0 has {a[0]} {list(a[1])} {a[2]} "
+                    f"but rank {rank} has {b[0]} {list(b[1])} {b[2]}"
                 )
+        if len(ref_states) != len(states):
+            return (
+                f"in unit '{unit or '<root>'}', rank 0 has {len(ref_states)} states but "
+                f"rank {rank} has {len(states)}"
+            )
     return "ranks differ"
 
 
@@ -51,10 +107,14 @@ def agree(
     group: dist.ProcessGroup | None = None,
     fingerprint: int = 0,
     description: Any = None,
+    arrival: Arrival | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Every rank of ``group`` calls this at the same point. Raises RankDisagreementError on all
-    of them if any passed an ``error`` or if their ``fingerprint``s differ (``description`` is
-    then exchanged to name the first difference)."""
+    of them if any passed an ``error`` or if their ``fingerprint``s differ (``description``, a
+    dict of ``config`` settings and ``plan`` signature, is then exchanged to name the first
+    difference); CommunicationError if the exchange itself fails (``arrival`` names the ranks
+    that never came; ``timeout`` is quoted in the message)."""
     if group is None and not dist.is_initialized():
         if error is not None:
             raise error
@@ -65,7 +125,12 @@ def agree(
         [1 if error is not None else 0, fingerprint], dtype=torch.int64, device=device
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
+    try:
+        if arrival is not None:
+            arrival.mark()
+        dist.all_gather(gathered, mine, group=group)
+    except Exception as exc:
+        raise _lost(stage, unit, exc, arrival, timeout) from (error or exc)
     flags = [int(t[0]) for t in gathered]
     prints = {int(t[1]) for t in gathered}
     if error is not None and all(flags):
@@ -76,21 +141,27 @@ def agree(
         # error, named after the first failing rank's stage (not after where it waited).
         notes: list[Any] = [None] * world
         local = None if error is None else (stage, f"{type(error).__name__}: {error}")
-        dist.all_gather_object(notes, local, group=group)
+        try:
+            dist.all_gather_object(notes, local, group=group)
+        except Exception as exc:
+            raise _lost(stage, unit, exc, arrival, timeout) from (error or exc)
         failures = {r: str(n[1]) for r, n in enumerate(notes) if n is not None}
         first = next(n for n in notes if n is not None)
         raise RankDisagreementError(first[0], failures, unit) from error
     if len(prints) > 1:
         descriptions: list[Any] = [None] * world
-        dist.all_gather_object(descriptions, description, group=group)
+        try:
+            dist.all_gather_object(descriptions, description, group=group)
+        except Exception as exc:
+            raise _lost(stage, unit, exc, arrival, timeout) from exc
         by_rank = [int(t[1]) for t in gathered]
         odd = [r for r, fp in enumerate(by_rank) if fp != by_rank[0]]
         detail = _first_difference(descriptions)
         raise RankDisagreementError(
             stage,
             {
-                r: f"built a different model than rank 0 ({detail}). Build the same model "
-                "with the same wrap policy and ignored states on every rank."
+                r: f"configured or built differently than rank 0 ({detail}). Configure and "
+                "build the same model with the same builder calls on every rank."
                 for r in odd
             },
             unit,
@@ -104,10 +175,24 @@ class Agreement:
     communicates. A step that communicates must fail on every rank alike, or only after its
     last collective."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float | None = None) -> None:
         self.group = group
+        self.timeout = timeout
+        self.build = next(_BUILDS)
+        self.count = itertools.count()
         # A local step's failure, held until the next agreement.
         self.pending: tuple[str, BaseException] | None = None
+
+    def agree(
+        self, stage: str, error: BaseException | None, unit: str | None = None, **kw: Any
+    ) -> None:
+        """``agree`` over this build's group, leaving an arrival mark first."""
+        arrival = None
+        if dist.is_initialized():
+            arrival = Arrival(f"fsdp_builder/{self.build}/{next(self.count)}", self.group)
+        agree(
+            stage, error, unit=unit, group=self.group, arrival=arrival, timeout=self.timeout, **kw
+        )
 
     def now(self, stage: str, fn: Callable[[], T], unit: str | None = None) -> T:
         """Run ``fn``, then agree on its outcome across ranks."""
@@ -117,7 +202,7 @@ class Agreement:
             result = fn()
         except Exception as exc:  # any rank's failure must reach every rank
             error = exc
-        agree(stage, error, unit=unit, group=self.group)
+        self.agree(stage, error, unit)
         return result  # type: ignore[return-value]  # agree raised when fn did
 
     def step(self, stage: str, fn: Callable[[], T], unit: str, communicates: bool) -> T | None:
@@ -137,4 +222,4 @@ class Agreement:
         """Agree on the local steps run since the last agreement."""
         stage, error = self.pending or ("unit", None)
         self.pending = None
-        agree(stage, error, unit=unit, group=self.group)
+        self.agree(stage, error, unit)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -25,6 +26,37 @@ if TYPE_CHECKING:  # the environment's module needs these helpers to build its g
     from fsdp_builder.environment import Environment
 
 DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+class GroupTimeouts:
+    """Lowers the timeout of the groups a build waits on to the build's bound, and restores
+    them afterwards (``restore``), so that a dead or absent peer fails a collective within the
+    bound on gloo and NCCL alike. No-op without a bound, or where the backend cannot say or
+    change its timeout (the groups' own timeouts then apply)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.bound = None if seconds is None else timedelta(seconds=seconds)
+        self.saved: dict[int, tuple[Any, timedelta]] = {}
+
+    def add(self, *groups: dist.ProcessGroup | None) -> None:
+        if self.bound is None or not dist.is_initialized():
+            return
+        for group in groups:
+            pg = group if group is not None else dist.distributed_c10d._get_default_group()
+            for device_type in getattr(pg, "_device_types", []):
+                try:
+                    backend = pg._get_backend(torch.device(device_type))
+                    previous = backend.options._timeout
+                    if id(backend) not in self.saved:
+                        self.saved[id(backend)] = (backend, previous)
+                    backend._set_default_timeout(self.bound)
+                except (AttributeError, RuntimeError):  # this backend cannot change it
+                    continue
+
+    def restore(self) -> None:
+        for backend, previous in self.saved.values():
+            backend._set_default_timeout(previous)
+        self.saved.clear()
 
 
 def check_bucket_bytes(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:

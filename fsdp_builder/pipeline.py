@@ -28,9 +28,11 @@ import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
 
-from fsdp_builder.agreement import Agreement, agree
+from fsdp_builder.agreement import Agreement
 from fsdp_builder.backends import Backend
+from fsdp_builder.collectives import GroupTimeouts
 from fsdp_builder.config import ShardingOptions
+from fsdp_builder.describe import describe_settings
 from fsdp_builder.devices import (
     DeviceResolver,
     InferredDevice,
@@ -49,7 +51,7 @@ from fsdp_builder.ignored import (
 from fsdp_builder.logs import build_logger
 from fsdp_builder.materializers import Materializer, MaterializerRun, ResetParameters
 from fsdp_builder.moving import move_unit_states
-from fsdp_builder.plan import Unit, UnitPlan, plan_units
+from fsdp_builder.plan import Unit, UnitPlan, fingerprint_of, plan_units
 from fsdp_builder.report import BuildReport
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun
 from fsdp_builder.wrap import WrapPolicy
@@ -132,11 +134,23 @@ class _Build:
         self.synchronizer = config.synchronizer or NoSync()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agreement = Agreement(None)
+        # Every group the build waits on, with its timeout lowered to the build's bound.
+        self.bound = GroupTimeouts(config.timeout)
 
     def run(self, model: nn.Module) -> BuildResult:
+        try:
+            return self._run(model)
+        finally:
+            self.bound.restore()
+
+    def _run(self, model: nn.Module) -> BuildResult:
         started = time.perf_counter()
         configured = self.configure(model)
         env = self.environment(model, configured, *self.create_groups(configured))
+        groups = env.groups
+        self.bound.add(groups.shard_group, groups.replicate_group)
+        if groups.mesh is not None:
+            self.bound.add(*(groups.mesh.get_group(d) for d in range(groups.mesh.ndim)))
         report = BuildReport(
             rank=env.rank,
             world_size=env.world_size,
@@ -168,6 +182,24 @@ class _Build:
         )
         return BuildResult(environment=env, report=report, module=result)
 
+    def settings(self) -> list[tuple[str, str]]:
+        """The whole configuration as ranks compare it (``fsdp_builder.describe``)."""
+        cfg = self.config
+        items: dict[str, Any] = {"backend": self.backend.name}
+        for field in attrs.fields(BuilderConfig):
+            if field.name == "options":
+                continue
+            items[field.name] = getattr(cfg, field.name)
+        items.update(
+            device=self.resolver,
+            groups=self.factory,
+            materializer=self.materializer,
+            synchronizer=self.synchronizer,
+        )
+        for field in attrs.fields(ShardingOptions):
+            items[field.name] = getattr(cfg.options, field.name)
+        return describe_settings(items)
+
     # -- stages, in order ---------------------------------------------------------------
 
     def configure(self, model: nn.Module) -> _Configured:
@@ -186,16 +218,16 @@ class _Build:
             check_single_device(managed, self.resolver.explicit)
             device = self.resolver.resolve(model, managed, self.rank)
             self.materializer.check(plan, ignored)
-            description = plan.describe()
+            description = {"config": self.settings(), "plan": plan.signature()}
             configured = _Configured(ignored, plan, device)
         except Exception as exc:
             error = exc
-        self.agreement = Agreement(self.factory.agreement_group())
-        agree(
+        self.agreement = Agreement(self.factory.agreement_group(), cfg.timeout)
+        self.bound.add(self.agreement.group)
+        self.agreement.agree(
             "configure",
             error,
-            group=self.agreement.group,
-            fingerprint=configured.plan.fingerprint() if configured else 0,
+            fingerprint=fingerprint_of(description) if configured else 0,
             description=description,
         )
         assert configured is not None  # agree raised on every rank otherwise

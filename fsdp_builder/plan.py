@@ -6,7 +6,6 @@ so it can be printed and checked on a laptop for a model built on the meta devic
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,6 +15,7 @@ from attrs import frozen
 from torch import nn
 
 from fsdp_builder.errors import PlanError
+from fsdp_builder.hashing import digest63
 from fsdp_builder.ignored import IgnoredStates, clean_name, is_wrapped
 from fsdp_builder.wrap import WrapPolicy
 
@@ -95,7 +95,7 @@ class UnitPlan:
     def largest_unit_bytes(self) -> int:
         return max((u.nbytes for u in self.units), default=0)
 
-    def describe(self) -> list[tuple[str, tuple[tuple[str, tuple[int, ...], str], ...]]]:
+    def signature(self) -> list[tuple[str, tuple[tuple[str, tuple[int, ...], str], ...]]]:
         """Names, shapes and dtypes per unit: what ranks compare to know they built one model."""
         return [
             (u.fqn, tuple((t.name, t.shape, str(t.dtype)) for t in u.params + u.buffers))
@@ -103,8 +103,8 @@ class UnitPlan:
         ]
 
     def fingerprint(self) -> int:
-        """A 63-bit digest of :meth:`describe`, equal on ranks that built the same model."""
-        return fingerprint_of(self.describe())
+        """A 63-bit digest of :meth:`signature`, equal on ranks that built the same model."""
+        return fingerprint_of(self.signature())
 
     def format(self) -> str:
         lines = [f"{'unit':<40} {'params':>12} {'bytes':>14} {'buffers':>8}"]
@@ -115,9 +115,8 @@ class UnitPlan:
 
 
 def fingerprint_of(description: object) -> int:
-    """A 63-bit digest of a plan description (see ``UnitPlan.describe``)."""
-    digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    """A 63-bit digest of a description (see ``UnitPlan.signature``)."""
+    return digest63(repr(description))
 
 
 def _info(name: str, t: torch.Tensor) -> TensorInfo:

@@ -42,7 +42,7 @@ def test_plan_needs_no_real_storage() -> None:
     meta, real = demo("meta"), demo("cpu")
     a = plan_units(meta, WrapPolicy.of(Block), IgnoredStates())
     b = plan_units(real, WrapPolicy.of(Block), IgnoredStates())
-    assert a.describe() == b.describe() and a.fingerprint() == b.fingerprint()
+    assert a.signature() == b.signature() and a.fingerprint() == b.fingerprint()
     assert "blocks.0" in a.format() and f"{a.numel:,}" in a.format()
 
 
@@ -65,7 +65,7 @@ def test_predicate_and_torch_policy_select_like_classes() -> None:
         IgnoredStates(),
     )
     by_torch = plan_units(model, WrapPolicy.of(ModuleWrapPolicy({Block})), IgnoredStates())
-    assert by_class.describe() == by_pred.describe() == by_torch.describe()
+    assert by_class.signature() == by_pred.signature() == by_torch.signature()
 
 
 def test_no_policy_gives_a_root_only_plan() -> None:
@@ -144,7 +144,7 @@ def test_transformer_policy_selects_like_classes() -> None:
     policy = partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     by_policy = plan_units(model, WrapPolicy.of(policy), IgnoredStates())
     assert (
-        by_policy.describe() == plan_units(model, WrapPolicy.of(Block), IgnoredStates()).describe()
+        by_policy.signature() == plan_units(model, WrapPolicy.of(Block), IgnoredStates()).signature()
     )
     assert WrapPolicy.of(policy).describe() == "transformer_auto_wrap_policy"
 

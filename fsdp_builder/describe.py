@@ -1,0 +1,77 @@
+"""Stable descriptions of a build's configuration, for ranks to compare before anything changes.
+
+Every rank describes its configuration as ``(setting, text)`` pairs; equal configurations give
+equal texts on every rank. What legitimately differs between ranks is left out: a device's index
+(``cuda:{local_rank}``), a process group's members (each node has its own shard group), the
+source only rank 0 holds (``FromStateDict``). A strategy can say how it is described with a
+``describe() -> str`` method; otherwise an attrs strategy is described by its type and fields,
+and any other object by its type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def describe(value: Any) -> str:
+    """A text equal on every rank for equal configuration values (see the module doc)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.device):
+        return f"device({value.type})"
+    if isinstance(value, dist.ProcessGroup):
+        return f"ProcessGroup(size={value.size()})"
+    if isinstance(value, DeviceMesh):
+        return f"DeviceMesh({tuple(value.shape)}, {value.mesh_dim_names})"
+    if isinstance(value, torch.Tensor):
+        return f"Tensor({tuple(value.shape)}, {value.dtype})"
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    own = getattr(type(value), "describe", None)
+    if callable(own) and not isinstance(value, Mapping):
+        text = own(value)
+        if isinstance(text, str):
+            return text
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{describe(k)}: {describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(describe(v) for v in value) + "]"
+    if isinstance(value, set | frozenset):
+        return "{" + ", ".join(sorted(describe(v) for v in value)) + "}"
+    if isinstance(value, functools.partial):
+        parts = (describe(value.func), describe(value.args), describe(value.keywords))
+        return f"partial({', '.join(parts)})"
+    if attrs.has(type(value)):
+        fields = [
+            f"{f.name}={describe(getattr(value, f.name))}"
+            for f in attrs.fields(type(value))
+            if f.eq and not f.name.startswith("_")
+        ]
+        return f"{type(value).__qualname__}({', '.join(fields)})"
+    if dataclasses.is_dataclass(value):
+        fields = [
+            f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value)
+        ]
+        return f"{type(value).__qualname__}({', '.join(fields)})"
+    if callable(value):
+        name = getattr(value, "__qualname__", None) or type(value).__qualname__
+        return f"{getattr(value, '__module__', '')}.{name}"
+    return type(value).__qualname__
+
+
+def describe_settings(items: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(setting, text)`` pairs for ``items``, in their order."""
+    return [(name, describe(value)) for name, value in items.items()]
