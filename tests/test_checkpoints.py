@@ -296,6 +296,7 @@ BAD = [
     "missing_key",
     "int_dtype",
     "no_metadata",
+    "bad_index",
     "not_there",
 ]
 
@@ -325,7 +326,11 @@ def cases(paths: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]]]
         dcp_folder = f"{paths['dcp_root']}/w{world}"
         yield "dcp_save", partial(dcp_save_case, paths["hf"], dcp_folder)
         for backend in BACKENDS:
-            yield ("dcp", backend), partial(load_case, backend, "full", dcp_folder)
+            for strategy in STRATEGIES[world]:
+                yield (
+                    ("dcp", backend, strategy),
+                    partial(load_case, backend, strategy, dcp_folder),
+                )
             for shared in (True, False):
                 yield (
                     ("counted", backend, shared),
@@ -391,6 +396,9 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         index["weight_map"]["model.layers.1.mlp.up_proj.bias"] = "model-00002-of-00003.safetensors"
         index_path.write_text(json.dumps(index))
 
+    def garble_index(folder: Path) -> None:
+        (folder / "model.safetensors.index.json").write_text('{"weight_map": {')
+
     def truncate(folder: Path) -> None:
         shard = folder / "model-00003-of-00003.safetensors"
         data = shard.read_bytes()
@@ -424,6 +432,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "missing_key": str(root / "missing.safetensors"),
         "int_dtype": str(root / "ints.safetensors"),
         "no_metadata": str(root / "no_metadata"),
+        "bad_index": variant("bad_index", garble_index),
         "not_there": str(root / "absent"),
     }
 
@@ -516,15 +525,17 @@ def test_bf16_dcp_folder_converts_to_the_model_dtype(
     assert [e["event"] for e in ranks[-1]["events"]] == ["converted_dtypes"]
 
 
+DCP_LOADS = [(w, b, s) for w in MULTI for b in BACKENDS for s in STRATEGIES[w]]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", MULTI)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("world", "backend", "strategy"), DCP_LOADS)
 def test_dcp_folder_saved_from_a_sharded_model_loads(
-    paths: dict[str, str], world: int, backend: str
+    paths: dict[str, str], world: int, backend: str, strategy: str
 ) -> None:
     scenario(world, paths, "dcp_save")
-    got = scenario(world, paths, ("dcp", backend))[0]["state"]
-    assert_same(got, reference_state(Path(paths["hf"])), (world, backend))
+    got = scenario(world, paths, ("dcp", backend, strategy))[0]["state"]
+    assert_same(got, reference_state(Path(paths["hf"])), (world, backend, strategy))
 
 
 @pytest.mark.timeout(600)
@@ -574,6 +585,7 @@ EXPECTED = {
     "missing_key": "1 missing key(s): output.weight",
     "int_dtype": "'model.norm.weight' is torch.int32 in the checkpoint but torch.float32",
     "no_metadata": "holds DCP shard files (*.distcp) but no .metadata file",
+    "bad_index": "model.safetensors.index.json' is not readable JSON",
     "not_there": "does not exist (on rank 0)",
 }
 
