@@ -32,6 +32,7 @@ from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.hashing import digest63
 from fsdp_builder.hooks import DeclaredHooks
 from fsdp_builder.ignored import IgnoredStates, clean_name
+from fsdp_builder.logs import warn_user
 from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.tree import (
     allocate_empty,
@@ -79,6 +80,30 @@ def register_subtree_rule(parent: type[nn.Module], rule: SubtreeRule) -> None:
             "Pass e.g. register_subtree_rule(MyModel, lambda p: nn.init.normal_(p, std=0.02)).",
         )
     _SUBTREE_RULES[parent] = rule
+
+
+def unreached_subtrees(plan: UnitPlan) -> list[tuple[str, list[str]]]:
+    """Registered parents whose subtree holds units of its own, with those units: what a
+    materializer that does not apply subtree rules leaves at the children's own init."""
+    out: list[tuple[str, list[str]]] = []
+    for fqn, module in plan.root.module.named_modules():
+        if not any(isinstance(module, cls) for cls in _SUBTREE_RULES):
+            continue
+        below = {id(m) for m in module.modules() if m is not module}
+        units = [u.label for u in plan if id(u.module) in below]
+        if units:
+            out.append((clean_name(fqn) or "<root>", units))
+    return out
+
+
+def warn_unreached_subtrees(plan: UnitPlan, who: str) -> None:
+    for parent, units in unreached_subtrees(plan):
+        warn_user(
+            f"`{who}` does not apply the subtree initializer of '{parent}' to the units below "
+            f"it ({', '.join(units[:8])}{' ...' if len(units) > 8 else ''}): they keep their own "
+            "modules' initialization. Use ResetParameters() or DeterministicInit(seed), which "
+            "apply it, or initialize those units the way the parent would in your function."
+        )
 
 
 def subtree_rules(model: nn.Module) -> dict[int, tuple[SubtreeRule, ...]]:
@@ -439,6 +464,10 @@ class InitFn(BaseMaterializer):
 
     fn: Callable[[nn.Module], object] = attrs.field(validator=_check_callable)
     allocate: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    @override
+    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
+        warn_unreached_subtrees(plan, "InitFn")
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:

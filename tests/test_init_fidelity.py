@@ -293,3 +293,21 @@ def test_deterministic_init_ignores_checkpoint_and_compile_wrappers(world1: None
         other = built(wrap)
         assert other.keys() == plain.keys(), wrap
         assert all(torch.equal(other[k], plain[k]) for k in plain), wrap
+
+
+def test_a_parent_initializer_that_cannot_reach_its_units_is_a_warning(world1: None) -> None:
+    with torch.device("meta"):
+        model = nn.Transformer(**TRANSFORMER)
+
+    def init(module: nn.Module) -> None:
+        if _meta_states(module):
+            module.to_empty(device=CPU, recurse=False)
+            reset = getattr(module, "reset_parameters", None) or getattr(
+                module, "_reset_parameters", None
+            )
+            if reset is not None:
+                reset()
+
+    builder = FSDPBuilder().device(CPUDevice()).wrap(LAYERS).materialize(InitFn(init))
+    with pytest.warns(UserWarning, match=r"subtree initializer of '<root>'.*encoder\.layers\.0"):
+        builder.build(model)
