@@ -41,6 +41,7 @@ from fsdp_builder.materializers import (
     BaseMaterializer,
     MaterializerRun,
     ResetParameters,
+    SubtreeRule,
     buffers_to_compute,
     check_seed,
     initialize_children_first,
@@ -118,6 +119,7 @@ class _ShardFirstRun:
     env: Environment
     base_seed: int
     computed: Computed
+    rules: dict[int, tuple[SubtreeRule, ...]]
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
@@ -128,7 +130,7 @@ class _ShardFirstRun:
         pending = {id(m) for m in modules if has_meta_states(m)}
         allocate_empty(modules, env.device)
         index = shard_index(env)
-        rules = subtree_rules(env.plan.root.module)
+        rules = self.rules
 
         def init(module: nn.Module, fqn: str) -> None:
             if id(module) not in pending or initializer_of(module) is None:
@@ -181,8 +183,9 @@ class ShardFirstReset(ResetParameters):
     @override
     def prepare(self, env: Environment) -> MaterializerRun:
         """Share the base seed over the build's groups (collective)."""
-        computed = buffers_to_compute(env.plan.root.module, env.ignored)
-        return _ShardFirstRun(env, agree_on_seed(env, self.seed), computed)
+        model = env.plan.root.module
+        computed = buffers_to_compute(model, env.ignored)
+        return _ShardFirstRun(env, agree_on_seed(env, self.seed), computed, subtree_rules(model))
 
 
 @define
