@@ -143,9 +143,8 @@ def test_transformer_policy_selects_like_classes() -> None:
     model = demo("meta")
     policy = partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     by_policy = plan_units(model, WrapPolicy.of(policy), IgnoredStates())
-    assert (
-        by_policy.signature() == plan_units(model, WrapPolicy.of(Block), IgnoredStates()).signature()
-    )
+    by_class = plan_units(model, WrapPolicy.of(Block), IgnoredStates())
+    assert by_policy.signature() == by_class.signature()
     assert WrapPolicy.of(policy).describe() == "transformer_auto_wrap_policy"
 
 
