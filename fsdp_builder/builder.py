@@ -29,6 +29,7 @@ from torch.distributed.fsdp import (
 from fsdp_builder.backends import Backend
 from fsdp_builder.backends.fsdp1 import FSDP1Backend, check_fsdp2_only_options
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
+from fsdp_builder.compiling import CompileSpec
 from fsdp_builder.config import PerUnitFn, ShardingOptions, check_reshard_after_forward
 from fsdp_builder.devices import DeviceResolver, ExplicitDevice
 from fsdp_builder.environment import Environment
@@ -256,6 +257,15 @@ class ShardingBuilder:
         (non-reentrant) before its unit is sharded; a chosen module inside another chosen one is
         not wrapped again. State-dict keys stay those of the unwrapped model."""
         return self._option(activation_checkpointing=checkpoint_predicate(policy))
+
+    def compile(self: B, per_unit: bool = True, **torch_compile_kwargs: Any) -> B:
+        """``torch.compile`` in place (``module.compile(**torch_compile_kwargs)``: same slots,
+        same state-dict keys). ``per_unit=True``: each unit below the root, after its activation
+        checkpointing and before it is sharded, as torchtitan compiles each block;
+        ``per_unit=False``: the whole model, its root compiled after sharding. The keywords are
+        torch.compile's own (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``...).
+        """
+        return self._option(compile=CompileSpec(per_unit, torch_compile_kwargs))
 
     def prefetch(
         self: B,

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
 )
 
+from fsdp_builder.compiling import CompileSpec
 from fsdp_builder.errors import config_error
 
 # Short names users type on the command line; torch's own names work too.
@@ -176,6 +177,8 @@ class ShardingOptions:
     activation_checkpointing: CheckpointPredicate | None = attrs.field(
         default=None, validator=_check_callable
     )
+    # torch.compile of each unit below the root, or of the whole model (see compiling.py).
+    compile: CompileSpec | None = attrs.field(default=None)
     explicit: frozenset[str] = attrs.field(default=frozenset(), converter=_to_names)
 
     @property

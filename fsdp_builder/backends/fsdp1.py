@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
 )
 
+from fsdp_builder.compiling import check_units, compile_in_place
 from fsdp_builder.config import (
     HYBRID_STRATEGIES,
     ShardingOptions,
@@ -196,4 +197,13 @@ class FSDP1Backend:
             # FullyShardedDataParallel(checkpoint_wrapper(block)): the structure torch's
             # apply_activation_checkpointing gives after wrapping, FSDP outside the recompute.
             target = checkpoint_unit(target, unit.fqn, chosen, env.ignored.modules)
-        return FullyShardedDataParallel(target, **kwargs)
+        spec = env.options.compile
+        if spec is not None and spec.before_shard(unit.is_root):
+            # FullyShardedDataParallel(compiled unit): compiled in place, wrapped after.
+            target = compile_in_place(target, spec)
+        elif spec is not None and unit.is_root:
+            check_units(spec, len(env.plan), f"{_WHERE}.compile")
+        wrapped = FullyShardedDataParallel(target, **kwargs)
+        if spec is not None and spec.after_shard(unit.is_root):
+            compile_in_place(wrapped, spec)
+        return wrapped

@@ -27,6 +27,9 @@ reshard_after_forward(x)          ``reshard_after_forward=x`` (bool or int) for 
                                   root included, as ``fully_shard`` calls written out by hand;
                                   unset: from the strategy as above
 shard_placement_fn(fn)            ``shard_placement_fn=fn`` for every unit
+compile(per_unit, **kwargs)       ``module.compile(**kwargs)`` in place: per unit, each unit
+                                  below the root after its checkpoint wrapper and before
+                                  ``fully_shard``; else the root after ``fully_shard``
 activation_checkpointing(policy)  the chosen modules of a unit are wrapped in torch's
                                   ``checkpoint_wrapper`` before ``fully_shard`` (a chosen unit:
                                   ``fully_shard`` of its wrapper, which takes its slot)
@@ -77,6 +80,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from fsdp_builder.compiling import check_units, compile_in_place
 from fsdp_builder.config import (
     NO_RESHARD_AFTER_FORWARD,
     ShardingOptions,
@@ -436,7 +440,16 @@ class FullyShardBackend:
             # Checkpoint first, then shard the wrapper, as torchtitan does: FSDP's hooks stay
             # outside the recomputed forward.
             target = checkpoint_unit(target, unit.fqn, chosen, env.ignored.modules)
+        spec = env.options.compile
+        if spec is not None and spec.before_shard(unit.is_root):
+            # Compile after checkpointing, before sharding (torchtitan's order), in place.
+            target = compile_in_place(target, spec)
+        elif spec is not None and unit.is_root:
+            check_units(spec, len(env.plan), f"{_where()}.compile")
         fully_shard(target, **kwargs)
+        if spec is not None and spec.after_shard(unit.is_root):
+            # The whole model: the sharded root, compiled in place.
+            target = compile_in_place(target, spec)
         env.logger.debug(
             "fully_shard",
             unit=unit.label,

@@ -1,0 +1,112 @@
+"""``.compile(...)``: ``torch.compile`` of each unit, or of the whole model, in place.
+
+Order, as torchtitan applies it: tensor parallelism (the user's, before the build), activation
+checkpointing, compile, then ``fully_shard`` of each unit; the root last.
+
+- ``per_unit=True``: every unit but the root is compiled with ``module.compile(**kwargs)``
+  right before the backend shards it (after its checkpoint wrapper, when the unit is chosen for
+  activation checkpointing: the wrapper is what gets compiled and sharded). The root (embeddings,
+  head...) is not compiled, as torchtitan compiles only the blocks.
+- ``per_unit=False``: the root is compiled after it is sharded: the whole model.
+
+``module.compile`` compiles in place: the module keeps its slot in its parent and its
+state-dict keys (no ``_orig_mod.`` prefix, which ``torch.compile(module)`` would add).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from attrs import frozen
+from torch import nn
+
+from fsdp_builder.describe import describe
+from fsdp_builder.errors import config_error
+
+_WHERE = "ShardingBuilder.compile"
+
+
+def _compile_arguments() -> frozenset[str]:
+    """``torch.compile``'s keyword arguments in this torch, the model excepted."""
+    params = inspect.signature(torch.compile).parameters
+    return frozenset(name for name in params if name != "model")
+
+
+def _to_items(
+    value: Mapping[str, Any] | tuple[tuple[str, Any], ...],
+) -> tuple[tuple[str, Any], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(k), v) for k, v in items))
+
+
+@frozen
+class CompileSpec:
+    """What ``.compile(per_unit, **kwargs)`` asked for; ``kwargs`` go to ``module.compile``."""
+
+    per_unit: bool = True
+    kwargs: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_to_items)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.per_unit, bool):
+            raise config_error(
+                _WHERE, "per_unit", f"expected a bool, got {self.per_unit!r}", "Pass True or False."
+            )
+        known = _compile_arguments()
+        unknown = sorted(name for name, _ in self.kwargs if name not in known)
+        if unknown:
+            raise config_error(
+                _WHERE,
+                unknown[0],
+                f"torch.compile takes no argument(s) {unknown}",
+                f"Pass torch.compile's own keywords: {sorted(known)}.",
+            )
+        given = dict(self.kwargs)
+        if given.get("mode") is not None and given.get("options") is not None:
+            raise config_error(
+                _WHERE,
+                "options",
+                "torch.compile takes either mode or options, not both",
+                "Drop one of them (mode presets are option sets).",
+            )
+
+    @property
+    def compile_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+    def describe(self) -> str:
+        return f"compile(per_unit={self.per_unit}, {describe(self.compile_kwargs)})"
+
+    def before_shard(self, is_root: bool) -> bool:
+        """Whether a unit is compiled before it is sharded (per unit, every unit but the root)."""
+        return self.per_unit and not is_root
+
+    def after_shard(self, is_root: bool) -> bool:
+        """Whether a unit is compiled after it is sharded (the whole model: the root)."""
+        return not self.per_unit and is_root
+
+
+def check_units(spec: CompileSpec, unit_count: int, where: str) -> None:
+    """``per_unit=True`` compiles the units below the root: refuse a plan with none, rather
+    than compile nothing."""
+    if spec.per_unit and unit_count <= 1:
+        raise config_error(
+            where,
+            "per_unit",
+            "compile(per_unit=True) compiles each wrap unit below the root, but the plan has only "
+            "the root",
+            "Choose units with .wrap(BlockClass), or compile the whole model with "
+            "compile(per_unit=False).",
+        )
+
+
+def compile_in_place(module: nn.Module, spec: CompileSpec) -> nn.Module:
+    """``module.compile(**kwargs)``: compiled in place, same slot, same state-dict keys."""
+    module.compile(**spec.compile_kwargs)
+    return module
+
+
+__all__ = ["CompileSpec", "check_units", "compile_in_place"]
