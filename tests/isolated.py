@@ -78,7 +78,7 @@ def _report(store: dist.Store, step: int, failed: bool, stall_seconds: float) ->
                 )
             break
         time.sleep(pause)
-        pause = min(2 * pause, 0.05)
+        pause = min(2 * pause, 0.01)
     if not store.check([f"{step}/declared"]):
         return None
     store.wait([f"{step}/stalled"])

@@ -271,6 +271,7 @@ def scenario(world: int, files: dict[str, str], key: Hashable) -> list[Any]:
 MULTI = [2, 4]  # the world sizes of the checks that need several ranks
 
 
+@functools.cache
 def expected_initial(name: str) -> dict[str, torch.Tensor]:
     """The single-process result of the same materializer on the same meta model."""
     model = meta_model()
