@@ -91,6 +91,9 @@ def batch(cfg: DemoConfig, step: int, size: int, seed: int = 1234) -> torch.Tens
 
 
 def loss_fn(model: nn.Module, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    # Tokens go where the model computes (FSDP moves its inputs, not the loss targets).
+    device = next((p.device for p in model.parameters() if not p.is_meta), tokens.device)
+    tokens = tokens.to(device)
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
 
