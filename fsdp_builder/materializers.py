@@ -408,6 +408,18 @@ class ResetParameters(BaseMaterializer):
 
     Modules not on meta are left as they are, so ranks that already hold real weights keep them.
     Values come from each rank's global RNG: seed every rank alike, or follow with a synchronizer.
+
+    Raises:
+        MaterializationError: in the configure stage, on every rank, naming every module on meta
+            that has no ``reset_parameters()`` (before any collective, model untouched); during
+            the build, naming the module whose initializer failed.
+
+    Example:
+        ```python
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        FSDPBuilder().wrap(Block).materialize(ResetParameters()).build(model)
+        ```
     """
 
     communicates: ClassVar[bool] = False
@@ -458,6 +470,21 @@ class InitFn(BaseMaterializer):
 
     Either way, a state left on meta or unwritten is a MaterializationError naming it. ``fn``
     must not run collectives: this step is local (one agreement per unit).
+
+    Raises:
+        ConfigurationError: ``fn`` is not callable.
+        MaterializationError: ``fn`` failed on a module, or left a state on meta or unwritten
+            (naming the states).
+
+    Example:
+        ```python
+        def param_init_fn(module):  # as for FullyShardedDataParallel(param_init_fn=...)
+            if any(t.is_meta for t in module.parameters(recurse=False)):
+                module.to_empty(device="cpu", recurse=False)
+                module.reset_parameters()
+
+        FSDPBuilder().wrap(Block).materialize(InitFn(param_init_fn)).build(model)
+        ```
     """
 
     communicates: ClassVar[bool] = False
@@ -592,6 +619,17 @@ class DeterministicInit(ResetParameters):
     The full weights depend only on ``seed`` and the model: bit-identical for any world size,
     sharding strategy or backend, and equal to ``DeterministicInit(seed).materialize_model(m)``
     on one process. States that are already real are re-initialized too (the seed decides).
+
+    Raises:
+        ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
+        MaterializationError: in the configure stage, naming every module with states and no
+            initializer.
+
+    Example:
+        ```python
+        # The same full weights at world size 1, 8 or 512, on FSDP1 or FSDP2.
+        FullyShardBuilder().wrap(Block).materialize(DeterministicInit(seed=0)).build(model)
+        ```
     """
 
     seed: int = attrs.field(default=0, validator=check_seed)
@@ -621,7 +659,19 @@ class DeterministicInit(ResetParameters):
 @frozen
 class DeferredInit(BaseMaterializer):
     """Materializes modules built under torchdistX's ``deferred_init`` by replaying their
-    recorded construction. Needs the optional ``torchdistx`` package."""
+    recorded construction. Needs the optional ``torchdistx`` package.
+
+    Raises:
+        ConfigurationError: at construction, when ``torchdistx`` does not import.
+
+    Example:
+        ```python
+        from torchdistx.deferred_init import deferred_init
+
+        model = deferred_init(Transformer, cfg)
+        FSDPBuilder().wrap(Block).materialize(DeferredInit()).build(model)
+        ```
+    """
 
     communicates: ClassVar[bool] = False
 
@@ -652,7 +702,17 @@ class DeferredInit(BaseMaterializer):
 
 @frozen
 class KeepAsIs(BaseMaterializer):
-    """Materializes nothing; a model with meta states is refused before any collective."""
+    """Materializes nothing; a model with meta states is refused before any collective.
+
+    Raises:
+        MaterializationError: in the configure stage, naming the states still on meta.
+
+    Example:
+        ```python
+        model = Transformer(cfg)  # real weights, the same on every rank (or synchronized)
+        FSDPBuilder().materialize(KeepAsIs()).synchronize(VerifyReplicas()).build(model)
+        ```
+    """
 
     communicates: ClassVar[bool] = False
 

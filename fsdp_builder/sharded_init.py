@@ -166,6 +166,16 @@ class ShardFirstReset(ResetParameters):
     on a shard; use ``DeterministicInit`` for those. With a backend that cannot shard first the
     same seeding applies to the full unit, of which each rank keeps its own slice.
     Random buffers would differ across shard indices: add a synchronizer if a module has them.
+
+    Raises:
+        ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
+        MaterializationError: in the configure stage, naming modules on meta without an
+            initializer; during the build, an initializer that needs the whole tensor.
+
+    Example:
+        ```python
+        FullyShardBuilder().wrap(Block).materialize(ShardFirstReset(seed=0)).build(model)
+        ```
     """
 
     seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
@@ -250,6 +260,17 @@ class InitWeights(BaseMaterializer):
     gives on a CPU mesh), and replicas of a shard (hybrid) agree. Like ``ShardFirstReset``, the
     values depend on the world size; for world-size-invariant weights use ``DeterministicInit``.
     Synchronizers see zeros for every unit but the root (the initializer runs last).
+
+    Raises:
+        MaterializationError: in the configure stage, when the model has no ``method``.
+        ConfigurationError: with a backend that cannot shard on meta (``FSDPBuilder``).
+
+    Example:
+        ```python
+        with torch.device("meta"):
+            model = Transformer(model_args)  # torchtitan-style: init_weights(buffer_device)
+        FullyShardBuilder().wrap(TransformerBlock).materialize(InitWeights(seed=0)).build(model)
+        ```
     """
 
     method: str = attrs.field(default="init_weights", validator=_check_method)

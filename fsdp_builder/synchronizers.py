@@ -101,7 +101,14 @@ class BaseSynchronizer(DeclaredHooks):
 
 @frozen
 class NoSync(BaseSynchronizer):
-    """Leaves states as they are (every rank built the same values itself)."""
+    """Leaves states as they are (every rank built the same values itself).
+
+    Example:
+        ```python
+        torch.manual_seed(0)  # every rank builds the same values itself
+        FSDPBuilder().materialize(ResetParameters()).synchronize(NoSync()).build(model)
+        ```
+    """
 
     communicates: bool = attrs.field(default=False, init=False)
 
@@ -128,7 +135,14 @@ class _ChainRun:
 
 @frozen
 class Chain(BaseSynchronizer):
-    """Runs several synchronizers in order, e.g. broadcast then verify."""
+    """Runs several synchronizers in order, e.g. broadcast then verify.
+
+    Example:
+        ```python
+        # What .synchronize(BroadcastFromRank0(), VerifyReplicas()) builds.
+        FSDPBuilder().synchronize(Chain((BroadcastFromRank0(), VerifyReplicas()))).build(model)
+        ```
+    """
 
     steps: tuple[StateSynchronizer, ...] = attrs.field(converter=_to_steps)
 
@@ -295,6 +309,18 @@ class BroadcastFromRank0(BaseSynchronizer):
     Large states are broadcast in place, small ones packed into buckets of ``bucket_bytes`` (see
     ``collectives.broadcast_tensors``); tensor subclasses travel as their inner tensors; a buffer
     shared with a nested unit was sent with that unit and is not sent again.
+
+    Raises:
+        ConfigurationError: ``bucket_bytes`` is not a positive int.
+        FSDPBuilderError: on every rank, before any broadcast, when a rank still has a state on
+            meta (pass a materializer).
+
+    Example:
+        ```python
+        # Rank 0 loaded real weights, the others built on meta: ResetParameters gives the
+        # others storage, the broadcast gives them rank 0's values.
+        FSDPBuilder().wrap(Block).synchronize(BroadcastFromRank0()).build(model)
+        ```
     """
 
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=check_bucket_bytes)
@@ -320,7 +346,17 @@ class VerifyReplicas(BaseSynchronizer):
     """Checks that every rank holds the same values for the unit's states (a checksum per
     tensor, gathered across ranks); on a divergence raises StateMismatchError naming the first
     differing state and the ranks involved, the same on every rank. Chain it after another
-    synchronizer: ``.synchronize(BroadcastFromRank0(), VerifyReplicas())``."""
+    synchronizer: ``.synchronize(BroadcastFromRank0(), VerifyReplicas())``.
+
+    Raises:
+        StateMismatchError: on every rank, naming the first differing state and the ranks.
+        FSDPBuilderError: a rank still has a state on meta.
+
+    Example:
+        ```python
+        FSDPBuilder().synchronize(BroadcastFromRank0(), VerifyReplicas()).build(model)
+        ```
+    """
 
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
