@@ -30,7 +30,12 @@ from fsdp_builder.backends import Backend
 from fsdp_builder.backends.fsdp1 import FSDP1Backend, check_fsdp2_only_options
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
 from fsdp_builder.compiling import CompileSpec
-from fsdp_builder.config import PerUnitFn, ShardingOptions, check_reshard_after_forward
+from fsdp_builder.config import (
+    PerUnitFn,
+    ShardingOptions,
+    check_reshard_after_forward,
+    to_dtype,
+)
 from fsdp_builder.devices import DeviceResolver, ExplicitDevice
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, config_error
@@ -189,21 +194,30 @@ class ShardingBuilder:
         self: B,
         policy: MixedPrecision | MixedPrecisionPolicy | None = None,
         *,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        buffer_dtype: torch.dtype | None = None,
-        output_dtype: torch.dtype | None = None,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        buffer_dtype: torch.dtype | str | None = None,
+        output_dtype: torch.dtype | str | None = None,
         cast_forward_inputs: bool | None = None,
     ) -> B:
         """A torch MixedPrecision, or its fields as keywords, with MixedPrecision's defaults.
+        Keyword dtypes are torch dtypes or their names (``"bf16"``, ``"bfloat16"``, ``"fp16"``,
+        ``"float32"``...).
 
         (``FullyShardBuilder`` also takes a MixedPrecisionPolicy, and maps keywords to
         ``fully_shard``'s defaults.)"""
+        if cast_forward_inputs is not None and not isinstance(cast_forward_inputs, bool):
+            raise config_error(
+                "ShardingBuilder.mixed_precision",
+                "cast_forward_inputs",
+                f"expected a bool, got {cast_forward_inputs!r}",
+                "Pass True or False.",
+            )
         keywords = {
-            "param_dtype": param_dtype,
-            "reduce_dtype": reduce_dtype,
-            "buffer_dtype": buffer_dtype,
-            "output_dtype": output_dtype,
+            "param_dtype": to_dtype(param_dtype, "param_dtype"),
+            "reduce_dtype": to_dtype(reduce_dtype, "reduce_dtype"),
+            "buffer_dtype": to_dtype(buffer_dtype, "buffer_dtype"),
+            "output_dtype": to_dtype(output_dtype, "output_dtype"),
             "cast_forward_inputs": cast_forward_inputs,
         }
         given = {k: v for k, v in keywords.items() if v is not None}

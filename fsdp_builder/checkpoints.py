@@ -53,6 +53,7 @@ from fsdp_builder.errors import ConfigurationError, MaterializationError, config
 from fsdp_builder.ignored import IgnoredStates, clean_name
 from fsdp_builder.loading import _LoadRun, _Reader, _unit_entries
 from fsdp_builder.materializers import BaseMaterializer, MaterializerRun
+from fsdp_builder.nonfinite import check_nonfinite_mode, nonfinite_names, nonfinite_verdict
 from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.tree import allocate_empty, unit_modules
 
@@ -570,6 +571,9 @@ class FromCheckpoint(BaseMaterializer):
         default=True, validator=attrs.validators.instance_of(bool)
     )
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=check_bucket_bytes)
+    # NaN / inf in the loaded weights: "warn" (a UserWarning naming the tensors), "error"
+    # (MaterializationError on every rank) or "ignore".
+    nonfinite: str = attrs.field(default="warn", validator=check_nonfinite_mode)
     shard_first: ClassVar[bool] = True
 
     @override
@@ -613,7 +617,7 @@ class FromCheckpoint(BaseMaterializer):
             raise
         assert source is not None
         _report(env, found)
-        return _LocalRun(env, source, found.keys)
+        return _LocalRun(env, source, found.keys, self.nonfinite)
 
     def _prepare_rank0(self, env: Environment) -> MaterializerRun:
         verdict: str | None = None
@@ -643,7 +647,9 @@ class FromCheckpoint(BaseMaterializer):
                 )
         box: list[Any] = [verdict]
         dist.broadcast_object_list(box, src=0, group=env.agreement_group)
-        run = _LoadRun(env, reader, self.bucket_bytes)
+        run = _LoadRun(
+            env, reader, self.bucket_bytes, nonfinite=self.nonfinite, loader="FromCheckpoint"
+        )
         if box[0] is not None:
             run.close()
             raise ConfigurationError(box[0])
@@ -704,12 +710,14 @@ class _LocalRun:
     env: Environment
     source: _Source | None
     keys: dict[str, str]
+    nonfinite: str = "warn"
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
         assert self.source is not None, "materialize after close"
         allocate_empty(unit_modules(unit.module, env.ignored.modules), env.device)
         targets: dict[str, torch.Tensor] = {}
+        loaded: list[tuple[str, torch.Tensor]] = []
         written = 0
         for entry in _unit_entries(unit, env.ignored):
             name = next((n for n in entry.names if n in self.keys), None)
@@ -719,15 +727,33 @@ class _LocalRun:
                 entry.tensor.detach() if not isinstance(entry.tensor, DTensor) else entry.tensor
             )
             targets[self.keys[name]] = target
+            loaded.append((name, target))
             local = target.to_local() if isinstance(target, DTensor) else target
             written += local.numel() * local.element_size()
+        error: MaterializationError | None = None
         try:
             self.source.fill(targets)
         except Exception as exc:
-            raise MaterializationError(
+            error = MaterializationError(
                 f"`FromCheckpoint` could not read unit '{unit.label}' out of "
                 f"{self.source.describe}: {type(exc).__name__}: {exc}. {_FIX}."
-            ) from exc
+            )
+            error.__cause__ = exc
+        # With FSDP1 every rank read the same full tensors and decides alone; with shards
+        # (FSDP2) a refusal is agreed, every rank taking part, also one whose read failed.
+        verdict = nonfinite_verdict(
+            self.nonfinite,
+            [] if error is not None else nonfinite_names(loaded),
+            loader="FromCheckpoint",
+            unit=unit.label,
+            source=self.source.describe,
+            alike=not env.shards_first,
+            group=env.agreement_group,
+        )
+        if error is not None:
+            raise error
+        if verdict is not None:
+            raise verdict
         env.logger.debug("loaded_unit", unit=unit.label, tensors=len(targets), bytes=written)
         return written
 

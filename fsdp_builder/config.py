@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
 import attrs
+import torch
 from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp import (
@@ -94,6 +95,57 @@ def _to_names(value: Iterable[str]) -> frozenset[str]:
     return frozenset(value)
 
 
+# Dtype names users type, as torch's floating dtypes.
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+_MIXED_PRECISION_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype")
+
+
+def to_dtype(value: Any, argument: str, where: str = "ShardingBuilder.mixed_precision") -> Any:
+    """A floating ``torch.dtype`` from a dtype or its name (``"bf16"``, ``"bfloat16"``,
+    ``"torch.float32"``, ``"fp16"``...); None stays None. Anything else is a ConfigurationError."""
+    if value is None:
+        return None
+    dtype = value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        dtype = _DTYPE_NAMES.get(key)
+        if dtype is None:
+            raise config_error(
+                where,
+                argument,
+                f"{value!r} is not a floating dtype name",
+                f"Pass a torch dtype such as torch.bfloat16, or one of {sorted(_DTYPE_NAMES)}.",
+            )
+    if not isinstance(dtype, torch.dtype):
+        raise config_error(
+            where,
+            argument,
+            f"expected a torch.dtype or a dtype name, got {type(value).__name__} {value!r}",
+            "Pass e.g. torch.bfloat16 or 'bf16'.",
+        )
+    if not dtype.is_floating_point:
+        raise config_error(
+            where,
+            argument,
+            f"{dtype} is not a floating-point dtype",
+            "Mixed precision computes in a floating dtype: pass torch.bfloat16, torch.float16 "
+            "or torch.float32.",
+        )
+    return dtype
+
+
 def _check_mixed_precision(_inst: Any, _attr: Any, value: Any) -> None:
     if value is not None and not isinstance(value, MixedPrecision | MixedPrecisionPolicy):
         raise config_error(
@@ -104,6 +156,16 @@ def _check_mixed_precision(_inst: Any, _attr: Any, value: Any) -> None:
             "Pass MixedPrecision(param_dtype=..., reduce_dtype=...), MixedPrecisionPolicy(...) "
             "(FSDP2) or keyword dtypes.",
         )
+    for name in _MIXED_PRECISION_DTYPES:
+        field = getattr(value, name, None)
+        if field is not None and not isinstance(field, torch.dtype):
+            raise config_error(
+                "ShardingBuilder.mixed_precision",
+                name,
+                f"the {type(value).__name__} holds {field!r}, not a torch.dtype",
+                f"Build it with a torch dtype ({name}=torch.bfloat16), or pass the dtypes as "
+                f"keywords, which also take names: mixed_precision({name}='bf16').",
+            )
 
 
 def check_reshard_after_forward(value: Any, where: str = "reshard_after_forward") -> None:

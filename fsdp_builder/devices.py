@@ -49,7 +49,31 @@ class BaseDeviceResolver(DeclaredHooks):
         raise NotImplementedError
 
 
+def _check_cuda_index(device: torch.device) -> None:
+    """``cuda:<index>`` needs CUDA and a GPU of that index on this machine."""
+    if device.type != "cuda" or device.index is None:
+        return
+    if not torch.cuda.is_available():
+        raise config_error(
+            "ExplicitDevice",
+            "device",
+            f"'{device}' was asked for but CUDA is not available on this machine",
+            "Use ExplicitDevice('cpu') (or CPUDevice(), LocalRankDevice()) with the gloo "
+            "backend, or run on a GPU machine.",
+        )
+    count = torch.cuda.device_count()
+    if device.index >= count:
+        raise config_error(
+            "ExplicitDevice",
+            "device",
+            f"'{device}' was asked for but this machine has {count} GPU(s) "
+            f"(cuda:0 to cuda:{count - 1})",
+            "Pass an index below the GPU count, or use LocalRankDevice() under torchrun.",
+        )
+
+
 def _with_index(device: torch.device, rank: int) -> torch.device:
+    _check_cuda_index(device)
     if device.type == "cuda" and device.index is None:
         if not torch.cuda.is_available():
             raise config_error(

@@ -139,6 +139,32 @@ def _wrapped_states(root: nn.Module) -> Iterator[Any]:
             yield sub
 
 
+def _check_in_model(root: nn.Module, modules: list[Any], params: list[nn.Parameter]) -> None:
+    """An ignored module or parameter that is not part of ``root`` would be ignored silently:
+    it is almost always one of another model (a copy, a model built twice)."""
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    outside = [
+        f"{type(m).__name__} module {i}" for i, m in enumerate(modules) if id(m) not in names
+    ]
+    if params:
+        param_ids = {id(p) for _, p in root.named_parameters(remove_duplicate=False)}
+        outside += [
+            f"parameter {i} of shape {list(p.shape)}"
+            for i, p in enumerate(params)
+            if id(p) not in param_ids
+        ]
+    if outside:
+        raise config_error(
+            "ShardingBuilder.ignore",
+            "states" if params else "modules",
+            f"{len(outside)} ignored item(s) are not part of the model being built "
+            f"({type(root).__name__}): {', '.join(outside[:8])}{' ...' if len(outside) > 8 else ''}"
+            " (counted in the order given)",
+            "Pass modules or parameters of the model you build (e.g. `ignore([model.head])` on "
+            "the same model object `build(model)` gets, not on a copy).",
+        )
+
+
 def resolve_ignored(
     root: nn.Module,
     modules: Iterable[nn.Module] | None = None,
@@ -152,6 +178,7 @@ def resolve_ignored(
     elif state_list:
         module_list = state_list
 
+    _check_in_model(root, module_list, params)
     roots = module_list + [m for m in root.modules() if is_replicated(m)]
     ignored_modules = {
         child

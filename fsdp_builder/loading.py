@@ -36,6 +36,7 @@ from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.ignored import IgnoredStates, clean_name
 from fsdp_builder.materializers import BaseMaterializer, MaterializerRun, buffers_to_compute
+from fsdp_builder.nonfinite import check_nonfinite_mode, nonfinite_names, nonfinite_verdict
 from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.tree import allocate_empty, module_names, qualified, unit_modules
 
@@ -112,7 +113,39 @@ def _check_mapping(value: Any, what: str) -> Mapping[str, Any]:
             f"entries {shown}{' ...' if len(bad) > 5 else ''} are not tensors named by strings; "
             "if it is a checkpoint holding a state dict, pass that inner dict",
         )
+    _check_values(value, what)
     return value
+
+
+def _check_values(value: Mapping[str, torch.Tensor], what: str) -> None:
+    """Tensors that hold no values this loader can read: on meta, or sharded (DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [k for k, v in value.items() if isinstance(v, DTensor)]
+    if sharded:
+        raise config_error(
+            "FromStateDict",
+            "source",
+            f"{what} holds DTensors ({_names(sharded)}): it is the state dict of a sharded "
+            "model, each rank holding a part",
+            "Pass the full state dict: torch.distributed.checkpoint.state_dict."
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) on the "
+            "sharded model, or model.state_dict() of the unwrapped one",
+        )
+    empty = [k for k, v in value.items() if v.is_meta]
+    if empty:
+        raise config_error(
+            "FromStateDict",
+            "source",
+            f"{what} holds tensors on the meta device, which have no values ({_names(empty)})",
+            "Pass the state dict of a model with real weights (not one built under "
+            "torch.device('meta'))",
+        )
+
+
+def _names(keys: list[str]) -> str:
+    more = f" ... ({len(keys)} in all)" if len(keys) > 5 else ""
+    return ", ".join(f"'{k}'" for k in keys[:5]) + more
 
 
 def _open(source: Any) -> _Reader:
@@ -286,6 +319,9 @@ class FromStateDict(BaseMaterializer):
         validator=_check_source_type, eq=attrs.cmp_using(eq=lambda a, b: a is b)
     )
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=check_bucket_bytes)
+    # NaN / inf in the loaded weights: "warn" (a UserWarning naming the tensors), "error"
+    # (MaterializationError on every rank) or "ignore".
+    nonfinite: str = attrs.field(default="warn", validator=check_nonfinite_mode)
     # Honoured by backends that shard on meta (FSDP2): rank 0 then scatters only the slices.
     shard_first: ClassVar[bool] = True
 
@@ -307,7 +343,7 @@ class FromStateDict(BaseMaterializer):
                 )
         box: list[Any] = [verdict]
         dist.broadcast_object_list(box, src=0, group=env.agreement_group)
-        run = _LoadRun(env, reader, self.bucket_bytes)
+        run = _LoadRun(env, reader, self.bucket_bytes, nonfinite=self.nonfinite)
         try:
             if box[0] is not None:
                 raise ConfigurationError(box[0])
@@ -335,6 +371,8 @@ class _LoadRun:
     reader: _Reader | None
     bucket_bytes: int
     computed: Computed = attrs.field(factory=dict)
+    nonfinite: str = "warn"
+    loader: str = "FromStateDict"
 
     def close(self) -> None:
         self.computed = {}
@@ -369,6 +407,17 @@ class _LoadRun:
         tensors = [e.tensor.detach() for e in entries]
         for group, src in sync_stages(env):
             written += broadcast_tensors(tensors, src, group, self.bucket_bytes)
+        # Every rank now holds the same values: each decides alone, and all alike.
+        verdict = nonfinite_verdict(
+            self.nonfinite,
+            nonfinite_names((e.names[0], e.tensor.detach()) for e in entries),
+            loader=self.loader,
+            unit=unit.label,
+            source="rank 0's source" if reader is None else reader.describe,
+            alike=True,
+        )
+        if verdict is not None:
+            raise verdict
         fill_buffers(modules, self.computed, device)
         env.logger.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -396,14 +445,34 @@ class _LoadRun:
                     f"`FromStateDict` could not read unit '{unit.label}' out of "
                     f"{reader.describe}: {type(exc).__name__}: {exc}. {_FIX_SOURCE}."
                 )
+        scatter_error: MaterializationError | None = None
         try:
             received = scatter_unit_state(unit, self.env, state)
-        except MaterializationError:
-            if error is None:
-                raise
-            received = 0  # the read error below says more than the entries it left out
+        except MaterializationError as exc:
+            scatter_error = exc
+            received = 0  # a read error says more than the entries it left out
+        # Ranks hold different slices: with nonfinite="error" every rank takes part in the
+        # verdict (also one whose read failed), so that all raise alike.
+        names = []
+        if error is None and scatter_error is None:
+            names = nonfinite_names(
+                (e.names[0], e.tensor) for e in _unit_entries(unit, self.env.ignored)
+            )
+        verdict = nonfinite_verdict(
+            self.nonfinite,
+            names,
+            loader=self.loader,
+            unit=unit.label,
+            source="rank 0's source" if reader is None else reader.describe,
+            alike=False,
+            group=self.env.agreement_group,
+        )
         if error is not None:
             raise error
+        if scatter_error is not None:
+            raise scatter_error
+        if verdict is not None:
+            raise verdict
         modules = unit_modules(unit.module, self.env.ignored.modules)
         fill_buffers(modules, self.computed, self.env.device)
         return received

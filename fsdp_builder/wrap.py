@@ -48,6 +48,14 @@ class WrapPolicy:
             return cls(torch_policy=spec)
         if _is_module_class(spec):
             return cls(classes=(spec,))
+        if isinstance(spec, type):
+            raise config_error(
+                "ShardingBuilder.wrap",
+                "policy",
+                f"the class {spec.__name__} is not an nn.Module subclass",
+                "Pass module classes such as `.wrap(TransformerBlock)` (the classes whose "
+                "instances become units), or a callable (module, fqn) -> bool.",
+            )
         if isinstance(spec, list | tuple | set | frozenset):
             items = list(spec)
             bad = [repr(i) for i in items if not _is_module_class(i)]
@@ -62,6 +70,7 @@ class WrapPolicy:
         if callable(spec):
             if _is_legacy_policy(spec):
                 return cls(legacy_policy=spec)
+            _check_predicate_arity(spec)
             return cls(predicate=spec)
         raise config_error(
             "ShardingBuilder.wrap",
@@ -228,6 +237,26 @@ def checkpoint_unit(
 
     visit(module, fqn)
     return module
+
+
+def _check_predicate_arity(fn: Callable[..., Any], where: str = "ShardingBuilder.wrap") -> None:
+    """A predicate is called as ``fn(module, fqn)``: refuse one that cannot take those two
+    positional arguments (a signature that cannot be read is accepted)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(nn.Module(), "")
+    except TypeError as exc:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise config_error(
+            where,
+            "policy",
+            f"the predicate {name}{signature} cannot be called as {name}(module, fqn) ({exc})",
+            "Pass a callable taking two arguments, the module and its fully-qualified name: "
+            "e.g. `lambda module, fqn: isinstance(module, Block)`.",
+        ) from None
 
 
 def _is_legacy_policy(fn: Callable[..., Any]) -> bool:

@@ -10,7 +10,7 @@ from torch import nn
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.environment import Environment
 from fsdp_builder.groups import ProcessGroups
-from fsdp_builder.plan import Unit
+from fsdp_builder.plan import Unit, UnitPlan
 
 
 @runtime_checkable
@@ -47,4 +47,26 @@ class Backend(Protocol):
         ...
 
 
-__all__ = ["Backend"]
+def check_model(backend: Backend, plan: UnitPlan, options: ShardingOptions) -> None:
+    """Refuse, in the configure stage, a model the backend would refuse at shard time (local,
+    pure: nothing changes, no collective). Always: a model already sharded at its root. Then
+    the backend's own ``check_plan(plan, options)`` when it has one (optional, so backends
+    written before it keep working): FSDP1 refuses non-floating parameters, several dtypes in
+    one unit and mixed ``requires_grad`` in one unit without ``use_orig_params``; FSDP2 refuses
+    scalar and non-contiguous parameters. Raises ``ConfigurationError`` naming the parameter or
+    module and the fix."""
+    from fsdp_builder.backends.checks import check_root_not_wrapped
+
+    check_root_not_wrapped(plan, _builder_name(backend))
+    check_plan = getattr(backend, "check_plan", None)
+    if callable(check_plan):
+        check_plan(plan, options)
+
+
+def _builder_name(backend: Backend) -> str:
+    return {"fsdp1": "FSDPBuilder", "fsdp2": "FullyShardBuilder"}.get(
+        getattr(backend, "name", ""), "ShardingBuilder"
+    )
+
+
+__all__ = ["Backend", "check_model"]

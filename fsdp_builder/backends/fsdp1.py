@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
 )
 
+from fsdp_builder.backends.checks import check_fsdp1_plan
 from fsdp_builder.compiling import check_units, compile_in_place
 from fsdp_builder.config import (
     HYBRID_STRATEGIES,
@@ -35,7 +36,7 @@ from fsdp_builder.config import (
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups
-from fsdp_builder.plan import Unit
+from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.wrap import checkpoint_unit, unit_overrides
 
 _WHERE = "FSDPBuilder"
@@ -183,6 +184,11 @@ class FSDP1Backend:
 
     def check(self, options: ShardingOptions) -> None:
         check_fsdp2_only_options(options)
+
+    def check_plan(self, plan: UnitPlan, options: ShardingOptions) -> None:
+        """Refuse what FullyShardedDataParallel would refuse at shard time (see
+        ``fsdp_builder.backends.check_model``); local, model untouched."""
+        check_fsdp1_plan(plan, options)
 
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device

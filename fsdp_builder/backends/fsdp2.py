@@ -80,6 +80,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from fsdp_builder.backends.checks import check_fsdp2_plan
 from fsdp_builder.compiling import check_units, compile_in_place
 from fsdp_builder.config import (
     NO_RESHARD_AFTER_FORWARD,
@@ -89,7 +90,7 @@ from fsdp_builder.config import (
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups, check_mesh
-from fsdp_builder.plan import Unit
+from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.wrap import checkpoint_unit, unit_overrides
 
 MESH_DIM_NAMES = ("replicate", "shard")
@@ -425,6 +426,11 @@ class FullyShardBackend:
         # Both the root and the other units take the same dtype fields: check them once here,
         # before any collective.
         mixed_precision_policy(options.mixed_precision, is_root=True)
+
+    def check_plan(self, plan: UnitPlan, options: ShardingOptions) -> None:
+        """Refuse what fully_shard would refuse at shard time (see
+        ``fsdp_builder.backends.check_model``); local, model untouched."""
+        check_fsdp2_plan(plan, options)
 
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device

@@ -1,0 +1,137 @@
+"""Model checks done in the configure stage: what torch would refuse at shard time, found from
+the unit plan (module tree, shapes, dtypes, flags, existing wrappers) while the model is still
+untouched, with a message that names the parameter or module and the fix.
+
+Each check is local and pure (no collective, no mutation), so every rank raises the same
+``ConfigurationError`` before the first collective of the build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from fsdp_builder.config import ShardingOptions
+from fsdp_builder.errors import ConfigurationError
+from fsdp_builder.ignored import clean_name, is_wrapped
+from fsdp_builder.plan import Unit, UnitPlan
+
+_SHOWN = 6
+
+
+def _listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" ... ({len(items)} in all)" if len(items) > _SHOWN else "")
+
+
+def unit_parameters(plan: UnitPlan) -> Iterator[tuple[Unit, str, nn.Parameter]]:
+    """Each unit's own parameters (as the plan assigns them), with their clean names."""
+    by_name: dict[str, nn.Parameter] = {}
+    for name, found in plan.root.module.named_parameters(remove_duplicate=False):
+        if found is not None:
+            by_name.setdefault(clean_name(name), found)
+    for unit in plan:
+        for info in unit.params:
+            param = by_name.get(info.name)
+            if param is not None:
+                yield unit, info.name, param
+
+
+def check_root_not_wrapped(plan: UnitPlan, builder: str) -> None:
+    """A model already sharded at its root cannot be sharded again (children already sharded
+    are fine: the plan keeps their units as they are)."""
+    root = plan.root.module
+    if not is_wrapped(root):
+        return
+    how = (
+        "FullyShardedDataParallel"
+        if isinstance(root, torch.distributed.fsdp.FullyShardedDataParallel)
+        else "fully_shard"
+    )
+    raise ConfigurationError(
+        f"`{builder}.build` got a model that is already sharded at its root: "
+        f"{type(root).__name__} was wrapped by {how}. Pass the model before it was sharded "
+        "(sharded children are fine: they keep their own units), or use the sharded model as "
+        "it is."
+    )
+
+
+def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
+    """What FullyShardedDataParallel's FlatParameter refuses: non-floating parameters, several
+    dtypes in one unit, and (without ``use_orig_params``) mixed ``requires_grad`` in one unit."""
+    where = "FSDPBuilder"
+    integers: list[str] = []
+    dtypes: dict[Unit, dict[torch.dtype, str]] = {}
+    grads: dict[Unit, dict[bool, str]] = {}
+    for unit, name, param in unit_parameters(plan):
+        if not param.dtype.is_floating_point and not param.dtype.is_complex:
+            integers.append(f"'{name}' ({param.dtype}, unit '{unit.label}')")
+            continue
+        dtypes.setdefault(unit, {}).setdefault(param.dtype, name)
+        grads.setdefault(unit, {}).setdefault(param.requires_grad, name)
+    if integers:
+        raise ConfigurationError(
+            f"`{where}.build`: FullyShardedDataParallel flattens each unit's parameters into one "
+            f"floating-point FlatParameter and cannot shard non-floating parameters: "
+            f"{_listed(integers)}. Register them as buffers (`module.register_buffer(...)`), "
+            "ignore their modules with `.ignore([...])`, or use FullyShardBuilder."
+        )
+    for unit, by_dtype in dtypes.items():
+        if len(by_dtype) > 1:
+            found = [f"'{name}' is {dtype}" for dtype, name in by_dtype.items()]
+            raise ConfigurationError(
+                f"`{where}.build`: unit '{unit.label}' holds parameters of several dtypes "
+                f"({_listed(found)}); FullyShardedDataParallel flattens a unit into one "
+                "FlatParameter of one dtype. Cast the model to one dtype before build() (use "
+                "mixed_precision(...) for low-precision compute), or make the odd modules units "
+                "of their own with `.wrap(...)`."
+            )
+    if options.use_orig_params:
+        return
+    for unit, by_grad in grads.items():
+        if len(by_grad) > 1:
+            raise ConfigurationError(
+                f"`{where}.build`: unit '{unit.label}' mixes parameters that require grad "
+                f"('{by_grad[True]}') and frozen ones ('{by_grad[False]}'); without "
+                "use_orig_params FullyShardedDataParallel flattens a unit into one FlatParameter "
+                "with one requires_grad. Call `.use_orig_params(True)`, or make the frozen "
+                "modules units of their own with `.wrap(...)`."
+            )
+
+
+def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
+    """What ``fully_shard`` refuses: scalar (0-dim) and non-contiguous parameters."""
+    where = "FullyShardBuilder"
+    scalars: list[str] = []
+    strided: list[str] = []
+    for unit, name, param in unit_parameters(plan):
+        if param.dim() == 0:
+            scalars.append(f"'{name}' (unit '{unit.label}')")
+        elif not param.is_contiguous():
+            strided.append(
+                f"'{name}' (shape {list(param.shape)}, stride {list(param.stride())}, unit "
+                f"'{unit.label}')"
+            )
+    if scalars:
+        raise ConfigurationError(
+            f"`{where}.build`: fully_shard shards parameters along dim 0 and refuses scalar "
+            f"(0-dim) parameters: {_listed(scalars)}. Make each a 1-D tensor of one element "
+            "(e.g. `nn.Parameter(torch.ones(1))`), or leave it out with "
+            "`.ignore(states=[...])`."
+        )
+    if strided:
+        raise ConfigurationError(
+            f"`{where}.build`: fully_shard refuses non-contiguous parameters: "
+            f"{_listed(strided)}. Make them contiguous before build() (e.g. "
+            "`module.weight = nn.Parameter(module.weight.detach().contiguous())`)."
+        )
+
+
+__all__ = [
+    "check_fsdp1_plan",
+    "check_fsdp2_plan",
+    "check_root_not_wrapped",
+    "unit_parameters",
+]

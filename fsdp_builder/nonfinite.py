@@ -1,0 +1,107 @@
+"""NaN and inf in loaded weights: found per tensor a rank holds, then warned about, refused or
+let through, as the loader's ``nonfinite`` option says.
+
+The check is ``torch.isfinite(t).all()`` per tensor (one pass over what the rank already holds).
+Where every rank holds the same values (a broadcast unit, or full tensors every rank read), each
+rank decides alone and all decide alike. Where ranks hold different slices (FSDP2 shards), an
+``"error"`` decision is agreed first, so every rank raises the same ``MaterializationError``
+instead of one rank raising while its peers wait in the next collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Final
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fsdp_builder.collectives import collective_device
+from fsdp_builder.errors import MaterializationError, config_error
+from fsdp_builder.logs import warn_user
+
+NONFINITE_MODES: Final = ("warn", "error", "ignore")
+_SHOWN = 8
+
+
+def check_nonfinite_mode(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator of a loader's ``nonfinite`` option."""
+    if value not in NONFINITE_MODES:
+        raise config_error(
+            type(instance).__name__,
+            attribute.name,
+            f"expected one of {list(NONFINITE_MODES)}, got {value!r}",
+            "Pass nonfinite='warn' (the default: a warning naming the tensors), 'error' (stop "
+            "the build on every rank) or 'ignore'.",
+        )
+
+
+def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the tensors holding NaN or inf (a DTensor: its local part)."""
+    bad = []
+    for name, tensor in named:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_meta or not (local.is_floating_point() or local.is_complex()):
+            continue
+        if local.numel() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
+def _gather(names: list[str], group: dist.ProcessGroup | None) -> list[str]:
+    """Every rank's names, in rank order, without repeats (one tiny all-reduce; the names
+    travel only when some rank found any)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return names
+    count = torch.tensor([len(names)], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(count, group=group)
+    if int(count.item()) == 0:
+        return []
+    lists: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(lists, names, group=group)
+    return list(dict.fromkeys(n for found in lists for n in found))
+
+
+def nonfinite_verdict(
+    mode: str,
+    names: list[str],
+    *,
+    loader: str,
+    unit: str,
+    source: str,
+    alike: bool,
+    group: dist.ProcessGroup | None = None,
+) -> MaterializationError | None:
+    """Warn about, or return the error for, the non-finite tensors ``names`` this rank found in
+    ``unit``. ``alike``: every rank holds the same values (no exchange needed). With
+    ``mode="error"`` and ``alike=False`` every rank of ``group`` must call this for the unit (it
+    agrees, so the verdict is the same everywhere). Returns the error for the caller to raise
+    after its own cleanup; None when there is nothing to raise."""
+    if mode == "ignore":
+        return None
+    if mode == "warn":
+        if names:
+            warn_user(
+                f"`{loader}` loaded NaN or inf values from {source} into unit '{unit}': "
+                f"{_listed(names)}. Check the source; pass nonfinite='error' to stop the build "
+                "on such values, or nonfinite='ignore' to silence this warning."
+            )
+        return None
+    found = names if alike else _gather(names, group)
+    if not found:
+        return None
+    return MaterializationError(
+        f"`{loader}` found NaN or inf values in {source} for unit '{unit}': "
+        f"{_listed(found)}. Fix or re-export the source, or pass nonfinite='warn' (or "
+        "'ignore') to load such values anyway."
+    )
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN])
+    return shown + (f" ... ({len(names)} in all)" if len(names) > _SHOWN else "")
+
+
+__all__ = ["NONFINITE_MODES", "check_nonfinite_mode", "nonfinite_names", "nonfinite_verdict"]
