@@ -13,8 +13,10 @@ import attrs
 import torch
 import torch.distributed as dist
 from attrs import frozen
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from fsdp_builder.collectives import collective_device
@@ -287,52 +289,130 @@ class HybridGroups(BaseGroupFactory):
         return ProcessGroups(shard_group=self.shard_group, replicate_group=self.replicate_group)
 
 
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (``mesh`` itself when it is not a slice)."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if callable(get_root) else None
+    return root if isinstance(root, DeviceMesh) else mesh
+
+
+def describe_mesh(mesh: DeviceMesh) -> str:
+    """``dims ('dp',) (size 2) of the ('dp', 'tp') mesh (2, 2)``: which dims a mesh uses, and of
+    what, for messages."""
+    names = mesh.mesh_dim_names
+    shape = tuple(mesh.shape)
+    root = root_mesh(mesh)
+    own = f"dims {names} {shape}" if names else f"a {mesh.ndim}-D mesh {shape}"
+    if root is mesh:
+        return own
+    return f"{own} of the {root.mesh_dim_names} mesh {tuple(root.shape)}"
+
+
+def other_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The dims of the mesh ``mesh`` was sliced from that it does not use (e.g. ``('tp',)``):
+    the dims the parameters are already placed on, which FSDP does not shard over."""
+    root = root_mesh(mesh)
+    if root is mesh or not root.mesh_dim_names:
+        return ()
+    mine = set(mesh.mesh_dim_names or ())
+    return tuple(name for name in root.mesh_dim_names if name not in mine)
+
+
 def check_mesh_ndim(mesh: DeviceMesh, where: str) -> None:
     """FSDP shards over a 1-D mesh, or a 2-D (replicate, shard) one for hybrid sharding."""
     if mesh.ndim not in (1, 2):
         raise config_error(
             where,
             "mesh",
-            f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} cannot be used",
+            f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} cannot be used "
+            f"({describe_mesh(mesh)}): FSDP shards over 1 or 2 dims",
             "Pass a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid sharding; slice "
-            "the data-parallel dimensions off first (e.g. mesh['dp']).",
+            "the data-parallel dimensions off first (e.g. mesh['dp'], or "
+            "mesh['dp_replicate', 'dp_shard'] for hybrid sharding next to tensor parallelism).",
         )
 
 
 def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None:
-    """A mesh fits the strategy: 2-D for hybrid, 1-D otherwise, spanning the whole world."""
+    """A mesh fits the strategy: 2-D for hybrid, 1-D otherwise, spanning the whole world, or
+    sliced (its data-parallel dims) from a mesh that spans the whole world, whose other dims
+    (tensor parallelism...) the parameters are already placed on."""
     check_mesh_ndim(mesh, where)
     hybrid = strategy in HYBRID_STRATEGIES
+    used = describe_mesh(mesh)
     if hybrid and mesh.ndim != 2:
         raise config_error(
             where,
             "mesh",
-            f"{strategy.name} needs a 2-D (replicate, shard) mesh, got {mesh.ndim}-D",
+            f"{strategy.name} needs a 2-D (replicate, shard) mesh, got {used}",
             "Create it with init_device_mesh(device_type, (num_nodes, devices_per_node), "
-            "mesh_dim_names=('replicate', 'shard')).",
+            "mesh_dim_names=('replicate', 'shard')), or slice two dims off a larger mesh "
+            "(mesh['dp_replicate', 'dp_shard']).",
         )
     if not hybrid and mesh.ndim != 1:
         raise config_error(
             where,
             "mesh",
-            f"{strategy.name} shards over one dimension, got a {mesh.ndim}-D mesh",
-            "Pass a 1-D mesh, or use .sharding('hybrid') with a 2-D mesh.",
+            f"{strategy.name} shards over one dimension, got {used}",
+            "Pass a 1-D mesh (e.g. mesh['dp']), or use .sharding('hybrid') with a 2-D mesh.",
         )
     world = dist.get_world_size()
-    if mesh.size() != world:
+    root = root_mesh(mesh)
+    if root is mesh and mesh.size() != world:
         raise config_error(
             where,
             "mesh",
-            f"the mesh spans {mesh.size()} ranks but the world has {world}",
-            "Create the mesh over every rank that builds the model.",
+            f"the mesh spans {mesh.size()} ranks but the world has {world} ({used})",
+            "Create the mesh over every rank that builds the model, or pass the data-parallel "
+            "dims sliced from such a mesh (e.g. mesh['dp'] of a ('dp', 'tp') mesh).",
         )
+    if root is not mesh and root.size() != world:
+        raise config_error(
+            where,
+            "mesh",
+            f"FSDP would shard over {used}, which spans {root.size()} ranks but the world has "
+            f"{world}",
+            "Create the full mesh over every rank that builds the model.",
+        )
+
+
+def check_placed_on_other_dims(mesh: DeviceMesh | None, model: nn.Module, where: str) -> None:
+    """A mesh sliced from a larger one (FSDP's data-parallel dims) that does not span the world
+    needs parameters already placed on the other dims (e.g. ``parallelize_module`` on
+    ``mesh["tp"]``): else the ranks along those dims would each train their own copy of the
+    model. Local: reads the parameters' DTensor meshes only."""
+    if mesh is None or root_mesh(mesh) is mesh or mesh.size() == dist.get_world_size():
+        return
+    # By dim names, not by mesh identity: torch may hand out a cached slice of an equal
+    # earlier mesh as ``mesh["tp"]``, so a parameter's mesh need not share FSDP's root object.
+    others = set(other_dims(mesh))
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            placed = set(param.device_mesh.mesh_dim_names or ())
+            if placed and placed <= others:
+                return
+    raise config_error(
+        where,
+        "mesh",
+        f"the mesh spans {mesh.size()} ranks but the world has {dist.get_world_size()} "
+        f"({describe_mesh(mesh)}), and no parameter is placed on its other dims "
+        f"{other_dims(mesh)}: the ranks along them would each train their own copy",
+        f"Place the parameters on {other_dims(mesh)} first (parallelize_module(model, "
+        "mesh['tp'], plan) before build()), or pass a mesh over every rank.",
+    )
 
 
 @frozen(eq=False)
 class MeshGroups(BaseGroupFactory):
-    """A device mesh: 1-D for sharding over one group; 2-D ``(replicate, shard)`` for hybrid."""
+    """A device mesh: 1-D for sharding over one group; 2-D ``(replicate, shard)`` for hybrid.
+
+    Next to tensor parallelism, pass the data-parallel dims of the full mesh: ``mesh["dp"]``
+    (or ``MeshGroups(mesh, dims=("dp",))``; for hybrid sharding
+    ``mesh["dp_replicate", "dp_shard"]``). FSDP shards over those dims; the parameters must
+    already be placed on the other dims (``parallelize_module(model, mesh["tp"], plan)`` before
+    the build). Every rank of the world still builds and agrees together."""
 
     mesh: DeviceMesh
+    dims: tuple[str, ...] | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -342,6 +422,19 @@ class MeshGroups(BaseGroupFactory):
                 f"expected a torch DeviceMesh, got {type(self.mesh).__name__}",
                 "Create one with torch.distributed.device_mesh.init_device_mesh(...).",
             )
+        if self.dims is not None:
+            names = self.mesh.mesh_dim_names or ()
+            dims = (self.dims,) if isinstance(self.dims, str) else tuple(self.dims)
+            missing = [d for d in dims if d not in names]
+            if not dims or missing:
+                raise config_error(
+                    "MeshGroups",
+                    "dims",
+                    f"dims {dims} are not dims of the mesh {names} {tuple(self.mesh.shape)}",
+                    f"Pass data-parallel dims from {names}, e.g. dims=('dp',).",
+                )
+            object.__setattr__(self, "mesh", self.mesh[dims if len(dims) > 1 else dims[0]])
+            object.__setattr__(self, "dims", dims)
         check_mesh_ndim(self.mesh, "MeshGroups")
 
     @override

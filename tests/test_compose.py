@@ -6,8 +6,10 @@ Compile runs with the ``eager`` / ``aot_eager`` backends, which need no C compil
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -17,10 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from fsdp_builder import ConfigurationError, CPUDevice, FullyShardBuilder
+from fsdp_builder import ConfigurationError, CPUDevice, FullyShardBuilder, KeepAsIs, MeshGroups
+from fsdp_builder.groups import describe_mesh, other_dims
 from fsdp_builder.launch import run_ranks
 
 DIM = 8
@@ -211,3 +215,191 @@ def test_compile_on_two_ranks_matches_plain_calls(
 ) -> None:
     for result in two_ranks:
         check(result[name], name)
+
+
+# -- tensor parallelism (and HSDP) next to FSDP: four ranks, one spawn ---------------------------
+
+RECIPES = Path(__file__).resolve().parents[1] / "docs" / "recipes"
+TP_STEPS = 5
+LLAMA = {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "max_seq_len": 16}
+# aot_eager fails on tensor-parallel blocks under activation checkpointing in torch 2.13 (AOT
+# autograd saves a DeviceMesh for backward, "expected all tensors_saved_with_vc_check to be
+# Tensors"), by hand as through the builder: Dynamo alone here.
+TP_COMPILE_BACKEND = "eager"
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _llama() -> Any:
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    import llama_model
+
+    return llama_model
+
+
+def layers(model: nn.Module) -> nn.ModuleDict:
+    return cast(nn.ModuleDict, model.get_submodule("layers"))
+
+
+def tensor_parallel(model: nn.Module, tp: DeviceMesh) -> nn.Module:
+    """torchtitan's plan for each block: column-wise q/k/v and w1/w3, row-wise wo and w2."""
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in layers(model).values():
+        parallelize_module(block, tp, plan)
+        # Each rank now computes its share of the heads.
+        attention: Any = block.get_submodule("attention")
+        attention.n_heads //= tp.size()
+        attention.n_kv_heads //= tp.size()
+    return model
+
+
+def new_llama(mesh: DeviceMesh | None) -> nn.Module:
+    llama = _llama()
+    torch.manual_seed(0)
+    model = llama.Transformer(llama.ModelArgs(**LLAMA))
+    model.init_weights()
+    return model if mesh is None else tensor_parallel(model, mesh["tp"])
+
+
+def llama_train(model: nn.Module, data_rank: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(TP_STEPS):
+        gen = torch.Generator().manual_seed(100 * step + data_rank)
+        tokens = torch.randint(0, LLAMA["vocab_size"], (2, 9), generator=gen)
+        logits = model(tokens[:, :-1]).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# name: (mesh shape and dims, activation checkpointing and compile per block, mixed precision)
+COMPOSED: dict[str, tuple[tuple[int, ...], tuple[str, ...], bool, MixedPrecisionPolicy | None]] = {
+    "tp2_fsdp2": ((2, 2), ("dp", "tp"), False, None),
+    "tp2_fsdp2_ac_compile_bf16": ((2, 2), ("dp", "tp"), True, BF16),
+    "hsdp_2x2": ((2, 2), ("dp_replicate", "dp_shard"), False, None),
+    "hsdp_1x2_tp2": ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"), False, None),
+}
+
+
+def composed(name: str) -> dict[str, Any]:
+    shape, dims, extras, mp = COMPOSED[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    has_tp = "tp" in dims
+    dp_dims = tuple(d for d in dims if d != "tp")
+    dp = mesh[dp_dims if len(dp_dims) > 1 else dp_dims[0]]
+    llama = _llama()
+    torch._dynamo.reset()
+    # The builder: TP by the user, then FSDP over the data-parallel dims of the same mesh.
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock)
+    builder.materialize(KeepAsIs()).groups(dp)
+    if len(dp_dims) > 1:
+        builder.sharding("hybrid")
+    if extras:
+        builder.activation_checkpointing(llama.TransformerBlock)
+        builder.compile(backend=TP_COMPILE_BACKEND)
+    if mp is not None:
+        builder.mixed_precision(mp)
+    mine = builder.build(new_llama(mesh if has_tp else None))
+    # By hand: the same calls written out.
+    hand = new_llama(mesh if has_tp else None)
+    kwargs: dict[str, Any] = {"mesh": dp} if mp is None else {"mesh": dp, "mp_policy": mp}
+    for key, block in list(layers(hand).items()):
+        if extras:
+            block = checkpoint_wrapper(block)
+            layers(hand)[key] = block
+            block.compile(backend=TP_COMPILE_BACKEND)
+        fully_shard(block, reshard_after_forward=True, **kwargs)
+    fully_shard(hand, reshard_after_forward=False, **kwargs)
+    # Ranks of one TP group (tp is the innermost dim) train on the same batch.
+    data_rank = dist.get_rank() // (mesh["tp"].size() if has_tp else 1)
+    unit = cast(FSDPModule, layers(mine)["0"])
+    group = unit._get_fsdp_state()._fsdp_param_group
+    assert group is not None
+    return {
+        "settings": (settings(mine), settings(hand)),
+        "losses": (llama_train(mine, data_rank), llama_train(hand, data_rank)),
+        "mesh": group.mesh_info.mesh.mesh_dim_names,
+    }
+
+
+def test_mesh_validation_names_the_dims(world1: None) -> None:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    picked = MeshGroups(mesh, dims=("dp",))
+    assert picked.mesh.mesh_dim_names == ("dp",) and picked.dims == ("dp",)
+    assert describe_mesh(picked.mesh) == "dims ('dp',) (1,) of the ('dp', 'tp') mesh (1, 1)"
+    assert other_dims(picked.mesh) == ("tp",)
+    with pytest.raises(ConfigurationError, match=r"dims \('pp',\) are not dims of the mesh"):
+        MeshGroups(mesh, dims=("pp",))
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).groups(mesh)
+    with pytest.raises(
+        ConfigurationError, match=r"FULL_SHARD shards over one dimension, got dims "
+    ):
+        builder.build(new_net())
+    hybrid = FullyShardBuilder().sharding("hybrid").groups(mesh["dp"])
+    with pytest.raises(ConfigurationError, match=r"needs a 2-D.*got dims \('dp',\) \(1,\) of the"):
+        hybrid.build(new_net())
+
+
+def dp_without_tp() -> str:
+    """FSDP over mesh["dp"] of a model not placed on mesh["tp"]: refused."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(_llama().TransformerBlock)
+    builder.materialize(KeepAsIs()).groups(mesh["dp"])
+    try:
+        builder.build(new_llama(None))
+    except ConfigurationError as exc:
+        return str(exc)
+    return "built"
+
+
+def composed_rank_main() -> dict[str, Any]:
+    out: dict[str, Any] = {name: composed(name) for name in COMPOSED}
+    out["dp_without_tp"] = dp_without_tp()
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, Any]]:
+    return run_ranks(composed_rank_main, 4, timeout=400)
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_composition_on_four_ranks_matches_plain_calls(
+    name: str, four_ranks: list[dict[str, Any]]
+) -> None:
+    tolerance = 1e-5 if COMPOSED[name][3] is None else 2e-2
+    for result in four_ranks:
+        mine, hand = result[name]["settings"]
+        assert mine == hand
+        assert not any("_orig_mod" in k or "_checkpoint_wrapped" in k for k in mine["keys"])
+        losses, hand_losses = result[name]["losses"]
+        assert losses == pytest.approx(hand_losses, abs=tolerance, rel=0)
+        # FSDP shards over the data-parallel dims only.
+        assert result[name]["mesh"] == tuple(d for d in COMPOSED[name][1] if d != "tp")
+        if COMPOSED[name][2]:
+            assert set(mine["compiled"].values()) == {"FSDPCheckpointWrapper"}
+
+
+@pytest.mark.timeout(450)
+def test_a_dp_sub_mesh_without_tensor_parallelism_is_refused(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    for result in four_ranks:
+        message = result["dp_without_tp"]
+        assert "the mesh spans 2 ranks but the world has 4" in message, message
+        assert "dims ('dp',) (2,) of the ('dp', 'tp') mesh (2, 2)" in message
+        assert "no parameter is placed on its other dims ('tp',)" in message

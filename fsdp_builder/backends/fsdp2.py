@@ -89,7 +89,7 @@ from fsdp_builder.config import (
 )
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
-from fsdp_builder.groups import ProcessGroups, check_mesh
+from fsdp_builder.groups import ProcessGroups, check_mesh, check_placed_on_other_dims
 from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.wrap import checkpoint_unit, unit_overrides
 
@@ -440,6 +440,9 @@ class FullyShardBackend:
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         kwargs = fully_shard_kwargs(unit, env)
+        if unit is env.plan.units[0]:
+            # Before the first unit changes: a sub-mesh needs the model placed on its other dims.
+            check_placed_on_other_dims(env.groups.mesh, env.plan.root.module, f"{_where()}.groups")
         target = unit.module
         chosen = env.options.activation_checkpointing
         if chosen is not None:
