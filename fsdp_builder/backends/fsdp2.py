@@ -281,6 +281,10 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
             _check_mesh(groups.mesh, groups, strategy)
             over = groups.mesh.get_group(0)
         if over.size() == 1:
+            if groups.mesh is not None and groups.mesh.ndim == 1:
+                # The given mesh itself: a slice of a larger mesh (tensor parallelism on the
+                # other dims) must stay one, for fully_shard and for the placement check.
+                return groups.mesh
             return DeviceMesh.from_group(over, device_type)
         # A replicate-only layout: shard dimension of size one, every rank keeps whole tensors.
         layout = torch.tensor(dist.get_process_group_ranks(over), dtype=torch.int).view(-1, 1)
