@@ -98,14 +98,34 @@ def quiet_demo_warnings(rank: int) -> None:
 DEMO_SEED = 0
 
 
-def build_demo(backend: str, strategy: str) -> ShardingBuilder:
+def compile_backend(name: str, cuda: bool) -> str | None:
+    """``--compile``'s backend: ``default`` is torch's own (inductor) on CUDA and ``aot_eager``
+    on CPU, which needs no C compiler; any other name is passed to torch.compile as given."""
+    if name != "default":
+        return name
+    return None if cuda else "aot_eager"
+
+
+def build_demo(
+    backend: str,
+    strategy: str,
+    activation_checkpointing: bool = False,
+    compile: str | None = None,
+) -> ShardingBuilder:
     """The builder the demo uses: the model comes from meta, each unit initialized from a
-    per-name seed, so the weights are the same whatever the world size."""
+    per-name seed, so the weights are the same whatever the world size. Optionally each block
+    is checkpointed (``activation_checkpointing``) and compiled (``compile``: a torch.compile
+    backend, or ``default``), in torchtitan's order: checkpoint, compile, shard."""
     builder: ShardingBuilder = FullyShardBuilder() if backend == "fsdp2" else FSDPBuilder()
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     builder.device(device).wrap(Block).sharding(strategy)
     builder.materialize(DeterministicInit(seed=DEMO_SEED))
+    if activation_checkpointing:
+        builder.activation_checkpointing(Block)
+    if compile is not None:
+        chosen = compile_backend(compile, cuda)
+        builder.compile(per_unit=True, **({} if chosen is None else {"backend": chosen}))
     if strategy == "hybrid":
         world = dist.get_world_size()
         per_node = local_node_size(world)
@@ -114,7 +134,13 @@ def build_demo(backend: str, strategy: str) -> ShardingBuilder:
 
 
 def demo_rank(
-    backend: str, strategy: str, steps: int, verbose: bool, quiet: bool = False
+    backend: str,
+    strategy: str,
+    steps: int,
+    verbose: bool,
+    quiet: bool = False,
+    activation_checkpointing: bool = False,
+    compile: str | None = None,
 ) -> dict[str, Any]:
     """One rank of the demo: build, train on a fixed batch, return the report and losses."""
     configure_logging(verbose)
@@ -127,7 +153,7 @@ def demo_rank(
     progress(
         f"{world} rank(s) ready; building the sharded model ({backend}, {strategy})…", not lead
     )
-    builder = build_demo(backend, strategy)
+    builder = build_demo(backend, strategy, activation_checkpointing, compile)
     sharded = builder.build(model)
     if steps:
         progress(f"training {steps} step(s) on a fixed batch…", not lead)
@@ -145,6 +171,8 @@ def demo_rank(
         "units": len(builder.plan),
         "model_params": builder.plan.numel,
         "losses": losses,
+        "activation_checkpointing": activation_checkpointing,
+        "compile": compile,
     }
 
 
@@ -159,7 +187,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
         try:
-            out = demo_rank(args.backend, args.strategy, args.steps, args.verbose, args.quiet)
+            out = demo_rank(
+                args.backend,
+                args.strategy,
+                args.steps,
+                args.verbose,
+                args.quiet,
+                args.activation_checkpointing,
+                args.compile,
+            )
             # Every rank's losses, as when the demo starts the ranks itself.
             per_rank: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, out["losses"])
@@ -183,6 +219,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             args.steps,
             args.verbose,
             args.quiet,
+            args.activation_checkpointing,
+            args.compile,
             timeout=args.timeout,
         )
         out = outs[0]
@@ -371,6 +409,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--verbose", action="store_true", help="log every stage event of the build (structlog)"
+    )
+    demo.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="checkpoint each block's activations (torch's checkpoint_wrapper, before sharding)",
+    )
+    demo.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile each block after checkpointing and before sharding; BACKEND is "
+        "torch.compile's (eager, aot_eager, inductor...), default: inductor on CUDA, aot_eager "
+        "on CPU (no C compiler needed)",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     demo.add_argument(
