@@ -21,6 +21,7 @@ from fsdp_builder.errors import (
     RankDisagreementError,
     StateMismatchError,
 )
+from fsdp_builder.export import save_hf_checkpoint
 from fsdp_builder.groups import (
     AutoHybridGroups,
     BaseGroupFactory,
@@ -100,6 +101,7 @@ __all__ = [
     "WrapPolicy",
     "plan_units",
     "resolve_ignored",
+    "save_hf_checkpoint",
     "BroadcastFromRank0",
     "DeferredInit",
     "DeterministicInit",
