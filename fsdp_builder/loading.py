@@ -325,6 +325,10 @@ class FromStateDict(BaseMaterializer):
     # Honoured by backends that shard on meta (FSDP2): rank 0 then scatters only the slices.
     shard_first: ClassVar[bool] = True
 
+    def describe(self) -> str:
+        """What ranks compare: only rank 0's source is used, so it is left out."""
+        return f"FromStateDict(bucket_bytes={self.bucket_bytes}, nonfinite={self.nonfinite!r})"
+
     @override
     def prepare(self, env: Environment) -> MaterializerRun:
         """Open and validate the source on rank 0; every rank raises the same error if it does

@@ -29,7 +29,7 @@ from attrs import define, frozen
 from torch import nn
 
 from fsdp_builder.agreement import Agreement
-from fsdp_builder.backends import Backend
+from fsdp_builder.backends import Backend, check_model
 from fsdp_builder.collectives import GroupTimeouts
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.describe import describe_settings
@@ -213,6 +213,7 @@ class _Build:
             self.backend.check(cfg.options)
             ignored = resolve_ignored(model, cfg.ignored_modules, cfg.ignored_states)
             plan = plan_units(model, cfg.wrap or WrapPolicy(), ignored)
+            check_model(self.backend, plan, cfg.options)
             _check_ignored_real(model, ignored)
             managed = list(managed_params(model, ignored))
             check_single_device(managed, self.resolver.explicit)

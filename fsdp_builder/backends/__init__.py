@@ -42,6 +42,11 @@ class Backend(Protocol):
         every rank, before the first unit; may communicate."""
         ...
 
+    def check_plan(self, plan: UnitPlan, options: ShardingOptions) -> None:
+        """Refuse a model this backend would refuse at shard time, from the unit plan (local,
+        pure, in the configure stage: the model is untouched)."""
+        ...
+
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         """Shard ``unit.module``; return the module that takes its place in the parent."""
         ...
@@ -50,22 +55,19 @@ class Backend(Protocol):
 def check_model(backend: Backend, plan: UnitPlan, options: ShardingOptions) -> None:
     """Refuse, in the configure stage, a model the backend would refuse at shard time (local,
     pure: nothing changes, no collective). Always: a model already sharded at its root. Then
-    the backend's own ``check_plan(plan, options)`` when it has one (optional, so backends
-    written before it keep working): FSDP1 refuses non-floating parameters, several dtypes in
-    one unit and mixed ``requires_grad`` in one unit without ``use_orig_params``; FSDP2 refuses
-    scalar and non-contiguous parameters. Raises ``ConfigurationError`` naming the parameter or
-    module and the fix."""
+    the backend's own ``check_plan(plan, options)``: FSDP1 refuses non-floating parameters,
+    several dtypes in one unit and mixed ``requires_grad`` in one unit without
+    ``use_orig_params``; FSDP2 refuses scalar and non-contiguous parameters. Raises
+    ``ConfigurationError`` naming the parameter or module and the fix."""
     from fsdp_builder.backends.checks import check_root_not_wrapped
 
     check_root_not_wrapped(plan, _builder_name(backend))
-    check_plan = getattr(backend, "check_plan", None)
-    if callable(check_plan):
-        check_plan(plan, options)
+    backend.check_plan(plan, options)
 
 
 def _builder_name(backend: Backend) -> str:
     return {"fsdp1": "FSDPBuilder", "fsdp2": "FullyShardBuilder"}.get(
-        getattr(backend, "name", ""), "ShardingBuilder"
+        backend.name, "ShardingBuilder"
     )
 
 
