@@ -554,6 +554,26 @@ def test_models_torch_refuses_are_refused_from_the_plan(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(("case", "make", "builder", "match"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_build_refuses_models_torch_refuses_before_changing_them(
+    world1: None,
+    case: str,
+    make: Callable[[], nn.Module],
+    builder: Callable[[], ShardingBuilder],
+    match: str,
+) -> None:
+    """The configure stage runs check_model: build() raises before any collective, the model
+    untouched (a model sharded at its root before the build stays as it was)."""
+    model = make()
+    before = snapshot(model)
+    started = time.perf_counter()
+    with pytest.raises(ConfigurationError, match=match):
+        builder().device(CPUDevice()).build(model)
+    assert time.perf_counter() - started < 2.0
+    assert snapshot(model) == before
+
+
+@pytest.mark.timeout(60)
 def test_what_torch_accepts_passes_the_plan_checks(world1: None) -> None:
     # Frozen and trainable parts in one unit are fine with use_orig_params, or in their own units.
     check_model(

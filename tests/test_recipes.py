@@ -15,7 +15,13 @@ from fsdp_builder.launch import free_port, run_ranks
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "docs" / "recipes"
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
-TESTED = {"torchrun_one_node.py", "multinode.py", "llama_train.py", "custom_strategies.py"}
+TESTED = {
+    "torchrun_one_node.py",
+    "multinode.py",
+    "llama_train.py",
+    "custom_strategies.py",
+    "composition.py",
+}
 
 
 def torchrun(*args: str, timeout: float = 150) -> str:
@@ -112,3 +118,19 @@ def test_custom_strategies() -> None:
         assert result["initialized"] == ["0.ff", "0.norm", "1.ff", "1.norm", "2"]
         assert result["checked"] == ["0", "1", "<root>"]
     assert results[0]["output"] == results[1]["output"]
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_checkpointing_and_compile() -> None:
+    out = torchrun(
+        "--nproc-per-node", "4", "--standalone", "docs/recipes/composition.py", timeout=200
+    )  # fmt: skip
+    losses: dict[int, list[float]] = {}
+    # Ranks print concurrently: a line may hold two ranks' outputs.
+    for chunk in out.split("rank ")[1:]:
+        if "/4 losses:" in chunk:
+            rank, rest = chunk.split("/4 losses:")
+            losses[int(rank)] = [float(x) for x in rest.split()[:3]]
+    assert sorted(losses) == [0, 1, 2, 3], out
+    # The ranks of one TP group (0-1, 2-3) train on the same batch.
+    assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]
