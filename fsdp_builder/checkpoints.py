@@ -47,12 +47,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import override
 
 from fsdp_builder.agreement import agree
+from fsdp_builder.buffers import Computed, fill_buffers
 from fsdp_builder.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.ignored import IgnoredStates, clean_name
 from fsdp_builder.loading import _LoadRun, _Reader, _unit_entries
-from fsdp_builder.materializers import BaseMaterializer, MaterializerRun
+from fsdp_builder.materializers import BaseMaterializer, MaterializerRun, buffers_to_compute
 from fsdp_builder.nonfinite import check_nonfinite_mode, nonfinite_names, nonfinite_verdict
 from fsdp_builder.plan import Unit, UnitPlan
 from fsdp_builder.tree import allocate_empty, unit_modules
@@ -415,20 +416,6 @@ def local_index(tensor: DTensor) -> tuple[slice, ...]:
 # -- validation -------------------------------------------------------------------------------
 
 
-def _non_persistent_meta(plan: UnitPlan, ignored: IgnoredStates) -> list[str]:
-    """Non-persistent buffers still on meta: no checkpoint holds them."""
-    units = {u.module for u in plan}
-    out = []
-    for unit in plan:
-        stops = set(ignored.modules) | (units - {unit.module})
-        for m in unit_modules(unit.module, stops):
-            for n in getattr(m, "_non_persistent_buffers_set", set()):
-                b = m._buffers.get(n)
-                if b is not None and b.is_meta:
-                    out.append(f"{type(m).__name__}.{n}")
-    return out
-
-
 def _kind(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
@@ -577,16 +564,6 @@ class FromCheckpoint(BaseMaterializer):
     shard_first: ClassVar[bool] = True
 
     @override
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        unloadable = _non_persistent_meta(plan, ignored)
-        if unloadable:
-            raise MaterializationError(
-                "`FromCheckpoint` cannot give values to non-persistent buffers on the meta "
-                f"device (no checkpoint holds them): {_listed(unloadable)}. Build the modules "
-                "owning them on a real device, or register the buffers as persistent."
-            )
-
-    @override
     def prepare(self, env: Environment) -> MaterializerRun:
         """Open and validate the checkpoint (on every rank, or on rank 0 alone without a shared
         filesystem); every rank raises if any rank's check failed (collective)."""
@@ -595,7 +572,10 @@ class FromCheckpoint(BaseMaterializer):
         source: _Source | None = None
         error: BaseException | None = None
         found = Match()
+        computed: Computed = {}
         try:
+            # No checkpoint holds non-persistent buffers: the model computes them.
+            computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
             source = open_checkpoint(self.path)
             found = match_checkpoint(
                 source.meta,
@@ -617,7 +597,7 @@ class FromCheckpoint(BaseMaterializer):
             raise
         assert source is not None
         _report(env, found)
-        return _LocalRun(env, source, found.keys, self.nonfinite)
+        return _LocalRun(env, source, found.keys, self.nonfinite, computed)
 
     def _prepare_rank0(self, env: Environment) -> MaterializerRun:
         verdict: str | None = None
@@ -650,9 +630,13 @@ class FromCheckpoint(BaseMaterializer):
         run = _LoadRun(
             env, reader, self.bucket_bytes, nonfinite=self.nonfinite, loader="FromCheckpoint"
         )
-        if box[0] is not None:
+        try:
+            if box[0] is not None:
+                raise ConfigurationError(box[0])
+            run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
+        except BaseException:
             run.close()
-            raise ConfigurationError(box[0])
+            raise
         return run
 
     @override
@@ -711,11 +695,13 @@ class _LocalRun:
     source: _Source | None
     keys: dict[str, str]
     nonfinite: str = "warn"
+    computed: Computed = attrs.field(factory=dict)
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
         assert self.source is not None, "materialize after close"
-        allocate_empty(unit_modules(unit.module, env.ignored.modules), env.device)
+        modules = unit_modules(unit.module, env.ignored.modules)
+        allocate_empty(modules, env.device)
         targets: dict[str, torch.Tensor] = {}
         loaded: list[tuple[str, torch.Tensor]] = []
         written = 0
@@ -754,10 +740,12 @@ class _LocalRun:
             raise error
         if verdict is not None:
             raise verdict
+        fill_buffers(modules, self.computed, env.device)
         env.logger.debug("loaded_unit", unit=unit.label, tensors=len(targets), bytes=written)
         return written
 
     def close(self) -> None:
+        self.computed = {}
         if self.source is not None:
             self.source.close()
             self.source = None

@@ -88,7 +88,6 @@ def test_local_strategies_cost_one_agreement_per_unit(
     world1: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import fsdp_builder.agreement as agreement_module
-    import fsdp_builder.pipeline as pipeline_module
 
     stages: list[str] = []
     real = agreement_module.agree
@@ -98,7 +97,6 @@ def test_local_strategies_cost_one_agreement_per_unit(
         real(stage, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(agreement_module, "agree", counting)
-    monkeypatch.setattr(pipeline_module, "agree", counting)
     builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
     builder.build(make_model(CFG))
     # configure, groups, the strategies' runs, one per unit, finish.

@@ -151,8 +151,7 @@ def reference_state(folder: Path) -> dict[str, torch.Tensor]:
 def meta_llama(args: Any = ARGS) -> nn.Module:
     with torch.device("meta"):
         model = llama.Transformer(args)
-    # Non-persistent: no checkpoint holds it; computed on the CPU, not loaded.
-    model.freqs_cis = model._precompute_freqs_cis("cpu")
+    # freqs_cis stays on meta: no checkpoint holds it, the build computes it (init_weights).
     return model
 
 
@@ -173,7 +172,15 @@ def load_case(backend: str, strategy: str, path: str, **kwargs: Any) -> dict[str
         model = sharded.build(meta_llama())
     state = full_state_dict(model)
     logged = [e for e in events if e.get("event") in ("converted_dtypes", "checkpoint_partial")]
-    return {"state": state if dist.get_rank() == 0 else None, "events": logged}
+    rope = next(b for n, b in model.named_buffers() if n.endswith("freqs_cis"))
+    expected = llama.precompute_freqs_cis(
+        ARGS.dim // ARGS.n_heads, ARGS.max_seq_len, ARGS.rope_theta
+    )
+    return {
+        "state": state if dist.get_rank() == 0 else None,
+        "events": logged,
+        "rope_computed": bool(torch.equal(rope.cpu(), expected)),
+    }
 
 
 def partial_case(path: str) -> dict[str, Any]:
@@ -474,8 +481,10 @@ MULTI = [2, 4]
 def test_hf_folder_loads_bit_equal_to_plain_pytorch(
     paths: dict[str, str], world: int, backend: str, strategy: str
 ) -> None:
-    got = scenario(world, paths, ("hf", backend, strategy))[0]["state"]
-    assert_same(got, reference_state(Path(paths["hf"])), (world, backend, strategy))
+    ranks = scenario(world, paths, ("hf", backend, strategy))
+    assert_same(ranks[0]["state"], reference_state(Path(paths["hf"])), (world, backend, strategy))
+    # The RoPE table is computed by the model's init_weights on every rank, not loaded.
+    assert all(r["rope_computed"] for r in ranks)
 
 
 @pytest.mark.timeout(600)
