@@ -7,7 +7,7 @@ wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 from attrs import frozen
@@ -19,7 +19,6 @@ from fsdp_builder.errors import config_error
 from fsdp_builder.ignored import is_wrapped
 
 WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
-WrapSpec: TypeAlias = "type[nn.Module] | Iterable[type[nn.Module]] | WrapPredicate | _Policy"
 
 
 def _is_module_class(value: Any) -> bool:
@@ -296,7 +295,6 @@ def _legacy_select(
 __all__ = [
     "WrapPolicy",
     "WrapPredicate",
-    "WrapSpec",
     "checkpoint_predicate",
     "checkpoint_unit",
     "unit_overrides",
