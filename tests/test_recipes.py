@@ -21,6 +21,7 @@ TESTED = {
     "llama_train.py",
     "custom_strategies.py",
     "composition.py",
+    "resume.py",
 }
 
 
@@ -118,6 +119,23 @@ def test_custom_strategies() -> None:
         assert result["initialized"] == ["0.ff", "0.norm", "1.ff", "1.norm", "2"]
         assert result["checked"] == ["0", "1", "<root>"]
     assert results[0]["output"] == results[1]["output"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_resume_from_dcp_gives_the_uninterrupted_losses(tmp_path: Path, backend: str) -> None:
+    # The script's two phases, each in new ranks (what two torchrun calls do).
+    resume = recipe_module("resume")
+    whole = run_ranks(resume.train, 2, str(tmp_path), backend, timeout=150)
+    again = run_ranks(resume.resume, 2, str(tmp_path), backend, timeout=150)
+    half = resume.STEPS // 2
+    for rank in range(2):
+        assert len(whole[rank]) == resume.STEPS
+        assert again[rank] == whole[rank][half:], (rank, whole[rank], again[rank])
+    # The export holds the resumed model under HF names (tests/test_export.py checks that an
+    # export loads back bit-exact).
+    index = (tmp_path / "export" / "model.safetensors.index.json").read_text()
+    assert '"model.layers.1.self_attn.q_proj.weight"' in index
 
 
 @pytest.mark.timeout(240)
