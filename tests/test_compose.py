@@ -19,11 +19,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from fsdp_builder import ConfigurationError, CPUDevice, FullyShardBuilder, KeepAsIs, MeshGroups
+from fsdp_builder import (
+    ConfigurationError,
+    CPUDevice,
+    FSDPBuilder,
+    FullyShardBuilder,
+    KeepAsIs,
+    MeshGroups,
+)
 from fsdp_builder.groups import describe_mesh, other_dims
 from fsdp_builder.launch import run_ranks
 
@@ -191,6 +205,40 @@ def test_per_unit_compile_without_units_is_refused(world1: None) -> None:
         warnings.simplefilter("ignore", UserWarning)
         with pytest.raises(ConfigurationError, match=r"only the root.*per_unit=False"):
             builder.build(new_net())
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("per_unit", [True, False])
+def test_fsdp1_compile_matches_plain_calls(per_unit: bool, world1: None) -> None:
+    """FSDPBuilder: each block compiled in place and then wrapped, or the wrapped root compiled."""
+    torch._dynamo.reset()
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).use_orig_params()
+    mine = builder.compile(per_unit=per_unit, backend="aot_eager").build(new_net())
+    net = new_net()
+    if per_unit:
+        for block in net.blocks:
+            block.compile(backend="aot_eager")
+    hand = FullyShardedDataParallel(
+        net,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.NO_SHARD,
+        use_orig_params=True,
+    )
+    if not per_unit:
+        hand.compile(backend="aot_eager")
+
+    def compiled(model: nn.Module) -> list[str]:
+        return [n for n, m in model.named_modules() if m._compiled_call_impl is not None]
+
+    assert compiled(mine) == compiled(hand)
+    assert compiled(mine) == (
+        [f"_fsdp_wrapped_module.blocks.{i}._fsdp_wrapped_module" for i in (0, 1)]
+        if per_unit
+        else [""]
+    )
+    assert list(mine.state_dict()) == list(hand.state_dict()) == CLEAN_KEYS
+    assert train(mine) == pytest.approx(train(hand), abs=1e-5, rel=0)
 
 
 # -- two ranks: one spawn for every compile scenario ---------------------------------------------
