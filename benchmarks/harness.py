@@ -11,19 +11,24 @@ machine drift hits them all alike. Outputs: JSON records, a markdown table, a PN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
+import io
 import json
 import logging
 import multiprocessing as mp
 import os
 import platform
+import re
 import sys
 import tempfile
 import threading
 import time
+import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -178,6 +183,42 @@ WARMUP = BenchConfig(vocab=256, dim=64, heads=1, layers=2)
 WARMUP_CHECKPOINT = "warmup.safetensors"
 
 
+# torch's C++ log prefix ("[W1130 03:42:27.123456 1234 file.cpp:56] "): dropped, so that
+# the same message from two ranks or two measurements counts once.
+_CPP_PREFIX = re.compile(r"^\[[WIEF]\d{4} [\d:.]+ \d+ [^\]]*\] ")
+
+
+def _first_line(text: str) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return _CPP_PREFIX.sub("", line)[:300]
+
+
+@contextlib.contextmanager
+def captured_warnings() -> Iterator[list[str]]:
+    """Python warnings, log events and anything else written to stderr (torch's C++ messages
+    included) inside the block, as one line each, instead of on the terminal where they would
+    tear the progress bar. Yields the list, filled when the block ends."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with (
+        tempfile.TemporaryFile() as tmp,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("default")
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            lines.extend(_first_line(f"{w.category.__name__}: {w.message}") for w in caught)
+            lines.extend(_first_line(ln) for ln in text.splitlines() if ln.strip())
+
+
 def make_source(cfg: BenchConfig, seed: int) -> dict[str, torch.Tensor]:
     """The full state dict that load recipes start from (rank 0's copy of the weights)."""
     from benchmarks.models import make_model
@@ -185,7 +226,16 @@ def make_source(cfg: BenchConfig, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in make_model(cfg, "cpu", seed).state_dict().items()}
 
 
-def measure(
+def measure(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """One rank of one measurement (runs inside a fresh rank); what the rank would have
+    written to stderr comes back as ``warnings``, for the summary after the progress bar."""
+    with captured_warnings() as lines:
+        result = _measure(*args, **kwargs)
+    result["warnings"] = sorted(set(lines))
+    return result
+
+
+def _measure(
     recipe_name: str,
     cfg: BenchConfig,
     seed: int,
@@ -194,7 +244,6 @@ def measure(
     source_path: str | None = None,
     checkpoint_path: str | None = None,
 ) -> dict[str, Any]:
-    """One rank of one measurement (runs inside a fresh rank)."""
     setup_start = time.perf_counter()
     if os.environ.get(DEFAULT_MALLOC_ENV) != "1":
         _fixed_malloc_threshold()
@@ -369,6 +418,23 @@ def _plan(
     return order
 
 
+def warning_counts(
+    records: Sequence[dict[str, Any]], caught: Sequence[warnings.WarningMessage]
+) -> dict[str, dict[str, Any]]:
+    """Each distinct warning: in how many measurements it came up, and the first of them."""
+    counts: Counter[str] = Counter()
+    first: dict[str, str] = {}
+    for r in records:
+        for line in r.get("warnings", []):
+            counts[line] += 1
+            first.setdefault(line, f"{r['recipe']} {r['size']} w{r['world_size']}")
+    for w in caught:
+        line = _first_line(f"{w.category.__name__}: {w.message}")
+        counts[line] += 1
+        first.setdefault(line, "the harness")
+    return {line: {"count": n, "first": first[line]} for line, n in counts.most_common()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fsdp-builder bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, help="where to write the JSON records")
@@ -403,12 +469,28 @@ def _configure_logging(verbose: bool) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.INFO if verbose else logging.WARNING
         ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(_AboveTheBar()),
     )
+
+
+class _AboveTheBar(io.StringIO):
+    """A file for log lines that prints them above tqdm's progress bar, not through it."""
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            tqdm.write(text.rstrip("\n"), file=sys.stderr)
+        return len(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
+    # Warnings of this process (the ranks capture their own) wait for the summary.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        return _run(args, caught)
+
+
+def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int:
     _configure_logging(args.verbose)
     sizes_text = args.sizes or (
         SMOKE_SIZES if args.smoke else FULL_SIZES if args.full else DEFAULT_SIZES
@@ -513,9 +595,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 error=None,
             )
             record["wall_seconds"] = time.perf_counter() - launched
+            record["warnings"] = sorted({w for r in ranks for w in r.get("warnings", [])})
             log.info("measured", **{k: record[k] for k in ("recipe", "size", "seconds")})
         except Exception as exc:  # a failed recipe is a result too; the others still run
-            record.update(seconds=None, peak_bytes=None, ranks=[], error=str(exc)[-4000:])
+            record.update(
+                seconds=None, peak_bytes=None, ranks=[], error=str(exc)[-4000:], warnings=[]
+            )
             log.warning("measurement_failed", recipe=recipe.name, size=record["size"], error=exc)
         records.append(record)
     bar.close()
@@ -542,8 +627,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "notes": notes,
         "records": records,
+        "warnings": warning_counts(records, caught),
     }
-    from benchmarks.report import render_markdown, render_plot
+    from benchmarks.report import console_summary, render_markdown, render_plot
 
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.json or args.out / "bench.json"
@@ -553,6 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_plot:
         render_plot(result, args.out / "bench.png")
     failed = [r for r in records if r["error"]]
+    print(console_summary(result))
     print(f"wrote {json_path}, {args.out / 'bench.md'}" + ("" if args.no_plot else ", bench.png"))
     for r in failed:
         print(f"FAILED {r['recipe']} {r['size']} w{r['world_size']}: {r['error'][-300:]}")

@@ -310,6 +310,35 @@ def recipes_list(result: dict[str, Any]) -> str:
     )
 
 
+def warnings_list(result: dict[str, Any], shown: int = 12) -> list[str]:
+    """One line per distinct warning, most frequent first: how many measurements raised it and
+    the first one that did."""
+    found = result.get("warnings", {})
+    lines = [
+        f"- {text} ({info['count']} measurement(s), first: {info['first']})"
+        for text, info in list(found.items())[:shown]
+    ]
+    if len(found) > shown:
+        lines.append(f"- ... and {len(found) - shown} more (all in the JSON records)")
+    return lines
+
+
+def console_summary(result: dict[str, Any]) -> str:
+    """What the command prints after the progress bar: the targets, then the warnings the
+    ranks and the harness raised during the run."""
+    s = result["settings"]
+    parts = [
+        "",
+        f"Targets ({s['wall_seconds']:.0f} s in all; ✓ met, ✗ not met):",
+        "",
+        compact_targets_table(result),
+    ]
+    found = warnings_list(result)
+    if found:
+        parts += ["", "Warnings during the run (held back from the progress bar):", *found]
+    return "\n".join(parts) + "\n"
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     s = result["settings"]
@@ -346,6 +375,8 @@ def render_markdown(result: dict[str, Any]) -> str:
     ]
     if result["notes"]:
         parts += ["", "## Notes", "", *(f"- {n}" for n in result["notes"])]
+    if result.get("warnings"):
+        parts += ["", "## Warnings", "", *warnings_list(result)]
     return "\n".join(parts) + "\n"
 
 

@@ -75,3 +75,28 @@ def test_smoke_run_writes_table_and_plot(smoke: tuple[int, dict, Path]) -> None:
     for r in result["records"]:
         assert r["recipe"] in md
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(30)
+def test_summary_prints_targets_and_warnings(smoke: tuple[int, dict, Path]) -> None:
+    from benchmarks.report import console_summary
+
+    _, result, _ = smoke
+    assert all(isinstance(r["warnings"], list) for r in result["records"])
+    result = {**result, "warnings": {"UserWarning: w": {"count": 2, "first": "a 1M w2"}}}
+    text = console_summary(result)
+    assert "| target |" in text and "overhead:" in text
+    assert "UserWarning: w (2 measurement(s), first: a 1M w2)" in text
+
+
+def test_warnings_and_stderr_are_captured(capfd: pytest.CaptureFixture[str]) -> None:
+    import os
+    import warnings
+
+    from benchmarks.harness import captured_warnings
+
+    with captured_warnings() as lines:
+        warnings.warn("from python", UserWarning, stacklevel=1)
+        os.write(2, b"[W1130 03:42:27.123456 99 file.cpp:1] from c++\n")
+    assert lines == ["UserWarning: from python", "from c++"]
+    assert capfd.readouterr().err == ""
