@@ -245,6 +245,10 @@ def _dtensor_states(model: nn.Module, rank: int, tally: _Tally) -> States:
     """The sharded state dict, one entry gathered at a time (collective per DTensor)."""
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):
+            if value.device.type != value.device_mesh.device_type:
+                # Shards offloaded to the CPU gather on the mesh's device (NCCL takes no CPU
+                # tensors), one parameter at a time.
+                value = value.to(value.device_mesh.device_type)
             full = value.full_tensor()
             if rank != 0:
                 del full

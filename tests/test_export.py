@@ -106,10 +106,34 @@ def meta_llama() -> nn.Module:
     return model
 
 
-def build(backend: str, path: str, key_map: Any = None) -> nn.Module:
+def build(
+    backend: str, path: str, key_map: Any = None, configure: Callable[[Any], Any] | None = None
+) -> nn.Module:
     kind = FSDPBuilder if backend == "fsdp1" else FullyShardBuilder
     b = kind().device(CPUDevice()).wrap(llama.TransformerBlock)
+    if configure is not None:
+        configure(b)
     return b.materialize(FromCheckpoint(path, key_map=key_map)).build(meta_llama())
+
+
+# Options that change where and in which dtype the states live between steps.
+VARIANTS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "fsdp1_use_orig_params": ("fsdp1", lambda b: b.use_orig_params(True)),
+    "fsdp1_grad_op": ("fsdp1", lambda b: b.sharding("grad_op")),
+    "fsdp1_bf16": ("fsdp1", lambda b: b.mixed_precision(param_dtype=torch.bfloat16)),
+    "fsdp2_grad_op": ("fsdp2", lambda b: b.sharding("grad_op")),
+    "fsdp2_bf16": ("fsdp2", lambda b: b.mixed_precision(param_dtype=torch.bfloat16)),
+}
+
+
+def variant_case(name: str, source: str, folder: str) -> tuple[str, ...]:
+    """Build with the variant's option, run a forward and backward (no step: the weights stay
+    the source's), export."""
+    backend, configure = VARIANTS[name]
+    model = build(backend, source, configure=configure)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    model(tokens).float().sum().backward()
+    return save_hf_checkpoint(model, folder, max_shard_bytes=MAX_SHARD_BYTES).files
 
 
 def export_case(backend: str, source: str, root: str) -> dict[str, Any]:
@@ -163,6 +187,8 @@ def dropped_case(source: str, folder: str) -> list[str]:
 def cases(source: str, root: str) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for backend in BACKENDS:
         yield ("export", backend), partial(export_case, backend, source, root)
+    for name in VARIANTS:
+        yield ("variant", name), partial(variant_case, name, source, f"{root}/{name}")
     yield "collision", partial(collision_case, source, f"{root}/collision")
     yield "dropped", partial(dropped_case, source, f"{root}/dropped")
 
@@ -290,3 +316,13 @@ def test_a_plain_module_without_a_process_group(tmp_path: Path) -> None:
     want = {("first.weight" if k == "0.weight" else k): v for k, v in model.state_dict().items()}
     assert_same(tensors, want, "plain")
     assert out.files == ("model-00001-of-00001.safetensors",)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_export_after_a_step_with_other_options(root: Path, variant: str) -> None:
+    files = scenario(root, ("variant", variant))
+    _, tensors, _ = read_folder(root / variant)
+    written = tuple(sorted(p.name for p in (root / variant).glob("*.safetensors")))
+    assert files[0] == files[1] == written
+    assert_same(tensors, source_state(), variant)  # full precision, not the compute dtype
