@@ -214,6 +214,11 @@ States = Iterator[tuple[str, torch.Tensor, bool]]
 def _fsdp1_states(model: nn.Module, rank: int, tally: _Tally) -> States:
     """Each FSDP1 unit's own states, unsharded one unit at a time (collective per unit), as
     views rank 0 must copy (other ranks get nothing)."""
+    if rank == 0 and not isinstance(model, FullyShardedDataParallel):
+        # States of modules outside every unit (a root that is not wrapped) are full already.
+        for name, module in _own_modules(model, ""):
+            for state_name, tensor in _persistent_states(module):
+                yield clean_name(f"{name}{state_name}"), tensor, False
     units = [
         (name, m) for name, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)
     ]

@@ -184,11 +184,24 @@ def dropped_case(source: str, folder: str) -> list[str]:
     return list(save_hf_checkpoint(model, folder, key_map=mapping).files)
 
 
+def unwrapped_root_case(folder: str) -> dict[str, torch.Tensor]:
+    """FSDP1 applied by hand to one child: the root's other child is in no unit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3), nn.BatchNorm1d(3))
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model[0] = FullyShardedDataParallel(model[0], device_id=torch.device("cpu"))
+    save_hf_checkpoint(model, folder)
+    return want
+
+
 def cases(source: str, root: str) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for backend in BACKENDS:
         yield ("export", backend), partial(export_case, backend, source, root)
     for name in VARIANTS:
         yield ("variant", name), partial(variant_case, name, source, f"{root}/{name}")
+    yield "unwrapped_root", partial(unwrapped_root_case, f"{root}/unwrapped_root")
     yield "collision", partial(collision_case, source, f"{root}/collision")
     yield "dropped", partial(dropped_case, source, f"{root}/dropped")
 
@@ -326,3 +339,10 @@ def test_export_after_a_step_with_other_options(root: Path, variant: str) -> Non
     written = tuple(sorted(p.name for p in (root / variant).glob("*.safetensors")))
     assert files[0] == files[1] == written
     assert_same(tensors, source_state(), variant)  # full precision, not the compute dtype
+
+
+@pytest.mark.timeout(600)
+def test_fsdp1_states_outside_every_unit_are_written(root: Path) -> None:
+    want = scenario(root, "unwrapped_root")[0]
+    _, tensors, _ = read_folder(root / "unwrapped_root")
+    assert_same(tensors, want, "unwrapped root")
