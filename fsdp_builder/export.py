@@ -13,9 +13,8 @@ How the states are gathered:
 - FSDP1 (``FullyShardedDataParallel``): ``summon_full_params(unit, recurse=False,
   rank0_only=True, offload_to_cpu=True)`` per unit (no offload for a unit already on the CPU),
   root first, so one unit's flat parameter is unsharded at a time (and only on rank 0, on the
-  CPU). Rather than
-  ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, which unshards unit by unit
-  too but returns every tensor of the model on rank 0 at once.
+  CPU). Not ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: it unshards unit
+  by unit too, but returns every tensor of the model on rank 0 at once.
 
 Rank 0 copies each tensor into the current file's buffer and writes the file (with
 ``safetensors.torch.save_file``) before the buffer would pass ``max_shard_bytes``, so its peak
