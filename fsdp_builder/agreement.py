@@ -160,8 +160,9 @@ def agree(
         raise RankDisagreementError(
             stage,
             {
-                r: f"configured or built differently than rank 0 ({detail}). Configure and "
-                "build the same model with the same builder calls on every rank."
+                r: f"configured or built differently than rank 0 ({detail}). Build the same "
+                "model with the same wrap policy, ignored states, strategies and options on "
+                "every rank."
                 for r in odd
             },
             unit,

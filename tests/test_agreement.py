@@ -114,7 +114,9 @@ def test_different_models_are_named_before_sharding(results: Any, rank: int) -> 
 def test_different_unit_plans_are_named(results: Any, rank: int) -> None:
     out = results[rank]["different_plan"]
     assert out["type"] == "RankDisagreementError"
-    assert "planned units" in out["message"] and "same wrap policy" in out["message"]
+    # The wrap policies differ: the configuration agreement names that setting first.
+    assert "rank 1 has wrap=Linear but rank 0 has wrap=Block" in out["message"]
+    assert "same wrap policy" in out["message"]
     assert not out["wrapped"]
 
 
