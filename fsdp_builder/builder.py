@@ -133,7 +133,17 @@ class ShardingBuilder:
         return self
 
     def device(self: B, resolver: DeviceResolver | int | str | torch.device) -> B:
-        """Which device this rank computes on (a DeviceResolver, or a device for ExplicitDevice)."""
+        """Which device this rank computes on (a DeviceResolver, or a device for ExplicitDevice).
+
+        Raises:
+            ConfigurationError: not a resolver or device; a class instead of an instance; a CUDA
+                device without CUDA; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FSDPBuilder().device(LocalRankDevice())   # or .device("cuda:0"), .device(CPUDevice())
+            ```
+        """
         chosen = (
             ExplicitDevice(resolver) if isinstance(resolver, int | str | torch.device) else resolver
         )
@@ -143,16 +153,46 @@ class ShardingBuilder:
     def groups(
         self: B, factory: GroupFactory | dist.ProcessGroup | DeviceMesh | tuple[Any, ...]
     ) -> B:
-        """Which groups shard (and replicate): a GroupFactory, a group, a mesh or a pair."""
+        """Which groups shard (and replicate): a GroupFactory, a group, a mesh or a pair.
+
+        Raises:
+            ConfigurationError: not a factory, group, mesh or pair; a tuple of another length; set
+                twice (use ``clone()``).
+
+        Example:
+            ```python
+            FullyShardBuilder().groups(init_device_mesh("cuda", (2, 8))).sharding("hybrid")
+            ```
+        """
         return self._set("groups", _as_group_factory(factory))
 
     def materialize(self: B, materializer: Materializer) -> B:
-        """How meta states become real (default: ResetParameters())."""
+        """How meta states become real (default: ResetParameters()).
+
+        Raises:
+            ConfigurationError: not a Materializer (the missing hooks are named); a class instead of
+                an instance; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FSDPBuilder().materialize(DeterministicInit(seed=0))
+            ```
+        """
         _require("materialize", materializer, Materializer, "Pass e.g. ResetParameters().")
         return self._set("materializer", materializer)
 
     def synchronize(self: B, *synchronizers: StateSynchronizer) -> B:
-        """How ranks end with the same values; several run in order (default: NoSync())."""
+        """How ranks end with the same values; several run in order (default: NoSync()).
+
+        Raises:
+            ConfigurationError: none given; one is not a StateSynchronizer; set twice (use
+                ``clone()``).
+
+        Example:
+            ```python
+            FSDPBuilder().synchronize(BroadcastFromRank0(), VerifyReplicas())
+            ```
+        """
         if not synchronizers:
             raise config_error(
                 "ShardingBuilder.synchronize",
@@ -166,13 +206,34 @@ class ShardingBuilder:
         return self._set("synchronizer", chosen)
 
     def wrap(self: B, policy: Any) -> B:
-        """Which modules become units: classes, a ``(module, fqn) -> bool`` or a torch policy."""
+        """Which modules become units: classes, a ``(module, fqn) -> bool`` or a torch policy.
+
+        Raises:
+            ConfigurationError: not a module class, a two-argument predicate or a torch policy; set
+                twice (use ``clone()``).
+
+        Example:
+            ```python
+            FSDPBuilder().wrap(TransformerBlock)
+            FSDPBuilder().wrap(lambda module, fqn: fqn.startswith("layers."))
+            ```
+        """
         return self._set("wrap", WrapPolicy.of(policy))
 
     def ignore(
         self: B, modules: Iterable[nn.Module] | None = None, states: Iterable[Any] | None = None
     ) -> B:
-        """Leave modules (whole subtrees) or parameters out of sharding."""
+        """Leave modules (whole subtrees) or parameters out of sharding.
+
+        Raises:
+            ConfigurationError: both arguments, a mix of modules and parameters, a sharded wrapper;
+                at build, an ignored module or parameter not in the model; called twice.
+
+        Example:
+            ```python
+            FSDPBuilder().ignore(modules=[model.frozen_encoder])
+            ```
+        """
         module_list, state_list = validate_ignore_arguments(modules, states)
         if self._config.ignored_modules is not None or self._config.ignored_states is not None:
             raise ConfigurationError(
@@ -187,7 +248,16 @@ class ShardingBuilder:
         return self
 
     def sharding(self: B, strategy: ShardingStrategy | str) -> B:
-        """FULL_SHARD (default), SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD, or their short names."""
+        """FULL_SHARD (default), SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD, or their short names.
+
+        Raises:
+            ConfigurationError: not a strategy or a known name; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FSDPBuilder().sharding("grad_op")   # or ShardingStrategy.SHARD_GRAD_OP
+            ```
+        """
         return self._option(strategy=strategy)
 
     def mixed_precision(
@@ -205,7 +275,17 @@ class ShardingBuilder:
         ``"float32"``...).
 
         (``FullyShardBuilder`` also takes a MixedPrecisionPolicy, and maps keywords to
-        ``fully_shard``'s defaults.)"""
+        ``fully_shard``'s defaults.)
+
+        Raises:
+            ConfigurationError: a policy and keywords together; an unknown dtype name or an integer
+                dtype; a policy the backend cannot honour; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FullyShardBuilder().mixed_precision(param_dtype="bf16", reduce_dtype=torch.float32)
+            ```
+        """
         if cast_forward_inputs is not None and not isinstance(cast_forward_inputs, bool):
             raise config_error(
                 "ShardingBuilder.mixed_precision",
@@ -249,13 +329,36 @@ class ShardingBuilder:
 
     def cpu_offload(self: B, offload: CPUOffload | OffloadPolicy | bool = True) -> B:
         """Keep sharded parameters on the CPU between uses (FSDP2 also takes an OffloadPolicy /
-        CPUOffloadPolicy, used as given)."""
+        CPUOffloadPolicy, used as given).
+
+        Raises:
+            ConfigurationError: not a bool, CPUOffload or OffloadPolicy; a policy the backend cannot
+                honour; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FullyShardBuilder().cpu_offload(CPUOffloadPolicy(pin_memory=True))
+            ```
+        """
         self._check_backend_options(cpu_offload=offload)
         return self._option(cpu_offload=offload)
 
     def per_unit(self: B, fn: PerUnitFn) -> B:
         """Per-unit overrides: ``fn(module, fqn)`` returns the backend's own arguments for that
-        unit (``FullyShardedDataParallel``'s or ``fully_shard``'s), or None for none."""
+        unit (``FullyShardedDataParallel``'s or ``fully_shard``'s), or None for none.
+
+        Raises:
+            ConfigurationError: ``fn`` is not callable; at shard time, an argument the backend
+                cannot set per unit (named, with the fix); set twice (use ``clone()``).
+
+        Example:
+            ```python
+            def overrides(module, fqn):
+                return {"reshard_after_forward": False} if fqn == "layers.0" else None
+
+            FullyShardBuilder().per_unit(overrides)
+            ```
+        """
         if not callable(fn):
             raise config_error(
                 f"{type(self).__name__}.per_unit",
@@ -269,7 +372,17 @@ class ShardingBuilder:
         """Activation checkpointing for the modules ``policy`` chooses (module classes or a
         ``(module, fqn) -> bool``): each is wrapped in torch's ``checkpoint_wrapper``
         (non-reentrant) before its unit is sharded; a chosen module inside another chosen one is
-        not wrapped again. State-dict keys stay those of the unwrapped model."""
+        not wrapped again. State-dict keys stay those of the unwrapped model.
+
+        Raises:
+            ConfigurationError: not module classes or a ``(module, fqn)`` predicate; set twice (use
+                ``clone()``).
+
+        Example:
+            ```python
+            FullyShardBuilder().wrap(Block).activation_checkpointing(Block)
+            ```
+        """
         return self._option(activation_checkpointing=checkpoint_predicate(policy))
 
     def compile(self: B, per_unit: bool = True, **torch_compile_kwargs: Any) -> B:
@@ -278,6 +391,15 @@ class ShardingBuilder:
         checkpointing and before it is sharded, as torchtitan compiles each block;
         ``per_unit=False``: the whole model, its root compiled after sharding. The keywords are
         torch.compile's own (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``...).
+
+        Raises:
+            ConfigurationError: a keyword torch.compile does not take; ``mode`` with ``options``;
+                ``per_unit=True`` with no unit below the root; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FullyShardBuilder().wrap(Block).compile(backend="inductor")
+            ```
         """
         return self._option(compile=CompileSpec(per_unit, torch_compile_kwargs))
 
@@ -286,13 +408,43 @@ class ShardingBuilder:
         backward: BackwardPrefetch | str | None = BackwardPrefetch.BACKWARD_PRE,
         forward: bool = False,
     ) -> B:
-        """Backward prefetch mode (or None) and forward prefetch."""
+        """Backward prefetch mode (or None) and forward prefetch.
+
+        Raises:
+            ConfigurationError: an unknown mode; a mode FSDP2 cannot honour (FullyShardBuilder); set
+                twice (use ``clone()``).
+
+        Example:
+            ```python
+            FSDPBuilder().prefetch(backward="backward_post", forward=True)
+            ```
+        """
         return self._option(backward_prefetch=backward, forward_prefetch=forward)
 
     def limit_all_gathers(self: B, enabled: bool = True) -> B:
+        """FSDP1's ``limit_all_gathers`` (FSDP2 always limits them; False is refused there).
+
+        Raises:
+            ConfigurationError: not a bool; False on FullyShardBuilder; set twice.
+
+        Example:
+            ```python
+            FSDPBuilder().limit_all_gathers(False)
+            ```
+        """
         return self._option(limit_all_gathers=enabled)
 
     def use_orig_params(self: B, enabled: bool = True) -> B:
+        """FSDP1's ``use_orig_params`` (FSDP2 always keeps the original parameters).
+
+        Raises:
+            ConfigurationError: not a bool; False on FullyShardBuilder; set twice.
+
+        Example:
+            ```python
+            FSDPBuilder().use_orig_params()  # needed by torch.compile, mixed requires_grad
+            ```
+        """
         return self._option(use_orig_params=enabled)
 
     def timeout(self: B, seconds: float) -> B:
@@ -300,7 +452,16 @@ class ShardingBuilder:
         ``seconds`` (a peer died, hangs or never arrived) makes every surviving rank raise
         ``CommunicationError`` naming the stage, the unit and, where the store can tell, the
         missing ranks. Without it the process groups' own timeouts apply (30 min on gloo,
-        10 min on NCCL by default)."""
+        10 min on NCCL by default).
+
+        Raises:
+            ConfigurationError: not a positive number; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FSDPBuilder().timeout(120)
+            ```
+        """
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
             raise config_error(
                 "ShardingBuilder.timeout",
@@ -311,7 +472,13 @@ class ShardingBuilder:
         return self._set("timeout", float(seconds))
 
     def clone(self: B) -> B:
-        """An unbuilt builder with the same configuration."""
+        """An unbuilt builder with the same configuration.
+
+        Example:
+            ```python
+            other = builder.clone().build(second_model)
+            ```
+        """
         twin = type(self)()
         twin._config = self._config
         return twin
@@ -354,6 +521,19 @@ class ShardingBuilder:
         """Shard ``model``; every rank of the group calls this with the same model.
 
         Preconditions: the default process group is initialized; the model is an nn.Module.
+
+        Raises:
+            ConfigurationError: a bad configuration or model, on every rank before any collective,
+                model untouched; a second call.
+            RankDisagreementError: some ranks failed a step, or configured or built differently.
+            CommunicationError: a peer died or did not arrive within ``timeout``.
+            MaterializationError: a materializer could not give states values.
+            StateMismatchError: ``VerifyReplicas`` found ranks holding different values.
+
+        Example:
+            ```python
+            sharded = FSDPBuilder().wrap(Block).build(model)
+            ```
         """
         if self._result is not None:
             raise ConfigurationError(
@@ -399,12 +579,31 @@ class FullyShardBuilder(ShardingBuilder):
     def reshard_after_forward(self: B, value: bool | int) -> B:
         """``fully_shard``'s ``reshard_after_forward`` for every unit, the root included: True,
         False, or the size of the group parameters are resharded to after forward. Unset, it
-        follows the strategy (and the root keeps its parameters after forward)."""
+        follows the strategy (and the root keeps its parameters after forward).
+
+        Raises:
+            ConfigurationError: not a bool or a positive int; a value that contradicts
+                ``.sharding(...)``; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FullyShardBuilder().reshard_after_forward(8)   # reshard to groups of 8 after forward
+            ```
+        """
         check_reshard_after_forward(value)
         return self._option(reshard_after_forward=value)
 
     def shard_placement_fn(self: B, fn: Callable[[nn.Parameter], Any]) -> B:
-        """``fully_shard``'s ``shard_placement_fn`` (a ``Shard(dim)`` or None per parameter)."""
+        """``fully_shard``'s ``shard_placement_fn`` (a ``Shard(dim)`` or None per parameter).
+
+        Raises:
+            ConfigurationError: not callable; set twice (use ``clone()``).
+
+        Example:
+            ```python
+            FullyShardBuilder().shard_placement_fn(lambda p: Shard(1) if p.ndim > 1 else None)
+            ```
+        """
         return self._option(shard_placement_fn=fn)
 
     def _backend(self) -> Backend:

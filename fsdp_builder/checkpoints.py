@@ -547,6 +547,20 @@ class FromCheckpoint(BaseMaterializer):
     errors. ``strict=False`` loads what matches and logs the rest (``checkpoint_partial``);
     states missing from the checkpoint must then already be real. Non-persistent buffers are
     not in checkpoints and are not loaded: build the modules that own them on a real device.
+
+    Raises:
+        ConfigurationError: on every rank before any weight is written: a path that holds no
+            checkpoint, missing or unexpected keys, wrong shapes, an index naming a missing file,
+            a truncated file, a DCP folder without metadata, an integer/float mismatch.
+        MaterializationError: ``nonfinite="error"`` and NaN/inf found (named).
+
+    Example:
+        ```python
+        hf = {"model.embed_tokens.weight": "tok_embeddings.weight"}  # ... one per key
+        FullyShardBuilder().wrap(TransformerBlock).materialize(
+            FromCheckpoint("/ckpt/llama-hf", key_map=hf)
+        ).build(meta_model)
+        ```
     """
 
     path: str | os.PathLike[str] = attrs.field(

@@ -113,7 +113,16 @@ def _convert_device(value: int | str | torch.device) -> torch.device:
 
 @frozen
 class ExplicitDevice(BaseDeviceResolver):
-    """A fixed device: an int index (CUDA), a string or a ``torch.device``."""
+    """A fixed device: an int index (CUDA), a string or a ``torch.device``.
+
+    Raises:
+        ConfigurationError: not a device; a CUDA device without CUDA or without that index.
+
+    Example:
+        ```python
+        FSDPBuilder().device(ExplicitDevice(f"cuda:{local_rank}"))  # or .device("cuda:0")
+        ```
+    """
 
     device: torch.device = attrs.field(converter=_convert_device)
     explicit: bool = attrs.field(default=True, init=False)
@@ -125,7 +134,16 @@ class ExplicitDevice(BaseDeviceResolver):
 
 @frozen
 class LocalRankDevice(BaseDeviceResolver):
-    """``cuda:$LOCAL_RANK`` when CUDA is available, else the CPU."""
+    """``cuda:$LOCAL_RANK`` when CUDA is available, else the CPU.
+
+    Raises:
+        ConfigurationError: CUDA is available but ``LOCAL_RANK`` is not set.
+
+    Example:
+        ```python
+        FSDPBuilder().device(LocalRankDevice())  # under torchrun
+        ```
+    """
 
     explicit: bool = attrs.field(default=True, init=False)
 
@@ -144,7 +162,13 @@ class LocalRankDevice(BaseDeviceResolver):
 
 @frozen
 class CPUDevice(BaseDeviceResolver):
-    """Always the CPU (for gloo)."""
+    """Always the CPU (for gloo).
+
+    Example:
+        ```python
+        FSDPBuilder().device(CPUDevice())  # with the gloo backend
+        ```
+    """
 
     explicit: bool = attrs.field(default=True, init=False)
 
@@ -156,7 +180,16 @@ class CPUDevice(BaseDeviceResolver):
 @frozen
 class InferredDevice(BaseDeviceResolver):
     """The non-CPU device the parameters are on; for CPU/meta modules, the current CUDA device
-    when CUDA is available, else the CPU."""
+    when CUDA is available, else the CPU.
+
+    Raises:
+        ConfigurationError: parameters on two device types.
+
+    Example:
+        ```python
+        FSDPBuilder().device(InferredDevice())  # the default when .device() is not called
+        ```
+    """
 
     explicit: bool = attrs.field(default=False, init=False)
 

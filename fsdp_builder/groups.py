@@ -123,6 +123,15 @@ class AutoHybridGroups(BaseGroupFactory):
     """Hybrid groups from devices per node: shard within a node, replicate across nodes.
 
     ``devices_per_node`` defaults to the CUDA device count, else ``LOCAL_WORLD_SIZE``.
+
+    Raises:
+        ConfigurationError: ``devices_per_node`` is not a positive int or does not divide the
+            world size; the strategy is not hybrid; ranks resolved different node sizes.
+
+    Example:
+        ```python
+        FSDPBuilder().sharding("hybrid").groups(AutoHybridGroups(devices_per_node=8))
+        ```
     """
 
     devices_per_node: int | None = attrs.field(default=None)
@@ -209,7 +218,16 @@ class AutoHybridGroups(BaseGroupFactory):
 
 @frozen
 class DefaultGroups(BaseGroupFactory):
-    """Shard over the default (world) group; hybrid strategies get automatic node groups."""
+    """Shard over the default (world) group; hybrid strategies get automatic node groups.
+
+    Raises:
+        ConfigurationError: no initialized default process group.
+
+    Example:
+        ```python
+        FSDPBuilder().groups(DefaultGroups())  # the default when .groups() is not called
+        ```
+    """
 
     @override
     def validate(self, strategy: ShardingStrategy) -> None:
@@ -226,7 +244,17 @@ class DefaultGroups(BaseGroupFactory):
 
 @frozen(eq=False)
 class GivenGroup(BaseGroupFactory):
-    """Shard over one given process group (not for hybrid strategies)."""
+    """Shard over one given process group (not for hybrid strategies).
+
+    Raises:
+        ConfigurationError: not a ProcessGroup; a hybrid strategy.
+
+    Example:
+        ```python
+        group = dist.new_group(ranks=[0, 1, 2, 3])
+        FSDPBuilder().groups(group)  # the same as .groups(GivenGroup(group))
+        ```
+    """
 
     group: dist.ProcessGroup
 
@@ -254,7 +282,17 @@ class GivenGroup(BaseGroupFactory):
 
 @frozen(eq=False)
 class HybridGroups(BaseGroupFactory):
-    """A given (shard group, replicate group) pair for hybrid strategies."""
+    """A given (shard group, replicate group) pair for hybrid strategies.
+
+    Raises:
+        ConfigurationError: not ProcessGroups; a strategy that is not hybrid; groups that do not
+            cover the world.
+
+    Example:
+        ```python
+        FSDPBuilder().sharding("hybrid").groups((shard_group, replicate_group))
+        ```
+    """
 
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup
@@ -409,7 +447,19 @@ class MeshGroups(BaseGroupFactory):
     (or ``MeshGroups(mesh, dims=("dp",))``; for hybrid sharding
     ``mesh["dp_replicate", "dp_shard"]``). FSDP shards over those dims; the parameters must
     already be placed on the other dims (``parallelize_module(model, mesh["tp"], plan)`` before
-    the build). Every rank of the world still builds and agrees together."""
+    the build). Every rank of the world still builds and agrees together.
+
+    Raises:
+        ConfigurationError: not a DeviceMesh; a mesh of the wrong dimension for the strategy;
+            a mesh that does not span the world (unless it is the data-parallel slice of a
+            larger mesh the model is already placed on); the dims named.
+
+    Example:
+        ```python
+        mesh = init_device_mesh("cuda", (2, 8), mesh_dim_names=("replicate", "shard"))
+        FullyShardBuilder().sharding("hybrid").groups(mesh)
+        ```
+    """
 
     mesh: DeviceMesh
     dims: tuple[str, ...] | None = attrs.field(default=None, kw_only=True)

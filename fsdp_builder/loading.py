@@ -312,6 +312,18 @@ class FromStateDict(BaseMaterializer):
     hybrid sharding); with a backend that shards first (FSDP2) rank 0 scatters only each rank's
     slices instead. Dtypes follow the model. The source is closed when the build ends, however
     it ends.
+
+    Raises:
+        ConfigurationError: on every rank before any weight is written: rank 0 has no source, a
+            path that does not exist or is not a state dict, missing or unexpected keys, wrong
+            shapes, meta tensors or DTensors in the source.
+        MaterializationError: ``nonfinite="error"`` and NaN/inf found (named).
+
+    Example:
+        ```python
+        source = "model.pt" if dist.get_rank() == 0 else None
+        FullyShardBuilder().wrap(Block).materialize(FromStateDict(source)).build(meta_model)
+        ```
     """
 
     # Compared by identity: a state dict of tensors has no single truth value.
