@@ -11,12 +11,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from benchmarks.common import Job, Outcome, Recipe
+from benchmarks.common import CollectiveBytes, Job, Outcome, Recipe
 from benchmarks.models import BenchTransformer, Block, make_model, reset_module
 
 
@@ -109,6 +113,21 @@ def fsdp2_file_bcast(job: Job) -> Outcome:
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
     return Outcome(module=model, comm_bytes=_nbytes(_shapes(job)))
+
+
+def fsdp2_dcp_load(job: Job) -> Outcome:
+    """What torchtitan does on resume: FSDP2 on meta, ``to_empty``, then ``dcp.load`` of the
+    sharded model state dict from a DCP folder (each rank reads its own shards), then
+    ``set_model_state_dict``. Comm: bytes of the collectives it makes, counted."""
+    import torch.distributed.checkpoint as dcp
+
+    assert job.dcp is not None
+    with CollectiveBytes() as counted:
+        model = _fully_shard_meta(job)
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=job.dcp)
+        set_model_state_dict(model, state)
+    return Outcome(module=model, comm_bytes=counted.total, weight_comm_bytes=counted.floating)
 
 
 def read_floor(job: Job) -> Outcome:
@@ -231,6 +250,15 @@ BASELINES: tuple[Recipe, ...] = (
         fsdp2_file_bcast,
         "FSDP2 + rank 0 load_file(.safetensors) + set_model_state_dict(broadcast_from_rank0)",
         needs_checkpoint=True,
+        deterministic=True,
+    ),
+    Recipe(
+        "fsdp2_dcp_load",
+        "baseline",
+        "load_dcp",
+        fsdp2_dcp_load,
+        "FSDP2 on meta + to_empty + dcp.load(sharded state dict) from a DCP folder (torchtitan)",
+        needs_dcp=True,
         deterministic=True,
     ),
     Recipe(

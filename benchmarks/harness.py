@@ -179,8 +179,9 @@ def _fixed_malloc_threshold() -> None:
 
 DEFAULT_MALLOC_ENV = "FSDP_BENCH_DEFAULT_MALLOC"
 WARMUP = BenchConfig(vocab=256, dim=64, heads=1, layers=2)
-# The warm-up model's checkpoint, next to the measured sizes' ones.
+# The warm-up model's checkpoints, next to the measured sizes' ones.
 WARMUP_CHECKPOINT = "warmup.safetensors"
+WARMUP_DCP = "warmup.dcp"
 
 
 # torch's C++ log prefix ("[W1130 03:42:27.123456 1234 file.cpp:56] "): dropped, so that
@@ -243,6 +244,7 @@ def _measure(
     warmup: bool = True,
     source_path: str | None = None,
     checkpoint_path: str | None = None,
+    dcp_path: str | None = None,
 ) -> dict[str, Any]:
     setup_start = time.perf_counter()
     if os.environ.get(DEFAULT_MALLOC_ENV) != "1":
@@ -264,6 +266,9 @@ def _measure(
             if checkpoint_path is not None
             else None
         )
+        tiny_dcp = (
+            os.path.join(os.path.dirname(dcp_path), WARMUP_DCP) if dcp_path is not None else None
+        )
         recipe.run(
             Job(
                 cfg=WARMUP,
@@ -272,6 +277,7 @@ def _measure(
                 device=device,
                 source=tiny,
                 checkpoint=tiny_file,
+                dcp=tiny_dcp,
             )
         )
         del tiny
@@ -291,6 +297,7 @@ def _measure(
         seed=seed,
         source=source,
         checkpoint=checkpoint_path,
+        dcp=dcp_path,
     )
     gc.collect()
     memory = PeakMemory(device)
@@ -315,6 +322,7 @@ def _measure(
         "baseline_bytes": memory.baseline,
         "memory_method": memory.method,
         "comm_bytes": outcome.comm_bytes,
+        "weight_comm_bytes": outcome.weight_comm_bytes,
         "bucket_bytes": outcome.bucket_bytes,
         "phases": outcome.phases,
         "phase_comm_bytes": outcome.phase_comm_bytes,
@@ -333,6 +341,7 @@ _PRELOAD = [
     "torch._dynamo",
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
     "benchmarks.harness",
 ]
@@ -534,14 +543,30 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
             sources[size] = os.path.join(scratch.name, f"source-{size}.pt")
             torch.save(make_source(cfg, args.seed), sources[size])
     checkpoints: dict[int, str] = {}
-    if any(r.needs_checkpoint for r in recipes):
+    dcps: dict[int, str] = {}
+    want_file = any(r.needs_checkpoint for r in recipes)
+    want_dcp = any(r.needs_dcp for r in recipes)
+    if want_file or want_dcp:
+        import torch.distributed.checkpoint as dcp
         from safetensors.torch import save_file
 
-        # Every rank of a checkpoint job reads this file itself (a shared filesystem).
-        save_file(make_source(WARMUP, args.seed), os.path.join(scratch.name, WARMUP_CHECKPOINT))
-        for size, cfg in configs.items():
-            checkpoints[size] = os.path.join(scratch.name, f"checkpoint-{size}.safetensors")
-            save_file(make_source(cfg, args.seed), checkpoints[size])
+        # Every rank of a checkpoint job reads these itself (a shared filesystem): a
+        # .safetensors file and a DCP folder of the same weights, written by this process.
+        written: list[tuple[str, BenchConfig, int | None]] = [
+            (WARMUP_CHECKPOINT, WARMUP, None),
+            *((f"checkpoint-{n}.safetensors", c, n) for n, c in configs.items()),
+        ]
+        for name, cfg, measured in written:
+            weights = make_source(cfg, args.seed)
+            path = os.path.join(scratch.name, name)
+            folder = path.removesuffix(".safetensors") + ".dcp"  # warmup.dcp: WARMUP_DCP
+            if want_file:
+                save_file(weights, path)
+            if want_dcp:
+                dcp.save(weights, checkpoint_id=folder, no_dist=True)
+            if measured is not None:
+                checkpoints[measured], dcps[measured] = path, folder
+            del weights
     labels = {size: label for size, label in zip(sizes, sizes_text.split(","), strict=True)}
     order = _plan(recipes, sizes, worlds, repeats)
     records: list[dict[str, Any]] = []
@@ -580,6 +605,7 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
                 not args.no_warmup,
                 sources.get(size) if recipe.needs_source else None,
                 checkpoints.get(size) if recipe.needs_checkpoint else None,
+                dcps.get(size) if recipe.needs_dcp else None,
                 timeout=args.timeout,
                 backend=backend,
                 method=args.launcher,
@@ -589,6 +615,10 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
                 peak_bytes=max(r["peak_bytes"] for r in ranks),
                 peak_bytes_nonzero_ranks=max((r["peak_bytes"] for r in ranks[1:]), default=None),
                 comm_bytes=ranks[0]["comm_bytes"],
+                weight_comm_bytes=max(
+                    (r["weight_comm_bytes"] for r in ranks if r["weight_comm_bytes"] is not None),
+                    default=None,
+                ),
                 bucket_bytes=ranks[0]["bucket_bytes"] or recipe.bucket_bytes,
                 checksum=ranks[0]["checksum"],
                 ranks=ranks,

@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 import fsdp_builder
-from benchmarks.common import Job, Outcome, Recipe
+from benchmarks.common import CollectiveBytes, Job, Outcome, Recipe
 from benchmarks.models import Block, make_model
 
 # Where a class may live when the package does not export it (yet).
@@ -88,17 +88,26 @@ def fsdp2_load(job: Job) -> Outcome:
     return _build(job, "fsdp2", _cls("FromStateDict")(source))
 
 
-def _checkpoint(job: Job, backend: str) -> Outcome:
-    assert job.checkpoint is not None
-    return _build(job, backend, _cls("FromCheckpoint")(job.checkpoint))
+def _checkpoint(job: Job, backend: str, path: str | None) -> Outcome:
+    assert path is not None
+    # The builder's report counts synchronizer traffic only; count every collective instead.
+    with CollectiveBytes() as counted:
+        outcome = _build(job, backend, _cls("FromCheckpoint")(path))
+    outcome.comm_bytes = counted.total
+    outcome.weight_comm_bytes = counted.floating
+    return outcome
 
 
 def fsdp2_checkpoint(job: Job) -> Outcome:
-    return _checkpoint(job, "fsdp2")
+    return _checkpoint(job, "fsdp2", job.checkpoint)
 
 
 def fsdp1_checkpoint(job: Job) -> Outcome:
-    return _checkpoint(job, "fsdp1")
+    return _checkpoint(job, "fsdp1", job.checkpoint)
+
+
+def fsdp2_dcp(job: Job) -> Outcome:
+    return _checkpoint(job, "fsdp2", job.dcp)
 
 
 _CANDIDATES: tuple[tuple[Recipe, tuple[str, ...]], ...] = (
@@ -197,6 +206,20 @@ _CANDIDATES: tuple[tuple[Recipe, tuple[str, ...]], ...] = (
             per_unit=True,
         ),
         ("FromCheckpoint",),
+    ),
+    (
+        Recipe(
+            "builder_fsdp2_dcp",
+            "builder",
+            "load_dcp",
+            fsdp2_dcp,
+            "FullyShardBuilder, FromCheckpoint(DCP folder): each rank loads its own shards, "
+            "unit by unit",
+            needs_dcp=True,
+            deterministic=True,
+            per_unit=True,
+        ),
+        ("FullyShardBuilder", "FromCheckpoint"),
     ),
     (
         Recipe(

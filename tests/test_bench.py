@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.report import targets
 from fsdp_builder.cli import main
 
 RANK_FIELDS = {"rank", "seconds", "peak_bytes", "baseline_bytes", "comm_bytes", "checksum"}
@@ -58,6 +59,12 @@ def test_deterministic_recipes_agree(smoke: tuple[int, dict, Path]) -> None:
         sums[n] for n in ("fsdp1_full", "fsdp2_load_bcast", "builder_fsdp2_load") if n in sums
     ]
     assert len(loaded) >= 2 and len(set(loaded)) == 1, sums
+    # So does reading the same weights from a .safetensors file or a DCP folder, by any recipe.
+    files = ("fsdp2_file_bcast", "builder_fsdp2_checkpoint", "builder_fsdp1_checkpoint",
+             "fsdp2_dcp_load", "builder_fsdp2_dcp")  # fmt: skip
+    missing_files = [n for n in files if n not in sums]
+    assert not missing_files, missing_files
+    assert {sums[n] for n in files} == {loaded[0]}, sums
     # Deterministic init is the same whichever backend shards it. The smoke run includes every
     # recipe (no --recipes), so both must have run and reported a checksum.
     errors = {r["recipe"]: r["error"] for r in result["records"]}
@@ -65,6 +72,20 @@ def test_deterministic_recipes_agree(smoke: tuple[int, dict, Path]) -> None:
     missing = {n: errors.get(n, "not in the records") for n in det if n not in sums}
     assert not missing, missing
     assert sums[det[0]] == sums[det[1]], sums
+
+
+@pytest.mark.timeout(30)
+def test_rank_local_loads_send_no_weights(smoke: tuple[int, dict, Path]) -> None:
+    _, result, _ = smoke
+    local = {"builder_fsdp2_checkpoint", "builder_fsdp1_checkpoint", "builder_fsdp2_dcp"}
+    found = [r for r in result["records"] if r["recipe"] in local]
+    assert {r["recipe"] for r in found} == local
+    for r in found:
+        # Counted on every rank: collectives happen (validation), but carry no weights.
+        assert [x["weight_comm_bytes"] for x in r["ranks"]] == [0, 0], r["recipe"]
+        assert all(x["comm_bytes"] is not None for x in r["ranks"]), r["recipe"]
+    rows = [t for t in targets(result) if "weight bytes sent between ranks" in t["target"]]
+    assert len(rows) == len(local) and all(t["met"] for t in rows), rows
 
 
 @pytest.mark.timeout(30)
