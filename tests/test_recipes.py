@@ -61,7 +61,7 @@ def test_several_nodes_with_c10d_rendezvous() -> None:
     command = [
         *TORCHRUN,
         "--nnodes", "2",
-        "--nproc-per-node", "1",
+        "--nproc-per-node", "2",
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", endpoint,
         "--rdzv-id", "recipe",
@@ -83,12 +83,19 @@ def test_several_nodes_with_c10d_rendezvous() -> None:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
-    lines = sorted(line for out in outs for line in out.splitlines() if "losses:" in line)
+    lines = sorted(
+        (line for out in outs for line in out.splitlines() if "losses:" in line),
+        key=lambda line: line.split()[3],
+    )
+    # Two nodes of two ranks: shards inside a node, replicas across nodes.
     assert [line.split()[:4] for line in lines] == [
-        ["node", "0", "rank", "0/2:"],
-        ["node", "1", "rank", "1/2:"],
+        ["node", "0", "rank", "0/4:"],
+        ["node", "0", "rank", "1/4:"],
+        ["node", "1", "rank", "2/4:"],
+        ["node", "1", "rank", "3/4:"],
     ]
     for line in lines:
+        assert "HYBRID_SHARD over groups of 2 ranks" in line, line
         losses = floats(line)
         assert losses == sorted(losses, reverse=True)
 

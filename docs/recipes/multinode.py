@@ -1,17 +1,17 @@
 """Several machines: hybrid sharding, shards inside a node, replicas across nodes.
 
-Run the same command on every node (here 2 nodes with 1 process each; use one process per GPU),
-pointing the rendezvous at one of them:
+Run the same command on every node (here 2 nodes with 2 processes each; use one process per
+GPU), pointing the rendezvous at one of them:
 
-    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 --rdzv-id job1 docs/recipes/multinode.py
 
 torchrun sets ``LOCAL_WORLD_SIZE`` (processes per node), from which ``AutoHybridGroups`` makes
 the shard groups (the ranks of one node) and the replicate groups (one rank per node), so
 parameter all-gathers stay inside a node and only gradient all-reduces cross nodes.
-``BroadcastFromRank0`` gives every replica rank 0's initial weights. With one process per node
-each shard group has one rank, so the builder replicates over all ranks (``NO_SHARD``) and says
-so in a warning.
+``BroadcastFromRank0`` gives every replica rank 0's initial weights. (With one process per node
+each shard group would have one rank, and the builder would replicate over all ranks,
+``NO_SHARD``, saying so in a warning.)
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(steps: int = 3) -> None:
         sharded = builder.build(model)
         env = builder.environment
         shard = dist.get_world_size(env.groups.shard_group)
-        strategy = env.options.strategy.name  # NO_SHARD with one rank per node (it warns)
+        strategy = env.options.strategy.name  # HYBRID_SHARD (NO_SHARD with one rank per node)
         device = builder.environment.device
         gen = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(8, 16, generator=gen).to(device)
