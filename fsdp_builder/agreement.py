@@ -5,9 +5,9 @@ the same RankDisagreementError instead of leaving the others blocked in the next
 happy path costs one tiny all-gather; messages are exchanged only when something failed.
 
 When the all-gather itself fails (a peer died, or did not arrive within the build's timeout),
-every surviving rank raises CommunicationError naming the stage, the unit and, from marks each
-rank leaves in the process group's store before it waits, the ranks that never arrived; the
-rank's own local error, if it had one, stays its cause.
+every surviving rank raises CommunicationError naming the stage, the unit and, when the build has
+a timeout, from marks each rank leaves in the process group's store before it waits, the ranks
+that never arrived; the rank's own local error, if it had one, stays its cause.
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ def agree(
             stage,
             {
                 r: f"configured or built differently than rank 0 ({detail}). Build the same "
-                "model with the same wrap policy, ignored states, strategies and options on "
-                "every rank."
+                "model with the same builder calls on every rank: the same wrap policy, "
+                "ignored states, strategies and options."
                 for r in odd
             },
             unit,
@@ -187,9 +187,11 @@ class Agreement:
     def agree(
         self, stage: str, error: BaseException | None, unit: str | None = None, **kw: Any
     ) -> None:
-        """``agree`` over this build's group, leaving an arrival mark first."""
+        """``agree`` over this build's group. With a timeout set, each rank first leaves an
+        arrival mark in the store (one round trip), so a failed exchange can name the ranks
+        that never came; without one the default path costs no store traffic."""
         arrival = None
-        if dist.is_initialized():
+        if self.timeout is not None and dist.is_initialized():
             arrival = Arrival(f"fsdp_builder/{self.build}/{next(self.count)}", self.group)
         agree(
             stage, error, unit=unit, group=self.group, arrival=arrival, timeout=self.timeout, **kw
