@@ -137,17 +137,18 @@ def agree(
         # Every rank failed: each raises its own error, which already says what to fix.
         raise error
     if any(flags):
-        # Each failing rank sends its own stage and message, so that every rank raises the same
-        # error, named after the first failing rank's stage (not after where it waited).
+        # Each failing rank sends its own stage, unit and message, so that every rank raises the
+        # same error, named after the first failing rank's stage and unit (not after where it
+        # waited).
         notes: list[Any] = [None] * world
-        local = None if error is None else (stage, f"{type(error).__name__}: {error}")
+        local = None if error is None else (stage, unit, f"{type(error).__name__}: {error}")
         try:
             dist.all_gather_object(notes, local, group=group)
         except Exception as exc:
             raise _lost(stage, unit, exc, arrival, timeout) from (error or exc)
-        failures = {r: str(n[1]) for r, n in enumerate(notes) if n is not None}
+        failures = {r: str(n[2]) for r, n in enumerate(notes) if n is not None}
         first = next(n for n in notes if n is not None)
-        raise RankDisagreementError(first[0], failures, unit) from error
+        raise RankDisagreementError(first[0], failures, first[1]) from error
     if len(prints) > 1:
         descriptions: list[Any] = [None] * world
         try:
@@ -172,17 +173,18 @@ def agree(
 class Agreement:
     """How a build's steps agree: a step that runs collectives is preceded by an agreement on
     the local steps before it; a local step only records its failure (and the rank skips its
-    next local steps until the agreement), so ranks agree once per unit unless a strategy
-    communicates. A step that communicates must fail on every rank alike, or only after its
-    last collective."""
+    next local steps until the agreement). No rank can be left waiting by a peer's local
+    failure, since every collective is preceded by an agreement: a build whose per-unit steps
+    are all local agrees once, at its end. A step that communicates must fail on every rank
+    alike, or only after its last collective."""
 
     def __init__(self, group: dist.ProcessGroup | None, timeout: float | None = None) -> None:
         self.group = group
         self.timeout = timeout
         self.build = next(_BUILDS)
         self.count = itertools.count()
-        # A local step's failure, held until the next agreement.
-        self.pending: tuple[str, BaseException] | None = None
+        # A local step's failure (stage, unit, error), held until the next agreement.
+        self.pending: tuple[str, str, BaseException] | None = None
 
     def agree(
         self, stage: str, error: BaseException | None, unit: str | None = None, **kw: Any
@@ -218,11 +220,20 @@ class Agreement:
         try:
             return fn()
         except Exception as exc:
-            self.pending = (stage, exc)
+            self.pending = (stage, unit, exc)
             return None
 
-    def settle(self, unit: str) -> None:
-        """Agree on the local steps run since the last agreement."""
-        stage, error = self.pending or ("unit", None)
+    def settle(self, unit: str | None) -> None:
+        """Agree on the local steps run since the last agreement (named after the failed one's
+        stage and unit)."""
+        stage, where, error = self.pending or ("unit", unit, None)
         self.pending = None
-        self.agree(stage, error, unit)
+        self.agree(stage, error, where)
+
+    def finish(self, fn: Callable[[], None]) -> None:
+        """The build's last agreement: on the local steps not yet agreed on, and on ``fn``
+        (run only when no local step failed on this rank)."""
+        if self.pending is not None:
+            self.settle(None)
+            return
+        self.now("finish", fn)

@@ -171,7 +171,7 @@ class _Build:
             result = self.shard_units(model, env, runs, report)
         finally:
             runs.close()
-        self.agreement.now("finish", lambda: _check_no_meta(result))
+        self.agreement.finish(lambda: _check_no_meta(result))
         env.logger.info(
             "build_done",
             seconds=round(report.total_seconds, 6),
@@ -330,8 +330,13 @@ class _Build:
         for name in SHARD_FIRST_STEPS if env.shards_first else UNIT_STEPS:
             fn, communicates = steps[name]
             self.agreement.step(name, fn, unit.label, communicates)
-        self.agreement.settle(unit.label)
-        return sharded[0]  # every step ran: the agreement raised otherwise
+        if self.config.timeout is not None:
+            # With a bound set, ranks also agree after each unit, so that a dead or late peer
+            # is found at the unit where it stopped (the bound's diagnostics, at one tiny
+            # all-gather per unit); otherwise local steps agree once, at finish.
+            self.agreement.settle(unit.label)
+        # Skipped after a local failure on this rank, which the next agreement reports.
+        return sharded[0] if sharded else unit.module
 
 
 def _checked_run(strategy: object, run: Any, run_type: type) -> Any:
