@@ -25,7 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_builder.backends.checks import check_fsdp1_plan
-from fsdp_builder.compiling import check_units, compile_in_place
+from fsdp_builder.backends.composing import after_shard, before_shard
 from fsdp_builder.config import (
     HYBRID_STRATEGIES,
     ShardingOptions,
@@ -35,9 +35,9 @@ from fsdp_builder.config import (
 )
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
-from fsdp_builder.groups import ProcessGroups, check_placed_on_other_dims
+from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.wrap import checkpoint_unit, unit_overrides
+from fsdp_builder.wrap import unit_overrides
 
 _WHERE = "FSDPBuilder"
 
@@ -197,22 +197,5 @@ class FSDP1Backend:
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         kwargs = fsdp1_kwargs(env, unit)
-        if unit is env.plan.units[0]:
-            # Before the first unit changes: a sub-mesh needs the model placed on its other dims.
-            check_placed_on_other_dims(env.groups.mesh, env.plan.root.module, f"{_WHERE}.groups")
-        target = unit.module
-        chosen = env.options.activation_checkpointing
-        if chosen is not None:
-            # FullyShardedDataParallel(checkpoint_wrapper(block)): the structure torch's
-            # apply_activation_checkpointing gives after wrapping, FSDP outside the recompute.
-            target = checkpoint_unit(target, unit.fqn, chosen, env.ignored.modules)
-        spec = env.options.compile
-        if spec is not None and spec.before_shard(unit.is_root):
-            # FullyShardedDataParallel(compiled unit): compiled in place, wrapped after.
-            target = compile_in_place(target, spec)
-        elif spec is not None and unit.is_root:
-            check_units(spec, len(env.plan), f"{_WHERE}.compile")
-        wrapped = FullyShardedDataParallel(target, **kwargs)
-        if spec is not None and spec.after_shard(unit.is_root):
-            compile_in_place(wrapped, spec)
-        return wrapped
+        target = before_shard(unit, env, _WHERE)
+        return after_shard(unit, env, FullyShardedDataParallel(target, **kwargs))

@@ -81,7 +81,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_builder.backends.checks import check_fsdp2_plan
-from fsdp_builder.compiling import check_units, compile_in_place
+from fsdp_builder.backends.composing import after_shard, before_shard
 from fsdp_builder.config import (
     NO_RESHARD_AFTER_FORWARD,
     ShardingOptions,
@@ -89,9 +89,9 @@ from fsdp_builder.config import (
 )
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
-from fsdp_builder.groups import ProcessGroups, check_mesh, check_placed_on_other_dims
+from fsdp_builder.groups import ProcessGroups, check_mesh
 from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.wrap import checkpoint_unit, unit_overrides
+from fsdp_builder.wrap import unit_overrides
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
@@ -444,25 +444,9 @@ class FullyShardBackend:
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         kwargs = fully_shard_kwargs(unit, env)
-        if unit is env.plan.units[0]:
-            # Before the first unit changes: a sub-mesh needs the model placed on its other dims.
-            check_placed_on_other_dims(env.groups.mesh, env.plan.root.module, f"{_where()}.groups")
-        target = unit.module
-        chosen = env.options.activation_checkpointing
-        if chosen is not None:
-            # Checkpoint first, then shard the wrapper, as torchtitan does: FSDP's hooks stay
-            # outside the recomputed forward.
-            target = checkpoint_unit(target, unit.fqn, chosen, env.ignored.modules)
-        spec = env.options.compile
-        if spec is not None and spec.before_shard(unit.is_root):
-            # Compile after checkpointing, before sharding (torchtitan's order), in place.
-            target = compile_in_place(target, spec)
-        elif spec is not None and unit.is_root:
-            check_units(spec, len(env.plan), f"{_where()}.compile")
+        target = before_shard(unit, env, _where())
         fully_shard(target, **kwargs)
-        if spec is not None and spec.after_shard(unit.is_root):
-            # The whole model: the sharded root, compiled in place.
-            target = compile_in_place(target, spec)
+        target = after_shard(unit, env, target)
         env.logger.debug(
             "fully_shard",
             unit=unit.label,
