@@ -52,7 +52,7 @@ from fsdp_builder.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.ignored import IgnoredStates, clean_name
-from fsdp_builder.loading import _LoadRun, _Reader, _unit_entries
+from fsdp_builder.loading import _LoadRun, _Reader, _unit_entries, start_rank0_load
 from fsdp_builder.materializers import BaseMaterializer, MaterializerRun, buffers_to_compute
 from fsdp_builder.nonfinite import check_nonfinite_mode, nonfinite_names, nonfinite_verdict
 from fsdp_builder.plan import Unit, UnitPlan
@@ -639,19 +639,10 @@ class FromCheckpoint(BaseMaterializer):
                     if isinstance(exc, ConfigurationError)
                     else _invalid(f"'{self.path}'", f"could not be read ({exc})")
                 )
-        box: list[Any] = [verdict]
-        dist.broadcast_object_list(box, src=0, group=env.agreement_group)
         run = _LoadRun(
             env, reader, self.bucket_bytes, nonfinite=self.nonfinite, loader="FromCheckpoint"
         )
-        try:
-            if box[0] is not None:
-                raise ConfigurationError(box[0])
-            run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
-        except BaseException:
-            run.close()
-            raise
-        return run
+        return start_rank0_load(env, verdict, run)
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:

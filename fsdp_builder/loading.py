@@ -357,19 +357,9 @@ class FromStateDict(BaseMaterializer):
                 verdict = str(
                     _not_a_state_dict("the source", f"{type(exc).__name__}: {exc}")
                 )
-        box: list[Any] = [verdict]
-        dist.broadcast_object_list(box, src=0, group=env.agreement_group)
-        run = _LoadRun(env, reader, self.bucket_bytes, nonfinite=self.nonfinite)
-        try:
-            if box[0] is not None:
-                raise ConfigurationError(box[0])
-            # No state dict holds non-persistent buffers: the model computes them (the same on
-            # every rank, so a failure here is every rank's).
-            run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
-        except BaseException:
-            run.close()
-            raise
-        return run
+        return start_rank0_load(
+            env, verdict, _LoadRun(env, reader, self.bucket_bytes, nonfinite=self.nonfinite)
+        )
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
@@ -377,6 +367,23 @@ class FromStateDict(BaseMaterializer):
             "`FromStateDict` loads through the run its prepare(env) returns; build through a "
             "builder, which calls prepare(env) first."
         )
+
+
+def start_rank0_load(env: Environment, verdict: str | None, run: _LoadRun) -> _LoadRun:
+    """Rank 0's ``verdict`` on its source (None: it fits) reaches every rank, which raises it
+    alike; then the run gets the non-persistent buffers the model computes (no source holds
+    them; the same on every rank, so a failure there is every rank's). Collective. The run is
+    closed if the load does not start."""
+    box: list[Any] = [verdict]
+    dist.broadcast_object_list(box, src=0, group=env.agreement_group)
+    try:
+        if box[0] is not None:
+            raise ConfigurationError(box[0])
+        run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
+    except BaseException:
+        run.close()
+        raise
+    return run
 
 
 @define
