@@ -10,7 +10,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -18,12 +18,11 @@ import torch.distributed as dist
 from attrs import frozen
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp_builder.environment import Environment
 from fsdp_builder.errors import MaterializationError, config_error
+from fsdp_builder.groups import collective_device
 from fsdp_builder.plan import Unit
 from fsdp_builder.tree import allocate_empty, owned_states, unit_modules
-
-if TYPE_CHECKING:  # the environment's module needs these helpers to build its groups
-    from fsdp_builder.environment import Environment
 
 DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -68,14 +67,6 @@ def check_bucket_bytes(instance: object, attribute: attrs.Attribute[Any], value:
             f"expected a positive number of bytes, got {value!r}",
             "Pass e.g. bucket_bytes=250 * 1024 * 1024, or leave the default",
         )
-
-
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a small tensor must live to travel on ``group``'s backend."""
-    backend = str(dist.get_backend(group))
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def sync_stages(env: Environment) -> list[tuple[dist.ProcessGroup | None, int]]:

@@ -19,10 +19,17 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from fsdp_builder.collectives import collective_device
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.hooks import DeclaredHooks
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small tensor must live to travel on ``group``'s backend."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def gradient_predivide_factor(world_size: int) -> float:
