@@ -41,18 +41,6 @@ def nonpersistent_meta(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, st
     ]
 
 
-def only_nonpersistent_meta(module: nn.Module) -> bool:
-    """True when every meta state of ``module`` is a non-persistent buffer (and it has one)."""
-    meta = [
-        (name, name in module._non_persistent_buffers_set)
-        for name, t in itertools.chain(
-            module.named_parameters(recurse=False), module.named_buffers(recurse=False)
-        )
-        if t.is_meta
-    ]
-    return bool(meta) and all(np for _, np in meta)
-
-
 def whole_model_initializer(model: nn.Module) -> Callable[..., Any] | None:
     for name in WHOLE_MODEL_INITIALIZERS:
         init = getattr(model, name, None)

@@ -228,16 +228,6 @@ def _stops(unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None) -> set[Any
     return set(ignored.modules) | others
 
 
-def _non_persistent_meta(unit: Unit, ignored: IgnoredStates, plan: UnitPlan) -> list[str]:
-    out = []
-    for m in unit_modules(unit.module, _stops(unit, ignored, plan)):
-        for n in getattr(m, "_non_persistent_buffers_set", set()):
-            b = m._buffers.get(n)
-            if b is not None and b.is_meta:
-                out.append(f"{type(m).__name__}.{n}")
-    return out
-
-
 def _shape(shape: tuple[int, ...]) -> str:
     return str(list(shape))
 
