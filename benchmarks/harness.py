@@ -361,7 +361,7 @@ def launch(
     the recipes: every measurement still gets brand-new processes, without paying about 3 s of
     imports per rank on a 2-core machine; ``spawn`` starts each from scratch.
     """
-    from fsdp_builder.launch import run_ranks
+    from fsdp_builder.tools.launch import run_ranks
 
     return run_ranks(fn, world_size, *args, timeout=timeout, backend=backend, start_method=method)
 

@@ -13,7 +13,7 @@ from benchmarks.common import CollectiveBytes, Job, Outcome, Recipe
 from benchmarks.models import Block, make_model
 
 # Where a class may live when the package does not export it (yet).
-_SUBMODULES = ("fsdp_builder.sharded_init", "fsdp_builder.loading")
+_SUBMODULES = ("fsdp_builder.materializers.sharded", "fsdp_builder.materializers.loading")
 
 
 def _find(name: str) -> Any | None:

@@ -1,7 +1,6 @@
 """fsdp_builder: PyTorch FSDP initialization as a fluent builder with pluggable strategies."""
 
 from fsdp_builder.builder import BuilderConfig, FSDPBuilder, FullyShardBuilder, ShardingBuilder
-from fsdp_builder.checkpoints import FromCheckpoint
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
     BaseDeviceResolver,
@@ -11,7 +10,6 @@ from fsdp_builder.devices import (
     InferredDevice,
     LocalRankDevice,
 )
-from fsdp_builder.environment import Environment
 from fsdp_builder.errors import (
     CommunicationError,
     ConfigurationError,
@@ -21,7 +19,6 @@ from fsdp_builder.errors import (
     RankDisagreementError,
     StateMismatchError,
 )
-from fsdp_builder.export import save_hf_checkpoint
 from fsdp_builder.groups import (
     AutoHybridGroups,
     BaseGroupFactory,
@@ -32,9 +29,8 @@ from fsdp_builder.groups import (
     MeshGroups,
     ProcessGroups,
 )
-from fsdp_builder.ignored import IgnoredStates, resolve_ignored
-from fsdp_builder.loading import FromStateDict
-from fsdp_builder.materializers import (
+from fsdp_builder.materializers.checkpoints import FromCheckpoint
+from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     DeferredInit,
     DeterministicInit,
@@ -43,9 +39,13 @@ from fsdp_builder.materializers import (
     Materializer,
     ResetParameters,
 )
-from fsdp_builder.plan import Unit, UnitPlan, plan_units
-from fsdp_builder.report import BuildReport, StageRecord
-from fsdp_builder.sharded_init import InitWeights, ShardFirstReset
+from fsdp_builder.materializers.loading import FromStateDict
+from fsdp_builder.materializers.sharded import InitWeights, ShardFirstReset
+from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
+from fsdp_builder.planning.plan import Unit, UnitPlan, plan_units
+from fsdp_builder.planning.wrap import WrapPolicy
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.report import BuildReport, StageRecord
 from fsdp_builder.synchronizers import (
     BaseSynchronizer,
     BroadcastFromRank0,
@@ -54,7 +54,7 @@ from fsdp_builder.synchronizers import (
     StateSynchronizer,
     VerifyReplicas,
 )
-from fsdp_builder.wrap import WrapPolicy
+from fsdp_builder.tools.export import save_hf_checkpoint
 
 __all__ = [
     "AutoHybridGroups",

@@ -2,7 +2,7 @@
 
 import sys
 
-from fsdp_builder.cli import main
+from fsdp_builder.tools.cli import main
 
 if __name__ == "__main__":  # ranks the demo spawns import this module without running it
     sys.exit(main())

@@ -37,16 +37,16 @@ from fsdp_builder.config import (
     to_dtype,
 )
 from fsdp_builder.devices import DeviceResolver, ExplicitDevice
-from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.groups import GivenGroup, GroupFactory, HybridGroups, MeshGroups
-from fsdp_builder.ignored import validate_ignore_arguments
-from fsdp_builder.materializers import Materializer
+from fsdp_builder.materializers.initializers import Materializer
 from fsdp_builder.pipeline import BuilderConfig, BuildResult, plan_for, run_build
-from fsdp_builder.plan import UnitPlan
-from fsdp_builder.report import BuildReport
+from fsdp_builder.planning.ignored import validate_ignore_arguments
+from fsdp_builder.planning.plan import UnitPlan
+from fsdp_builder.planning.wrap import WrapPolicy, checkpoint_predicate
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.report import BuildReport
 from fsdp_builder.synchronizers import Chain, StateSynchronizer
-from fsdp_builder.wrap import WrapPolicy, checkpoint_predicate
 
 B = TypeVar("B", bound="ShardingBuilder")
 

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
-from fsdp_builder.hooks import DeclaredHooks
+from fsdp_builder.runtime.hooks import DeclaredHooks
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -13,7 +13,7 @@
   the runs are closed when the build ends, however it ends.
 - **per unit**: ``UNIT_STEPS`` in order, or ``SHARD_FIRST_STEPS`` when the materializer fills
   local shards of a unit the backend sharded on meta; ranks agree once per unit (see
-  :class:`~fsdp_builder.agreement.Agreement`).
+  :class:`~fsdp_builder.runtime.agreement.Agreement`).
 - **finish**: nothing may be left on meta.
 """
 
@@ -28,33 +28,33 @@ import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
 
-from fsdp_builder.agreement import Agreement
 from fsdp_builder.backends import Backend, check_model
-from fsdp_builder.collectives import GroupTimeouts
 from fsdp_builder.config import ShardingOptions
-from fsdp_builder.describe import describe_settings
 from fsdp_builder.devices import (
     DeviceResolver,
     InferredDevice,
     check_compute_device,
     check_single_device,
 )
-from fsdp_builder.environment import Environment, effective_strategy
 from fsdp_builder.errors import ConfigurationError, FSDPBuilderError
 from fsdp_builder.groups import DefaultGroups, GroupFactory
-from fsdp_builder.ignored import (
+from fsdp_builder.materializers.initializers import Materializer, MaterializerRun, ResetParameters
+from fsdp_builder.planning.ignored import (
     IgnoredStates,
     buffer_dtypes,
     managed_params,
     resolve_ignored,
 )
-from fsdp_builder.logs import build_logger
-from fsdp_builder.materializers import Materializer, MaterializerRun, ResetParameters
-from fsdp_builder.moving import move_unit_states
-from fsdp_builder.plan import Unit, UnitPlan, fingerprint_of, plan_units
-from fsdp_builder.report import BuildReport
+from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_units
+from fsdp_builder.planning.wrap import WrapPolicy
+from fsdp_builder.runtime.agreement import Agreement
+from fsdp_builder.runtime.collectives import GroupTimeouts
+from fsdp_builder.runtime.describe import describe_settings
+from fsdp_builder.runtime.environment import Environment, effective_strategy
+from fsdp_builder.runtime.logs import build_logger
+from fsdp_builder.runtime.moving import move_unit_states
+from fsdp_builder.runtime.report import BuildReport
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun
-from fsdp_builder.wrap import WrapPolicy
 
 # The per-unit steps, in the order they run.
 UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
@@ -183,7 +183,7 @@ class _Build:
         return BuildResult(environment=env, report=report, module=result)
 
     def settings(self) -> list[tuple[str, str]]:
-        """The whole configuration as ranks compare it (``fsdp_builder.describe``)."""
+        """The whole configuration as ranks compare it (``fsdp_builder.runtime.describe``)."""
         cfg = self.config
         items: dict[str, Any] = {"backend": self.backend.name}
         for field in attrs.fields(BuilderConfig):

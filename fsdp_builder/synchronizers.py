@@ -23,20 +23,20 @@ from attrs import define, frozen
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
-from fsdp_builder.agreement import agree
-from fsdp_builder.collectives import (
+from fsdp_builder.errors import FSDPBuilderError, StateMismatchError
+from fsdp_builder.planning.plan import Unit
+from fsdp_builder.runtime.agreement import agree
+from fsdp_builder.runtime.collectives import (
     DEFAULT_BUCKET_BYTES,
     broadcast_tensors,
     check_bucket_bytes,
     collective_device,
     sync_stages,
 )
-from fsdp_builder.environment import Environment
-from fsdp_builder.errors import FSDPBuilderError, StateMismatchError
-from fsdp_builder.hashing import digest63
-from fsdp_builder.hooks import DeclaredHooks
-from fsdp_builder.plan import Unit
-from fsdp_builder.tree import module_names, qualified, unit_modules
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.hashing import digest63
+from fsdp_builder.runtime.hooks import DeclaredHooks
+from fsdp_builder.runtime.tree import module_names, qualified, unit_modules
 
 
 @runtime_checkable

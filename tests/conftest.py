@@ -8,7 +8,7 @@ import pytest
 import structlog
 import torch.distributed as dist
 
-from fsdp_builder.launch import free_port
+from fsdp_builder.tools.launch import free_port
 
 
 @pytest.fixture

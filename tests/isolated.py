@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from fsdp_builder.launch import run_ranks
+from fsdp_builder.tools.launch import run_ranks
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from fsdp_builder import (
     KeepAsIs,
     ResetParameters,
 )
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, make_model
-from fsdp_builder.environment import Environment
-from fsdp_builder.launch import RankFailure, run_ranks
-from fsdp_builder.plan import Unit
+from fsdp_builder.planning.plan import Unit
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, make_model
+from fsdp_builder.tools.launch import RankFailure, run_ranks
 
 CFG = DemoConfig(layers=2)
 

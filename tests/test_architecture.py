@@ -30,8 +30,8 @@ from fsdp_builder import (
     ResetParameters,
     VerifyReplicas,
 )
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, full_state_dict
-from fsdp_builder.materializers import Materializer
+from fsdp_builder.materializers.initializers import Materializer
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, full_state_dict
 
 CFG = DemoConfig(vocab=32, dim=16, heads=2, layers=2, seq=4)
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +172,7 @@ def test_a_failing_build_closes_the_checkpoint_on_rank_0(world1: None, tmp_path:
 
 
 def test_one_rank_failure_in_a_local_step_names_the_same_stage_everywhere() -> None:
-    from fsdp_builder.launch import run_ranks
+    from fsdp_builder.tools.launch import run_ranks
 
     results = run_ranks(_fail_on_rank_1, 2, timeout=120)
     assert [r["stage"] for r in results] == ["synchronize", "synchronize"]
@@ -205,8 +205,8 @@ _BUILD = textwrap.dedent(
     import logging, sys
     import torch.distributed as dist
     from fsdp_builder import CPUDevice, FSDPBuilder
-    from fsdp_builder.demo import Block, DemoConfig, DemoTransformer
-    from fsdp_builder.launch import free_port
+    from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
+    from fsdp_builder.tools.launch import free_port
 
     if sys.argv[1] == "debug":
         logging.basicConfig(level=logging.DEBUG)
@@ -259,9 +259,7 @@ def test_a_configured_structlog_gets_the_events(world1: None) -> None:
     from structlog.testing import capture_logs
 
     with capture_logs() as events:
-        FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none").build(
-            DemoTransformer(CFG)
-        )
+        FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none").build(DemoTransformer(CFG))
     stages = [e for e in events if e["event"] == "build_stage"]
     assert len(stages) == 12
     assert all(e["rank"] == 0 and e["world_size"] == 1 and "unit" in e for e in stages)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.report import targets
-from fsdp_builder.cli import main
+from fsdp_builder.tools.cli import main
 
 RANK_FIELDS = {"rank", "seconds", "peak_bytes", "baseline_bytes", "comm_bytes", "checksum"}
 RECORD_FIELDS = {

@@ -9,7 +9,7 @@ from structlog.testing import capture_logs
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder import ConfigurationError, CPUDevice, FSDPBuilder, ResetParameters
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, make_model
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, make_model
 
 CFG = DemoConfig(layers=2)
 
@@ -87,7 +87,7 @@ def test_no_process_group_is_a_clear_error() -> None:
 def test_local_strategies_agree_once_after_the_units(
     world1: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fsdp_builder.agreement as agreement_module
+    import fsdp_builder.runtime.agreement as agreement_module
 
     stages: list[str] = []
     real = agreement_module.agree

@@ -32,8 +32,8 @@ from fsdp_builder import (
     FullyShardBuilder,
     ShardingBuilder,
 )
-from fsdp_builder.demo import full_state_dict
-from fsdp_builder.launch import run_ranks
+from fsdp_builder.tools.demo import full_state_dict
+from fsdp_builder.tools.launch import run_ranks
 
 # One scenario on one rank: its value, or the formatted error it raised.
 Results = dict[Hashable, tuple[Any, str | None]]
@@ -241,7 +241,7 @@ def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
     and the checkpoint's reads wrapped to count the bytes this rank read."""
     import torch.distributed.distributed_c10d as c10d
 
-    from fsdp_builder.checkpoints import _SafetensorsSource
+    from fsdp_builder.materializers.checkpoints import _SafetensorsSource
 
     seen: list[int] = []
     read: list[int] = []
@@ -411,7 +411,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         data = shard.read_bytes()
         shard.write_bytes(data[: len(data) // 2])
 
-    from fsdp_builder.demo import DemoConfig, DemoTransformer
+    from fsdp_builder.tools.demo import DemoConfig, DemoTransformer
 
     demo = DemoTransformer(DemoConfig(vocab=61, dim=32, heads=2, layers=2, seq=8))
     save_file(
@@ -622,7 +622,7 @@ def test_bad_checkpoint_raises_one_clear_error_everywhere(
 
 
 def test_key_map_forms() -> None:
-    from fsdp_builder.checkpoints import key_mapper
+    from fsdp_builder.materializers.checkpoints import key_mapper
 
     assert key_mapper({"a": "b"})("a") == "b"
     assert key_mapper({"a": "b"})("c") == "c"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_builder.cli import DEMO_SEED, build_parser, main
-from fsdp_builder.demo import DemoConfig, deterministic_model, reference
+from fsdp_builder.tools.cli import DEMO_SEED, build_parser, main
+from fsdp_builder.tools.demo import DemoConfig, deterministic_model, reference
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -39,7 +39,7 @@ from fsdp_builder import (
     MeshGroups,
 )
 from fsdp_builder.groups import describe_mesh, other_dims
-from fsdp_builder.launch import run_ranks
+from fsdp_builder.tools.launch import run_ranks
 
 DIM = 8
 STEPS = 3

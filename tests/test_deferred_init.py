@@ -28,7 +28,14 @@ from fsdp_builder import (
     FullyShardBuilder,
     ShardingBuilder,
 )
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, full_state_dict, reference, train
+from fsdp_builder.tools.demo import (
+    Block,
+    DemoConfig,
+    DemoTransformer,
+    full_state_dict,
+    reference,
+    train,
+)
 
 CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
 STEPS = 2

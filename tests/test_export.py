@@ -31,7 +31,7 @@ from fsdp_builder import (
     FullyShardBuilder,
     save_hf_checkpoint,
 )
-from fsdp_builder.demo import full_state_dict
+from fsdp_builder.tools.demo import full_state_dict
 
 
 def _load_llama() -> Any:

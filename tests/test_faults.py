@@ -57,9 +57,9 @@ from fsdp_builder import (
 from fsdp_builder.backends import check_model
 from fsdp_builder.backends.fsdp1 import FSDP1Backend
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer
-from fsdp_builder.ignored import is_wrapped
-from fsdp_builder.launch import RankFailure, run_ranks
+from fsdp_builder.planning.ignored import is_wrapped
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
+from fsdp_builder.tools.launch import RankFailure, run_ranks
 
 CFG = DemoConfig(vocab=32, dim=16, heads=2, layers=2, seq=4)
 # Seconds a multi-rank build may wait for a peer in these tests.

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder import AutoHybridGroups, CPUDevice, FSDPBuilder
-from fsdp_builder.demo import Block, DemoConfig, full_state_dict, make_model, reference, train
+from fsdp_builder.tools.demo import Block, DemoConfig, full_state_dict, make_model, reference, train
 
 # Whichever test first reads a world size's results starts its spawn (deadline 240 s).
 pytestmark = pytest.mark.timeout(300)

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-import fsdp_builder.materializers as materializers
+import fsdp_builder.materializers.initializers as materializers
 from fsdp_builder import (
     AutoHybridGroups,
     BaseGroupFactory,
@@ -56,8 +56,9 @@ from fsdp_builder.backends.fsdp2 import (
     mixed_precision_policy,
     offload_policy,
 )
-from fsdp_builder.cli import DEMO_SEED
-from fsdp_builder.demo import (
+from fsdp_builder.materializers.sharded import ShardFirstReset, local_bytes
+from fsdp_builder.tools.cli import DEMO_SEED
+from fsdp_builder.tools.demo import (
     Block,
     DemoConfig,
     DemoTransformer,
@@ -67,7 +68,6 @@ from fsdp_builder.demo import (
     reference,
     train,
 )
-from fsdp_builder.sharded_init import ShardFirstReset, local_bytes
 
 # Whichever test first reads a world size's results starts its spawn (deadline 240 s).
 pytestmark = pytest.mark.timeout(300)

@@ -46,11 +46,11 @@ from fsdp_builder import (
 )
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
 from fsdp_builder.builder import ShardingBuilder
-from fsdp_builder.demo import Block as DemoBlock
-from fsdp_builder.demo import DemoConfig, DemoTransformer
-from fsdp_builder.demo import train as demo_train
-from fsdp_builder.launch import run_ranks
-from fsdp_builder.sharded_init import ShardFirstReset
+from fsdp_builder.materializers.sharded import ShardFirstReset
+from fsdp_builder.tools.demo import Block as DemoBlock
+from fsdp_builder.tools.demo import DemoConfig, DemoTransformer
+from fsdp_builder.tools.demo import train as demo_train
+from fsdp_builder.tools.launch import run_ranks
 
 DIM = 8
 STEPS = 3

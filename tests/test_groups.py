@@ -21,7 +21,7 @@ from fsdp_builder import (
     ProcessGroups,
     ShardingOptions,
 )
-from fsdp_builder.environment import effective_strategy
+from fsdp_builder.runtime.environment import effective_strategy
 
 FULL, HYBRID, NONE = (
     ShardingStrategy.FULL_SHARD,

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder import ConfigurationError, resolve_ignored
-from fsdp_builder.ignored import buffer_dtypes, managed_params
+from fsdp_builder.planning.ignored import buffer_dtypes, managed_params
 
 
 class Net(nn.Module):

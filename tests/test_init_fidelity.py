@@ -23,8 +23,8 @@ from fsdp_builder import (
     ResetParameters,
     ShardFirstReset,
 )
-from fsdp_builder.demo import full_state_dict
-from fsdp_builder.launch import run_ranks
+from fsdp_builder.tools.demo import full_state_dict
+from fsdp_builder.tools.launch import run_ranks
 
 CPU = torch.device("cpu")
 

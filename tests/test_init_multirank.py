@@ -35,7 +35,14 @@ from fsdp_builder import (
     ShardingBuilder,
     VerifyReplicas,
 )
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, full_state_dict, reference, train
+from fsdp_builder.tools.demo import (
+    Block,
+    DemoConfig,
+    DemoTransformer,
+    full_state_dict,
+    reference,
+    train,
+)
 
 # Whichever test first reads a world size's results starts its spawn (deadline 240 s).
 pytestmark = pytest.mark.timeout(300)

@@ -28,8 +28,8 @@ from fsdp_builder import (
     MaterializationError,
     ShardingBuilder,
 )
-from fsdp_builder.demo import full_state_dict
-from fsdp_builder.launch import run_ranks
+from fsdp_builder.tools.demo import full_state_dict
+from fsdp_builder.tools.launch import run_ranks
 
 RECIPES = Path(__file__).resolve().parents[1] / "docs" / "recipes"
 if str(RECIPES) not in sys.path:
@@ -103,8 +103,10 @@ def _scenarios() -> dict[str, Callable[[], Any]]:
 
                 def load(args: ModelArgs = args, backend: str = backend, ckpt: bool = ckpt) -> Any:
                     source = real_llama(args, 9).state_dict() if dist.get_rank() == 0 else None
-                    model = builder_for(backend).materialize(FromStateDict(source)).build(
-                        meta_llama(args, ckpt)
+                    model = (
+                        builder_for(backend)
+                        .materialize(FromStateDict(source))
+                        .build(meta_llama(args, ckpt))
                     )
                     return clean(full_state_dict(model)), train(model, args)
 

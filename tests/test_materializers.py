@@ -21,8 +21,8 @@ from fsdp_builder import (
     PlanError,
     ResetParameters,
 )
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer
-from fsdp_builder.materializers import derived_seed
+from fsdp_builder.materializers.initializers import derived_seed
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 
 CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
 M = TypeVar("M", bound=nn.Module)

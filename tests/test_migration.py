@@ -507,6 +507,6 @@ def test_builder_call_builds_what_the_argument_builds(
 
 @pytest.mark.timeout(120)
 def test_grad_op_is_reshard_after_forward_false() -> None:
-    from fsdp_builder.launch import run_ranks
+    from fsdp_builder.tools.launch import run_ranks
 
     assert run_ranks(_grad_op_on_two_ranks, 2, timeout=100) == [True, True]

@@ -8,8 +8,8 @@ from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp_builder import PlanError, WrapPolicy, plan_units, resolve_ignored
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer
-from fsdp_builder.ignored import IgnoredStates
+from fsdp_builder.planning.ignored import IgnoredStates
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 
 
 def demo(device: str = "cpu") -> DemoTransformer:
@@ -120,7 +120,7 @@ def test_fsdp1_callable_policies_select_what_fsdp1_wraps(world1: None, min_param
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-    from fsdp_builder.ignored import clean_name
+    from fsdp_builder.planning.ignored import clean_name
 
     policy = partial(size_based_auto_wrap_policy, min_num_params=min_params)
     plan = plan_units(demo("meta"), WrapPolicy.of(policy), IgnoredStates())

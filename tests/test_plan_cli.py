@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from benchmarks.models import BenchConfig, BenchTransformer, Block
-from fsdp_builder.cli import main
-from fsdp_builder.demo import DemoTransformer, demo_model
-from fsdp_builder.estimate import Estimate, estimate, training_estimate
-from fsdp_builder.ignored import IgnoredStates
-from fsdp_builder.plan import plan_units
-from fsdp_builder.wrap import WrapPolicy
+from fsdp_builder.planning.ignored import IgnoredStates
+from fsdp_builder.planning.plan import plan_units
+from fsdp_builder.planning.wrap import WrapPolicy
+from fsdp_builder.tools.cli import main
+from fsdp_builder.tools.demo import DemoTransformer, demo_model
+from fsdp_builder.tools.estimate import Estimate, estimate, training_estimate
 
 MIB = 1024 * 1024
 REPO = Path(__file__).resolve().parent.parent
@@ -70,7 +70,14 @@ def test_plan_numbers_match_the_model(
 ) -> None:
     assert (
         main(
-            ["plan", "fsdp_builder.demo:demo_model", "--wrap", "Block", "--world-size", str(world)]
+            [
+                "plan",
+                "fsdp_builder.tools.demo:demo_model",
+                "--wrap",
+                "Block",
+                "--world-size",
+                str(world),
+            ]
         )
         == 0
     )
@@ -112,7 +119,7 @@ def test_plan_console_command(model: DemoTransformer) -> None:
             "-m",
             "fsdp_builder",
             "plan",
-            "fsdp_builder.demo:demo_model",
+            "fsdp_builder.tools.demo:demo_model",
             "--wrap",
             "Block",
         ],
@@ -126,11 +133,11 @@ def test_plan_console_command(model: DemoTransformer) -> None:
 
 def test_plan_rejects_unknown_wrap_class() -> None:
     with pytest.raises(SystemExit, match="no module of that class"):
-        main(["plan", "fsdp_builder.demo:demo_model", "--wrap", "Nope"])
+        main(["plan", "fsdp_builder.tools.demo:demo_model", "--wrap", "Nope"])
 
 
 def test_plan_json_and_training_estimate(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "fsdp_builder.demo:demo_model", "--wrap", "Block", "--world-size", "4"]
+    argv = ["plan", "fsdp_builder.tools.demo:demo_model", "--wrap", "Block", "--world-size", "4"]
     assert main([*argv, "--json", "--param-dtype", "bf16", "--optimizer", "sgd-momentum"]) == 0
     out = json.loads(capsys.readouterr().out)
     model = demo_model()

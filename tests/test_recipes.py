@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from fsdp_builder.launch import free_port, run_ranks
+from fsdp_builder.tools.launch import free_port, run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "docs" / "recipes"

@@ -22,8 +22,8 @@ from fsdp_builder import (
     KeepAsIs,
     VerifyReplicas,
 )
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, full_state_dict
 from fsdp_builder.synchronizers import _flatten, checksum
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, full_state_dict
 
 CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
 
@@ -262,7 +262,7 @@ def _broadcast_mixed(bucket_bytes: int) -> tuple[int, list[torch.Tensor]]:
 
 @pytest.mark.parametrize("bucket_bytes", [64, 1000, 250 * 1024 * 1024])
 def test_broadcast_tensors_on_two_ranks(bucket_bytes: int) -> None:
-    from fsdp_builder.launch import run_ranks
+    from fsdp_builder.tools.launch import run_ranks
 
     ranks = run_ranks(_broadcast_mixed, 2, bucket_bytes, timeout=120)
     want = [t.contiguous() for t in _mixed_tensors(0)]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_builder import DeterministicInit, FSDPBuilder, LocalRankDevice
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, batch, loss_fn
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, batch, loss_fn
 
 
 def main(steps: int = 3) -> None:

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from fsdp_builder.config import ShardingOptions
-from fsdp_builder.environment import Environment
 from fsdp_builder.groups import ProcessGroups
-from fsdp_builder.plan import Unit, UnitPlan
+from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.runtime.environment import Environment
 
 
 @runtime_checkable

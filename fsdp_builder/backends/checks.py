@@ -15,8 +15,8 @@ from torch import nn
 
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.errors import ConfigurationError
-from fsdp_builder.ignored import clean_name, is_wrapped
-from fsdp_builder.plan import Unit, UnitPlan
+from fsdp_builder.planning.ignored import clean_name, is_wrapped
+from fsdp_builder.planning.plan import Unit, UnitPlan
 
 _SHOWN = 6
 

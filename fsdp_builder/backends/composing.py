@@ -7,10 +7,10 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_builder.compiling import check_units, compile_in_place
-from fsdp_builder.environment import Environment
 from fsdp_builder.groups import check_placed_on_other_dims
-from fsdp_builder.plan import Unit
-from fsdp_builder.wrap import checkpoint_unit
+from fsdp_builder.planning.plan import Unit
+from fsdp_builder.planning.wrap import checkpoint_unit
+from fsdp_builder.runtime.environment import Environment
 
 
 def before_shard(unit: Unit, env: Environment, where: str) -> nn.Module:

@@ -33,11 +33,11 @@ from fsdp_builder.config import (
     to_cpu_offload,
     to_sharding_strategy,
 )
-from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups
-from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.wrap import unit_overrides
+from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.planning.wrap import unit_overrides
+from fsdp_builder.runtime.environment import Environment
 
 _WHERE = "FSDPBuilder"
 

@@ -87,11 +87,11 @@ from fsdp_builder.config import (
     ShardingOptions,
     check_reshard_after_forward,
 )
-from fsdp_builder.environment import Environment
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups, check_mesh
-from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.wrap import unit_overrides
+from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.planning.wrap import unit_overrides
+from fsdp_builder.runtime.environment import Environment
 
 MESH_DIM_NAMES = ("replicate", "shard")
 

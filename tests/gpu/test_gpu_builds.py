@@ -33,7 +33,7 @@ from fsdp_builder import (
     ShardingBuilder,
     VerifyReplicas,
 )
-from fsdp_builder.demo import (
+from fsdp_builder.tools.demo import (
     Block,
     DemoConfig,
     DemoTransformer,
@@ -91,7 +91,7 @@ def materializer(name: str) -> Any:
 
 
 def train_on_gpu(model: nn.Module, steps: int, fixed_batch: bool = False) -> list[float]:
-    """``fsdp_builder.demo.train`` with the tokens on the model's device: rank ``r`` trains on
+    """``fsdp_builder.tools.demo.train`` with the tokens on the model's device: rank ``r`` trains on
     slice ``r`` of each global batch (SGD, lr 0.1, 2 sequences per rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())

@@ -62,9 +62,7 @@ def describe(value: Any) -> str:
         ]
         return f"{type(value).__qualname__}({', '.join(fields)})"
     if dataclasses.is_dataclass(value):
-        fields = [
-            f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value)
-        ]
+        fields = [f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value)]
         return f"{type(value).__qualname__}({', '.join(fields)})"
     if callable(value):
         name = getattr(value, "__qualname__", None) or type(value).__qualname__

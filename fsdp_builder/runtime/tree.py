@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fsdp_builder.ignored import IgnoredStates, clean_name, is_wrapped
+from fsdp_builder.planning.ignored import IgnoredStates, clean_name, is_wrapped
 
 
 def qualified(prefix: str, name: str) -> str:

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from attrs import frozen
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_builder.environment import Environment
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.groups import collective_device
-from fsdp_builder.plan import Unit
-from fsdp_builder.tree import allocate_empty, owned_states, unit_modules
+from fsdp_builder.planning.plan import Unit
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.tree import allocate_empty, owned_states, unit_modules
 
 DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
 

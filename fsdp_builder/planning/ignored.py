@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder.errors import config_error
-from fsdp_builder.logs import warn_user
+from fsdp_builder.runtime.logs import warn_user
 
 # The attribute names under which wrappers hold the module they wrap: FSDP1, activation
 # checkpointing (checkpoint_wrapper) and torch.compile's OptimizedModule.

@@ -19,7 +19,7 @@ from attrs import asdict, frozen
 
 from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.groups import AutoHybridGroups
-from fsdp_builder.plan import Unit, UnitPlan
+from fsdp_builder.planning.plan import Unit, UnitPlan
 
 BACKENDS = ("fsdp1", "fsdp2")
 STRATEGIES = ("full", "grad_op", "hybrid", "none")

@@ -29,8 +29,8 @@ from fsdp_builder import (
     FullyShardBuilder,
     ShardingBuilder,
 )
-from fsdp_builder.demo import Block, DemoConfig, DemoTransformer, train
-from fsdp_builder.estimate import BACKENDS, OPTIMIZER_STATES, PARAM_DTYPES, local_node_size
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
+from fsdp_builder.tools.estimate import BACKENDS, OPTIMIZER_STATES, PARAM_DTYPES, local_node_size
 
 STRATEGIES = ("full", "grad_op", "hybrid", "none")
 EPILOG = (
@@ -205,7 +205,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        from fsdp_builder.launch import run_ranks
+        from fsdp_builder.tools.launch import run_ranks
 
         progress(
             f"starting {args.world_size} rank(s) on gloo (each imports torch: a few seconds)…",
@@ -261,16 +261,16 @@ def load_factory(spec: str) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fsdp_builder.estimate import (
+    from fsdp_builder.planning.ignored import IgnoredStates
+    from fsdp_builder.planning.plan import plan_units
+    from fsdp_builder.planning.wrap import WrapPolicy
+    from fsdp_builder.tools.estimate import (
         estimates,
         format_estimates,
         format_training,
         hybrid_shard_size,
         training_estimate,
     )
-    from fsdp_builder.ignored import IgnoredStates
-    from fsdp_builder.plan import plan_units
-    from fsdp_builder.wrap import WrapPolicy
 
     factory = load_factory(args.factory)
     with torch.device("meta"):

@@ -31,13 +31,9 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from fsdp_builder.buffers import Computed, fill_buffers
-from fsdp_builder.collectives import collective_device
-from fsdp_builder.environment import Environment
 from fsdp_builder.errors import MaterializationError, config_error
-from fsdp_builder.hashing import digest63
-from fsdp_builder.ignored import IgnoredStates
-from fsdp_builder.materializers import (
+from fsdp_builder.materializers.buffers import Computed, fill_buffers
+from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     MaterializerRun,
     ResetParameters,
@@ -50,8 +46,17 @@ from fsdp_builder.materializers import (
     seed_generators,
     subtree_rules,
 )
-from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.tree import allocate_empty, has_meta_states, needs_materialization, unit_modules
+from fsdp_builder.planning.ignored import IgnoredStates
+from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.runtime.collectives import collective_device
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.hashing import digest63
+from fsdp_builder.runtime.tree import (
+    allocate_empty,
+    has_meta_states,
+    needs_materialization,
+    unit_modules,
+)
 
 
 def shard_seed(seed: int, shard_index: int, fqn: str) -> int:

@@ -40,9 +40,9 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
-from fsdp_builder.checkpoints import KeyMap, key_mapper
 from fsdp_builder.errors import ConfigurationError, config_error
-from fsdp_builder.ignored import clean_name
+from fsdp_builder.materializers.checkpoints import KeyMap, key_mapper
+from fsdp_builder.planning.ignored import clean_name
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")

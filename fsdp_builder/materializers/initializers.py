@@ -21,20 +21,20 @@ from attrs import define, frozen
 from torch import nn
 from typing_extensions import override
 
-from fsdp_builder.buffers import (
+from fsdp_builder.errors import MaterializationError, config_error
+from fsdp_builder.materializers.buffers import (
     Computed,
     compute_buffers,
     fill_buffers,
     nonpersistent_meta,
 )
-from fsdp_builder.environment import Environment
-from fsdp_builder.errors import MaterializationError, config_error
-from fsdp_builder.hashing import digest63
-from fsdp_builder.hooks import DeclaredHooks
-from fsdp_builder.ignored import IgnoredStates, clean_name
-from fsdp_builder.logs import warn_user
-from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.tree import (
+from fsdp_builder.planning.ignored import IgnoredStates, clean_name
+from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.hashing import digest63
+from fsdp_builder.runtime.hooks import DeclaredHooks
+from fsdp_builder.runtime.logs import warn_user
+from fsdp_builder.runtime.tree import (
     allocate_empty,
     direct_states,
     module_names,
@@ -150,7 +150,7 @@ def buffers_to_compute(
 ) -> Computed:
     """The values of the model's non-persistent buffers on meta that no module initializer
     sets (all of them when ``initialized`` is False: a loader runs no initializer), computed by
-    the model's whole-model initializer (see ``fsdp_builder.buffers``). Local."""
+    the model's whole-model initializer (see ``fsdp_builder.materializers.buffers``). Local."""
     modules = [m for m in model.modules() if m not in ignored.modules]
     wanted = [
         (m, name)
@@ -341,9 +341,9 @@ class BaseMaterializer(DeclaredHooks):
     ) -> nn.Module:
         """Materialize a whole unsharded ``model`` on one process, unit by unit in the order a
         build with the same ``wrap`` policy uses; the single-process reference for a build."""
-        from fsdp_builder.ignored import resolve_ignored
-        from fsdp_builder.plan import plan_units
-        from fsdp_builder.wrap import WrapPolicy
+        from fsdp_builder.planning.ignored import resolve_ignored
+        from fsdp_builder.planning.plan import plan_units
+        from fsdp_builder.planning.wrap import WrapPolicy
 
         ignored = resolve_ignored(model)
         plan = plan_units(model, WrapPolicy.of(wrap), ignored)
@@ -370,7 +370,7 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
             if not own or (meta_only and not any(t.is_meta for t in own)):
                 continue
             if _only_nonpersistent_buffers(m):
-                continue  # computed for the build (fsdp_builder.buffers)
+                continue  # computed for the build (fsdp_builder.materializers.buffers)
             if initializer_of(m) is None:
                 missing.append(
                     f"{clean_name(qualified(unit.fqn, names.get(id(m), ''))) or '<root>'} "
@@ -534,6 +534,7 @@ class InitFn(BaseMaterializer):
             with torch.no_grad():
                 for m, n, _ in pending:
                     _poison(getattr(m, n))
+
             def call(module: nn.Module, _fqn: str) -> None:
                 self.fn(module)
 

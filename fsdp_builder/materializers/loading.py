@@ -22,9 +22,22 @@ import torch.distributed as dist
 from attrs import define, frozen
 from typing_extensions import override
 
-from fsdp_builder.agreement import agree
-from fsdp_builder.buffers import Computed, fill_buffers
-from fsdp_builder.collectives import (
+from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
+from fsdp_builder.materializers.buffers import Computed, fill_buffers
+from fsdp_builder.materializers.initializers import (
+    BaseMaterializer,
+    MaterializerRun,
+    buffers_to_compute,
+)
+from fsdp_builder.materializers.nonfinite import (
+    check_nonfinite_mode,
+    nonfinite_names,
+    nonfinite_verdict,
+)
+from fsdp_builder.planning.ignored import IgnoredStates, clean_name
+from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.runtime.agreement import agree
+from fsdp_builder.runtime.collectives import (
     DEFAULT_BUCKET_BYTES,
     broadcast_tensors,
     check_bucket_bytes,
@@ -32,13 +45,8 @@ from fsdp_builder.collectives import (
     scatter_unit_state,
     sync_stages,
 )
-from fsdp_builder.environment import Environment
-from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
-from fsdp_builder.ignored import IgnoredStates, clean_name
-from fsdp_builder.materializers import BaseMaterializer, MaterializerRun, buffers_to_compute
-from fsdp_builder.nonfinite import check_nonfinite_mode, nonfinite_names, nonfinite_verdict
-from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.tree import allocate_empty, module_names, qualified, unit_modules
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.tree import allocate_empty, module_names, qualified, unit_modules
 
 _FIX_SOURCE = (
     "Pass the model's full state dict (`model.state_dict()` of the unwrapped model) on rank 0, "
@@ -344,9 +352,7 @@ class FromStateDict(BaseMaterializer):
             except ConfigurationError as exc:
                 verdict = str(exc)
             except Exception as exc:  # whatever a reader raises, the other ranks must hear it
-                verdict = str(
-                    _not_a_state_dict("the source", f"{type(exc).__name__}: {exc}")
-                )
+                verdict = str(_not_a_state_dict("the source", f"{type(exc).__name__}: {exc}"))
         return start_rank0_load(
             env, verdict, _LoadRun(env, reader, self.bucket_bytes, nonfinite=self.nonfinite)
         )

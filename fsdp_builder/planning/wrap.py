@@ -16,7 +16,7 @@ from torch.distributed.fsdp.wrap import _Policy
 
 from fsdp_builder.config import CheckpointPredicate, PerUnitFn
 from fsdp_builder.errors import config_error
-from fsdp_builder.ignored import is_wrapped
+from fsdp_builder.planning.ignored import is_wrapped
 
 WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
 

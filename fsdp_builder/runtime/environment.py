@@ -12,9 +12,9 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
-from fsdp_builder.ignored import IgnoredStates
-from fsdp_builder.logs import build_logger, warn_user
-from fsdp_builder.plan import UnitPlan
+from fsdp_builder.planning.ignored import IgnoredStates
+from fsdp_builder.planning.plan import UnitPlan
+from fsdp_builder.runtime.logs import build_logger, warn_user
 
 
 @frozen(eq=False)
@@ -38,7 +38,7 @@ class Environment:
     # True when each unit is sharded on meta before its materializer runs (a shard-first
     # materializer with a backend that supports it): materializers then fill local shards.
     shards_first: bool = False
-    # The build's event logger, bound to rank and world_size (see fsdp_builder.logs).
+    # The build's event logger, bound to rank and world_size (see fsdp_builder.runtime.logs).
     logger: Any = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:

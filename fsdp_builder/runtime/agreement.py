@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fsdp_builder.collectives import collective_device
 from fsdp_builder.errors import CommunicationError, RankDisagreementError
+from fsdp_builder.runtime.collectives import collective_device
 
 T = TypeVar("T")
 

@@ -77,7 +77,7 @@ def demo_model() -> DemoTransformer:
 def deterministic_model(cfg: DemoConfig | None = None, seed: int = 0) -> DemoTransformer:
     """The model ``fsdp-builder demo`` builds, on one process: from meta, each Block unit
     initialized by ``DeterministicInit(seed)`` (the same weights at any world size)."""
-    from fsdp_builder.materializers import DeterministicInit
+    from fsdp_builder.materializers.initializers import DeterministicInit
 
     with torch.device("meta"):
         model = DemoTransformer(cfg or DemoConfig())

@@ -11,7 +11,7 @@ import collections
 import torch
 from torch import nn
 
-from fsdp_builder.ignored import IgnoredStates, is_wrapped
+from fsdp_builder.planning.ignored import IgnoredStates, is_wrapped
 
 CPU = torch.device("cpu")
 

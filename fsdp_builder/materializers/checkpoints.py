@@ -46,17 +46,25 @@ from attrs import define, frozen
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import override
 
-from fsdp_builder.agreement import agree
-from fsdp_builder.buffers import Computed, fill_buffers
-from fsdp_builder.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
-from fsdp_builder.environment import Environment
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
-from fsdp_builder.ignored import IgnoredStates, clean_name
-from fsdp_builder.loading import _LoadRun, _Reader, _unit_entries, start_rank0_load
-from fsdp_builder.materializers import BaseMaterializer, MaterializerRun, buffers_to_compute
-from fsdp_builder.nonfinite import check_nonfinite_mode, nonfinite_names, nonfinite_verdict
-from fsdp_builder.plan import Unit, UnitPlan
-from fsdp_builder.tree import allocate_empty, unit_modules
+from fsdp_builder.materializers.buffers import Computed, fill_buffers
+from fsdp_builder.materializers.initializers import (
+    BaseMaterializer,
+    MaterializerRun,
+    buffers_to_compute,
+)
+from fsdp_builder.materializers.loading import _LoadRun, _Reader, _unit_entries, start_rank0_load
+from fsdp_builder.materializers.nonfinite import (
+    check_nonfinite_mode,
+    nonfinite_names,
+    nonfinite_verdict,
+)
+from fsdp_builder.planning.ignored import IgnoredStates, clean_name
+from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.runtime.agreement import agree
+from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.tree import allocate_empty, unit_modules
 
 KeyMap = Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[str], "str | None"] | None
 
