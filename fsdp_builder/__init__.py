@@ -30,6 +30,7 @@ from fsdp_builder.groups import (
     ProcessGroups,
 )
 from fsdp_builder.materializers.checkpoints import FromCheckpoint
+from fsdp_builder.materializers.conventions import register_initializer, register_subtree_rule
 from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     DeferredInit,
@@ -100,6 +101,8 @@ __all__ = [
     "UnitPlan",
     "WrapPolicy",
     "plan_units",
+    "register_initializer",
+    "register_subtree_rule",
     "resolve_ignored",
     "save_hf_checkpoint",
     "BroadcastFromRank0",
