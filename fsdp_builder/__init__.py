@@ -44,7 +44,7 @@ from fsdp_builder.materializers.loading import FromStateDict
 from fsdp_builder.materializers.sharded import InitWeights, ShardFirstReset
 from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
 from fsdp_builder.planning.plan import Unit, UnitPlan, plan_units
-from fsdp_builder.planning.wrap import WrapPolicy
+from fsdp_builder.planning.wrap import NoSplitModules, WrapPolicy
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.report import BuildReport, StageRecord
 from fsdp_builder.synchronizers import (
@@ -86,6 +86,7 @@ __all__ = [
     "MaterializationError",
     "Materializer",
     "MeshGroups",
+    "NoSplitModules",
     "NoSync",
     "PlanError",
     "ProcessGroups",
