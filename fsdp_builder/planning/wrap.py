@@ -139,12 +139,18 @@ class WrapPolicy:
                     f"{type(root).__name__}._no_split_modules names",
                     _wrap_fix(root),
                 )
+            chosen = WrapPolicy(classes=classes).select(root, ignored_modules)
+            # A block whose parameter is tied to one outside it (BERT's word embeddings and its
+            # MLM decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
+            # transformer-based wrap leaves tied modules to the root.
+            tied = _tied_outside(root, chosen)
             build_logger(__name__).info(
                 "wrap_no_split_modules",
                 classes=[c.__name__ for c in classes],
                 explicit=self.no_split,
+                left_to_parent=sorted(tied.values()),
             )
-            return WrapPolicy(classes=classes).select(root, ignored_modules)
+            return chosen - set(tied)
         if self.torch_policy is not None:
             # torch's policies answer for a root; their target kwargs are FSDP1 overrides we
             # do not apply per unit, so only the selected modules matter here.
@@ -208,6 +214,27 @@ class WrapPolicy:
         if self.predicate is not None:
             return getattr(self.predicate, "__name__", "predicate")
         return "root-only"
+
+
+def _tied_outside(root: nn.Module, chosen: set[nn.Module]) -> dict[nn.Module, str]:
+    """The modules of ``chosen`` holding a parameter that is also registered outside them,
+    with their qualified names."""
+    registrations: dict[int, int] = {}
+    for module in root.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                registrations[id(p)] = registrations.get(id(p), 0) + 1
+    names = {m: n for n, m in root.named_modules()}
+    out: dict[nn.Module, str] = {}
+    for module in chosen:
+        inside: dict[int, int] = {}
+        for sub in module.modules():
+            for p in sub._parameters.values():
+                if p is not None:
+                    inside[id(p)] = inside.get(id(p), 0) + 1
+        if any(registrations[i] > n for i, n in inside.items()):
+            out[module] = names.get(module, "?")
+    return out
 
 
 def block_like_classes(model: nn.Module) -> list[str]:
