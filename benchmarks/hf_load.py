@@ -101,6 +101,7 @@ def _load(method: str, folder: str) -> dict[str, Any]:
     baseline = RssPeaks.read()
     peaks = RssPeaks().start()
     start = time.perf_counter()
+    model: Any
     if method == "builder":
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
