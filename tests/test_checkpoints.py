@@ -241,18 +241,18 @@ def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
     and the checkpoint's reads wrapped to count the bytes this rank read."""
     import torch.distributed.distributed_c10d as c10d
 
-    from fsdp_builder.materializers.checkpoints import _SafetensorsSource
+    from fsdp_builder.sources.hf_safetensors import SafetensorsSource
 
     seen: list[int] = []
     read: list[int] = []
-    saved: list[tuple[Any, str, Any]] = [(_SafetensorsSource, "read", _SafetensorsSource.read)]
+    saved: list[tuple[Any, str, Any]] = [(SafetensorsSource, "read", SafetensorsSource.read)]
 
     def reading(self: Any, key: str, index: Any = None) -> torch.Tensor:
         tensor: torch.Tensor = saved[0][2](self, key, index)
         read.append(tensor.numel() * tensor.element_size())
         return tensor
 
-    _SafetensorsSource.read = reading  # type: ignore[method-assign]
+    SafetensorsSource.read = reading  # type: ignore[method-assign]
 
     def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
