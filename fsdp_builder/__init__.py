@@ -46,6 +46,7 @@ from fsdp_builder.planning.plan import Unit, UnitPlan, plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.report import BuildReport, StageRecord
+from fsdp_builder.sources import CheckpointSource, TensorMeta, register_format
 from fsdp_builder.synchronizers import (
     BaseSynchronizer,
     BroadcastFromRank0,
@@ -66,6 +67,7 @@ __all__ = [
     "BuilderConfig",
     "CPUDevice",
     "Chain",
+    "CheckpointSource",
     "CommunicationError",
     "ConfigurationError",
     "DefaultGroups",
@@ -96,10 +98,12 @@ __all__ = [
     "StageRecord",
     "StateMismatchError",
     "StateSynchronizer",
+    "TensorMeta",
     "Unit",
     "UnitPlan",
     "WrapPolicy",
     "plan_units",
+    "register_format",
     "resolve_ignored",
     "save_hf_checkpoint",
     "BroadcastFromRank0",

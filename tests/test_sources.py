@@ -618,3 +618,22 @@ def test_a_dcp_folder_loads_through_the_rank0_loader(world1: None, paths: dict[s
     want = plain_toy(paths["npz"])
     for key in want:
         assert torch.equal(got[key].cpu(), want[key]), key
+
+
+def test_the_format_example_in_the_docs_runs(world1: None, tmp_path: Path) -> None:
+    import re
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "checkpoint_formats.md"
+    block = re.search(
+        r"<!-- runnable: npz-format -->\s*\n```python\n(.*?)\n```", page.read_text(), re.S
+    )
+    assert block is not None
+    namespace: dict[str, Any] = {"folder": tmp_path}
+    try:
+        exec(compile(block[1], str(page), "exec"), namespace)
+    finally:
+        unregister_format("npz")
+    got = {k: v.full_tensor() for k, v in namespace["loaded"].state_dict().items()}
+    want = namespace["saved"].state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

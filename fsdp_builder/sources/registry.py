@@ -75,7 +75,17 @@ def register_format(
 
     ``detect(path)`` says whether a path holds your format; ``open(path)`` returns a
     :class:`~fsdp_builder.sources.CheckpointSource`. Registering a name again replaces it.
-    Register on every rank before the build (e.g. at import of the module defining it)."""
+    Register on every rank before the build (e.g. at import of the module defining it).
+
+    Raises:
+        ConfigurationError: ``name`` is empty, or ``detect`` / ``open`` is not callable.
+
+    Example:
+        ```python
+        register_format("npz", lambda path: path.suffix == ".npz", NpzSource)
+        FromCheckpoint("/ckpt/model.npz")  # every rank reads its rows through NpzSource
+        ```
+    """
     if not isinstance(name, str) or not name:
         raise config_error(
             "register_format",
