@@ -289,19 +289,36 @@ def dcp_missing_file(paths: dict[str, str], backend: str) -> tuple[str, str, boo
     return refused(lambda m: builder(backend).wrap(ToyBlock).materialize(load).build(m))
 
 
-def only_on_rank0(paths: dict[str, str]) -> tuple[str, str, bool]:
-    """A relative path that resolves on rank 0 only (each rank has its own working folder, as
-    ranks on different nodes have their own local disks)."""
+def in_own_folder(prepare: Callable[[Path], None], path: str) -> tuple[str, str, bool]:
+    """Build from a relative ``path`` in a working folder of this rank's own, which
+    ``prepare`` fills: what ranks on different nodes see when their local disks differ."""
     here = os.getcwd()
-    own = tempfile.mkdtemp()
-    if dist.get_rank() == 0:
-        shutil.copy(paths["npz"], Path(own) / "toy.npz")
+    own = Path(tempfile.mkdtemp())
+    prepare(own)
     os.chdir(own)
     try:
-        load = FromCheckpoint("toy.npz")
+        load = FromCheckpoint(path)
         return refused(lambda m: builder("fsdp1").wrap(ToyBlock).materialize(load).build(m))
     finally:
         os.chdir(here)
+
+
+def only_on_rank0(paths: dict[str, str]) -> tuple[str, str, bool]:
+    def prepare(own: Path) -> None:
+        if dist.get_rank() == 0:
+            shutil.copy(paths["npz"], own / "toy.npz")
+
+    return in_own_folder(prepare, "toy.npz")
+
+
+def dcp_missing_file_on_rank1(paths: dict[str, str]) -> tuple[str, str, bool]:
+    def prepare(own: Path) -> None:
+        shutil.copytree(paths["dcp"], own / "dcp")
+        if dist.get_rank() == 1:
+            for data in (own / "dcp").glob("*.distcp"):
+                data.unlink()
+
+    return in_own_folder(prepare, "dcp")
 
 
 def cases(paths: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
@@ -322,6 +339,7 @@ def cases(paths: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]]]
     for backend in BACKENDS:
         yield ("dcp_missing_file", backend), partial(dcp_missing_file, paths, backend)
     yield "only_on_rank0", partial(only_on_rank0, paths)
+    yield "dcp_missing_file_on_rank1", partial(dcp_missing_file_on_rank1, paths)
 
 
 def scenarios(paths: dict[str, str]) -> Results:
@@ -433,6 +451,14 @@ def test_a_dcp_folder_missing_a_data_file_is_refused_before_any_unit(
     ranks = scenario(paths, ("dcp_missing_file", backend))
     assert_refused_alike(
         ranks, "ConfigurationError", r"invalid `path`.*lacks data file\(s\).*__0_0\.distcp"
+    )
+
+
+@pytest.mark.timeout(900)
+def test_a_dcp_data_file_missing_on_one_rank_stops_every_rank(paths: dict[str, str]) -> None:
+    ranks = scenario(paths, "dcp_missing_file_on_rank1")
+    assert_refused_alike(
+        ranks, "RankDisagreementError", r"failed on rank\(s\) 1\b.*rank 1: .*lacks data file"
     )
 
 

@@ -84,11 +84,10 @@ class LoaderSpec:
         return config_error(self.name, self.argument, problem, fix or self.fix)
 
     def missing(self, error: MissingPath) -> ConfigurationError:
+        problem = error.problem
         if self.name == "FromStateDict":  # its long-standing wording
             problem = f"the path '{error.path}' does not exist on rank {error.rank}"
-            problem += error.problem.partition(f"(on rank {error.rank})")[2]
-        else:
-            problem = error.problem
+            problem += f"; did you mean '{error.near}'?" if error.near else ""
         return config_error(self.name, self.argument, problem, self.missing_fix)
 
 

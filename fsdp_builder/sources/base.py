@@ -44,10 +44,13 @@ class SourceError(ConfigurationError):
 class MissingPath(SourceError):
     """The path does not exist on this rank."""
 
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, path: str, rank: int, near: str | None = None) -> None:
         self.path = path
         self.rank = rank
-        super().__init__(f"'{path}' does not exist (on rank {rank})")
+        # A name in the same folder close to the one given: the likely typo's fix.
+        self.near = near
+        hint = f"; did you mean '{near}'?" if near else ""
+        super().__init__(f"'{path}' does not exist (on rank {rank}){hint}")
 
 
 @runtime_checkable

@@ -148,14 +148,10 @@ def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> Checkpoin
 
 
 def _missing(path: Path) -> MissingPath:
-    error = MissingPath(str(path), _rank())
     parent = path.parent
-    if parent.is_dir():
-        near = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=1)
-        if near:
-            error.problem += f"; did you mean '{parent / near[0]}'?"
-            error.args = (error.problem,)
-    return error
+    names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
+    near = difflib.get_close_matches(path.name, names, n=1)
+    return MissingPath(str(path), _rank(), str(parent / near[0]) if near else None)
 
 
 def _unknown_folder(path: Path) -> str:
