@@ -570,7 +570,7 @@ def test_a_failing_key_map_is_reported_as_a_key_map_problem(
 def test_a_typo_in_the_folder_names_the_near_miss(world1: None, paths: dict[str, str]) -> None:
     typo = paths["shards"].replace("gpt2-shards", "gpt2-shrads")
     with pytest.raises(
-        ConfigurationError, match=r"does not exist \(on rank 0\); did you mean '.*gpt2-shards'"
+        ConfigurationError, match=r"does not exist on rank 0; did you mean '.*gpt2-shards'"
     ):
         build_toy(FromCheckpoint(typo))
 

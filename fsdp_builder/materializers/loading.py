@@ -84,11 +84,7 @@ class LoaderSpec:
         return config_error(self.name, self.argument, problem, fix or self.fix)
 
     def missing(self, error: MissingPath) -> ConfigurationError:
-        problem = error.problem
-        if self.name == "FromStateDict":  # its long-standing wording
-            problem = f"the path '{error.path}' does not exist on rank {error.rank}"
-            problem += f"; did you mean '{error.near}'?" if error.near else ""
-        return config_error(self.name, self.argument, problem, self.missing_fix)
+        return config_error(self.name, self.argument, error.problem, self.missing_fix)
 
 
 STATE_DICT_SPEC = LoaderSpec(
@@ -404,9 +400,6 @@ class Rank0Run:
         if self.source is not None:
             self.source.close()
             self.source = None
-
-    def _describe(self) -> str:
-        return f"{self.spec.word} of rank 0" if self.source is None else self.source.describe
 
     def materialize(self, unit: Unit) -> int:
         env = self.env

@@ -50,7 +50,7 @@ class MissingPath(SourceError):
         # A name in the same folder close to the one given: the likely typo's fix.
         self.near = near
         hint = f"; did you mean '{near}'?" if near else ""
-        super().__init__(f"'{path}' does not exist (on rank {rank}){hint}")
+        super().__init__(f"the path '{path}' does not exist on rank {rank}{hint}")
 
 
 @runtime_checkable
