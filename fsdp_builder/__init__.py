@@ -47,6 +47,7 @@ from fsdp_builder.planning.plan import Unit, UnitPlan, plan_units
 from fsdp_builder.planning.wrap import NoSplitModules, WrapPolicy
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.report import BuildReport, StageRecord
+from fsdp_builder.sources import CheckpointSource, TensorMeta, register_format
 from fsdp_builder.synchronizers import (
     BaseSynchronizer,
     BroadcastFromRank0,
@@ -67,6 +68,7 @@ __all__ = [
     "BuilderConfig",
     "CPUDevice",
     "Chain",
+    "CheckpointSource",
     "CommunicationError",
     "ConfigurationError",
     "DefaultGroups",
@@ -98,12 +100,14 @@ __all__ = [
     "StageRecord",
     "StateMismatchError",
     "StateSynchronizer",
+    "TensorMeta",
     "Unit",
     "UnitPlan",
     "WrapPolicy",
     "plan_units",
     "register_initializer",
     "register_subtree_rule",
+    "register_format",
     "resolve_ignored",
     "save_hf_checkpoint",
     "BroadcastFromRank0",

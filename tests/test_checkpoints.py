@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import traceback
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from functools import partial
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from isolated import Results, Spawns, run_each, values
 from structlog.testing import capture_logs
 from torch import nn
 
@@ -34,9 +34,6 @@ from fsdp_builder import (
 )
 from fsdp_builder.tools.demo import full_state_dict
 from fsdp_builder.tools.launch import run_ranks
-
-# One scenario on one rank: its value, or the formatted error it raised.
-Results = dict[Hashable, tuple[Any, str | None]]
 
 
 def _load_llama() -> Any:
@@ -241,18 +238,18 @@ def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
     and the checkpoint's reads wrapped to count the bytes this rank read."""
     import torch.distributed.distributed_c10d as c10d
 
-    from fsdp_builder.materializers.checkpoints import _SafetensorsSource
+    from fsdp_builder.sources.hf_safetensors import SafetensorsSource
 
     seen: list[int] = []
     read: list[int] = []
-    saved: list[tuple[Any, str, Any]] = [(_SafetensorsSource, "read", _SafetensorsSource.read)]
+    saved: list[tuple[Any, str, Any]] = [(SafetensorsSource, "read", SafetensorsSource.read)]
 
     def reading(self: Any, key: str, index: Any = None) -> torch.Tensor:
         tensor: torch.Tensor = saved[0][2](self, key, index)
         read.append(tensor.numel() * tensor.element_size())
         return tensor
 
-    _SafetensorsSource.read = reading  # type: ignore[method-assign]
+    SafetensorsSource.read = reading  # type: ignore[method-assign]
 
     def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -351,13 +348,7 @@ def cases(paths: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]]]
 
 def scenarios(paths: dict[str, str]) -> Results:
     """Every scenario of one world size, each on its own: a failure fails only its tests."""
-    results: Results = {}
-    for key, run in cases(paths):
-        try:
-            results[key] = (run(), None)
-        except Exception:
-            results[key] = (None, traceback.format_exc())
-    return results
+    return run_each(cases(paths))
 
 
 # -- the test process -------------------------------------------------------------------------
@@ -444,24 +435,13 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-_SPAWNS: dict[int, list[Results] | BaseException] = {}
+SPAWNS = Spawns(scenarios, timeout=300)
 
 
 def scenario(world: int, paths: dict[str, str], key: Hashable) -> list[Any]:
     """Scenario ``key``'s value on every rank; one spawn per world size, run when a test first
     asks for it."""
-    if world not in _SPAWNS:
-        try:
-            _SPAWNS[world] = run_ranks(scenarios, world, paths, timeout=300)
-        except Exception as exc:
-            _SPAWNS[world] = exc
-    ranks = _SPAWNS[world]
-    if isinstance(ranks, BaseException):
-        pytest.fail(f"the spawn of {world} rank(s) failed as a whole:\n{ranks}", pytrace=False)
-    errors = [f"rank {r}:\n{res[key][1]}" for r, res in enumerate(ranks) if res[key][1]]
-    if errors:
-        pytest.fail(f"scenario {key!r} failed\n" + "\n".join(errors), pytrace=False)
-    return [res[key][0] for res in ranks]
+    return values(SPAWNS(world, paths), key)
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: Any) -> None:
@@ -595,7 +575,7 @@ EXPECTED = {
     "int_dtype": "'model.norm.weight' is torch.int32 in the checkpoint but torch.float32",
     "no_metadata": "holds DCP shard files (*.distcp) but no .metadata file",
     "bad_index": "model.safetensors.index.json' is not readable JSON",
-    "not_there": "does not exist (on rank 0)",
+    "not_there": "does not exist on rank 0",
 }
 
 
@@ -614,7 +594,7 @@ def test_bad_checkpoint_raises_one_clear_error_everywhere(
         assert untouched, (case, rank)
         if case == "not_there":  # each rank names itself
             assert kind == ConfigurationError.__name__, message
-            assert "does not exist (on rank" in message, message
+            assert "does not exist on rank" in message, message
             continue
         assert (kind, message) == ranks[0][:2], (case, rank)
         assert kind == ConfigurationError.__name__, message

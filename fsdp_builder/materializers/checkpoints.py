@@ -1,47 +1,43 @@
-"""Loading checkpoint folders that every rank can read: Hugging Face safetensors (one file, or
-shards listed by a ``*.safetensors.index.json``) and ``torch.distributed.checkpoint`` (DCP)
-folders.
+"""``FromCheckpoint``: loading checkpoints that every rank can read itself, each rank reading
+only what it keeps.
 
 Why a materializer of its own rather than another source of :class:`FromStateDict`: the two
 have different contracts. ``FromStateDict`` trusts rank 0 alone (other ranks pass None, and
 only rank 0 needs the file); ``FromCheckpoint`` expects every rank to be given the same path
 and to open it itself, maps checkpoint names to model names (``key_map``), converts floating
-dtypes and loads a subset with ``strict=False``. Keeping them apart keeps both signatures
-honest; with ``shared_filesystem=False`` ``FromCheckpoint`` falls back to ``FromStateDict``'s
-rank-0 read and scatter/broadcast, reusing its run.
+dtypes and loads a subset with ``strict=False``. Both open their source through
+``fsdp_builder.sources`` (every registered format) and share one prepare path
+(``loading.open_matched``); with ``shared_filesystem=False`` ``FromCheckpoint`` takes
+``FromStateDict``'s rank-0 read and scatter/broadcast.
 
 How a load goes:
 
-- ``prepare``: every rank opens the checkpoint's headers (safetensors) or metadata (DCP), maps
-  the names and validates them against the unit plan: missing and unexpected keys, shapes,
-  integer/float mismatches, files an index names but that are absent, keys an index lists but
-  its file lacks, truncated or unreadable files. The ranks then agree, so a bad checkpoint
-  stops every rank before any weight is written.
+- ``prepare``: every rank opens the checkpoint's headers or metadata, maps the names and
+  validates them against the unit plan: missing and unexpected keys, shapes, integer/float
+  mismatches, files an index names but that are absent, keys an index lists but its file lacks,
+  truncated or unreadable files, a key_map that fails. The ranks then agree, comparing also
+  where each checkpoint key goes under their key_map, so a bad checkpoint (or ranks mapping
+  differently) stops every rank before any weight is written. Non-persistent buffers, which no
+  checkpoint holds, are computed after that, and their errors are their own.
 - per unit, **rank-local reads**: with a backend that shards first (FSDP2) the unit's
   parameters are already DTensors, and each rank reads only the rows of its local shard
-  (``safe_open(...).get_slice(name)[rows]``; for DCP, a ``dcp.load`` of the unit's DTensors
-  without collectives, which plans the reads from each DTensor's local chunk). With FSDP1 each
-  rank reads the unit's full tensors (one unit at a time) and FSDP1 keeps its shard. No
-  collective carries weights, only the pipeline's tiny agreements.
-
-DCP loads go unit by unit too (``dcp.load(..., no_dist=True)`` on the unit's own states), not
-once for the whole model at the root: each rank then holds at most one unfilled unit, the
-FSDP1 path works the same way as the FSDP2 one, and no step needs the whole model sharded.
+  (``CheckpointSource.read(key, index)``; a DCP folder plans its reads from each DTensor's
+  local chunk). With FSDP1 each rank reads the unit's full tensors (one unit at a time) and
+  FSDP1 keeps its shard. No collective carries weights, only the pipeline's tiny agreements.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
+import structlog
 import torch
-import torch.distributed as dist
 from attrs import define, frozen
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import override
@@ -53,36 +49,51 @@ from fsdp_builder.materializers.initializers import (
     MaterializerRun,
     buffers_to_compute,
 )
-from fsdp_builder.materializers.loading import _LoadRun, _Reader, _unit_entries, start_rank0_load
+from fsdp_builder.materializers.loading import (
+    LoaderSpec,
+    Match,
+    Rank0Run,
+    open_matched,
+    prepare_rank0,
+    report_match,
+    unit_entries,
+)
 from fsdp_builder.materializers.nonfinite import (
     check_nonfinite_mode,
     nonfinite_names,
     nonfinite_verdict,
 )
-from fsdp_builder.planning.ignored import IgnoredStates, clean_name
-from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from fsdp_builder.runtime.describe import describe as describe_value
 from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.hashing import digest63
 from fsdp_builder.runtime.tree import allocate_empty, unit_modules
+from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
+
+log = structlog.get_logger(__name__)
 
 KeyMap = Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[str], "str | None"] | None
 
 _FIX = (
     "Pass the path of a .safetensors file, of a folder holding a *.safetensors.index.json and "
-    "its shards, or of a torch.distributed.checkpoint folder (with its .metadata), saved from "
-    "this model; map differing names with key_map"
+    "its shards (or a pytorch_model.bin index and its .bin shards), of a torch.save file, or of "
+    "a torch.distributed.checkpoint folder (with its .metadata), saved from this model; map "
+    "differing names with key_map"
 )
-_SHOWN = 8
 
-
-def _listed(items: Sequence[str], sep: str = ", ") -> str:
-    shown = sep.join(items[:_SHOWN])
-    return shown + (f"{sep}... ({len(items) - _SHOWN} more)" if len(items) > _SHOWN else "")
-
-
-def _invalid(describe: str, problem: str) -> ConfigurationError:
-    return config_error("FromCheckpoint", "path", f"{describe} {problem}", _FIX)
+CHECKPOINT_SPEC = LoaderSpec(
+    name="FromCheckpoint",
+    argument="path",
+    word="checkpoint",
+    fix=_FIX,
+    check_kinds=True,
+    missing_fix=(
+        "Check the path for a typo. If the checkpoint is on rank 0's disk only (no shared "
+        "filesystem), pass shared_filesystem=False: rank 0 then reads it and sends the weights"
+    ),
+)
 
 
 # -- key maps -------------------------------------------------------------------------------
@@ -141,254 +152,13 @@ def key_mapper(key_map: KeyMap) -> Callable[[str], str | None]:
     return apply
 
 
-# -- sources ----------------------------------------------------------------------------------
-
-
-@frozen
-class _Meta:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class _Source:
-    """A checkpoint every rank opened itself: names with shapes and dtypes, and reads."""
-
-    describe: str = ""
-    meta: dict[str, _Meta]
-
-    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        raise NotImplementedError
-
-    def fill(self, targets: dict[str, torch.Tensor]) -> None:
-        """Write each checkpoint entry into its target (a tensor or a DTensor)."""
-        with torch.no_grad():
-            for key, target in targets.items():
-                if isinstance(target, DTensor):
-                    local = target.to_local()
-                    if local.numel():
-                        local.copy_(self.read(key, local_index(target)))
-                else:
-                    target.copy_(self.read(key))
-
-    def close(self) -> None:
-        return None
-
-
-class _SafetensorsSource(_Source):
-    """One .safetensors file, or the shards an index lists; files stay open until close()."""
-
-    def __init__(self, files: dict[str, Path], describe: str) -> None:
-        from safetensors import safe_open
-
-        self.describe = describe
-        self.meta = {}
-        self._file_of: dict[str, Any] = {}
-        self._handles: list[Any] = []
-        by_file: dict[Path, list[str]] = {}
-        for key, file in files.items():
-            by_file.setdefault(file, []).append(key)
-        absent_files = sorted(str(f.name) for f in by_file if not f.is_file())
-        if absent_files:
-            raise _invalid(
-                describe, f"names shard file(s) that do not exist: {_listed(absent_files)}"
-            )
-        absent: list[str] = []
-        for file, keys in by_file.items():
-            try:
-                handle = safe_open(str(file), framework="pt", device="cpu")
-            except Exception as exc:
-                raise _invalid(
-                    describe,
-                    f"holds '{file.name}', which is truncated or not a safetensors file "
-                    f"({type(exc).__name__}: {exc})",
-                ) from exc
-            self._handles.append(handle)
-            present = set(handle.keys())
-            for key in keys:
-                if key not in present:
-                    absent.append(f"{key} (in {file.name})")
-                    continue
-                piece = handle.get_slice(key)
-                dtype = _ST_DTYPES.get(piece.get_dtype())
-                if dtype is None:
-                    raise _invalid(
-                        describe, f"stores '{key}' as {piece.get_dtype()}, not supported"
-                    )
-                self.meta[key] = _Meta(tuple(piece.get_shape()), dtype)
-                self._file_of[key] = handle
-        if absent:
-            raise _invalid(
-                describe,
-                f"has {len(absent)} key(s) in its index but not in their file: {_listed(absent)}",
-            )
-
-    @override
-    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        handle = self._file_of[key]
-        if index is None or not index:
-            tensor: torch.Tensor = handle.get_tensor(key)
-            return tensor
-        part: torch.Tensor = handle.get_slice(key)[index]
-        return part
-
-    @override
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.__exit__(None, None, None)
-        self._handles = []
-        self._file_of = {}
-
-
-class _DCPSource(_Source):
-    """A torch.distributed.checkpoint folder: its metadata, and loads without collectives."""
-
-    def __init__(self, folder: Path) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        self.describe = f"the DCP folder '{folder}'"
-        self.folder = folder
-        try:
-            metadata = FileSystemReader(str(folder)).read_metadata()
-        except Exception as exc:
-            raise _invalid(
-                self.describe, f"has an unreadable .metadata ({type(exc).__name__}: {exc})"
-            ) from exc
-        self.meta = {
-            key: _Meta(tuple(item.size), item.properties.dtype)
-            for key, item in metadata.state_dict_metadata.items()
-            if isinstance(item, TensorStorageMetadata)
-        }
-
-    @override
-    def fill(self, targets: dict[str, torch.Tensor]) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        if not targets:
-            return
-        # DCP copies into same-dtype targets only: read into staging of the checkpoint's dtype
-        # where the model's differs.
-        staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        request: dict[str, torch.Tensor] = {}
-        for key, target in targets.items():
-            dtype = self.meta[key].dtype
-            if target.dtype == dtype:
-                request[key] = target
-                continue
-            if isinstance(target, DTensor):
-                buf: torch.Tensor = DTensor.from_local(
-                    torch.empty_like(target.to_local(), dtype=dtype),
-                    target.device_mesh,
-                    target.placements,
-                    run_check=False,
-                    shape=target.shape,
-                    stride=target.stride(),
-                )
-            else:
-                buf = torch.empty_like(target, dtype=dtype)
-            staged[key] = (buf, target)
-            request[key] = buf
-        with torch.no_grad():
-            dcp.load(request, checkpoint_id=str(self.folder), no_dist=True)
-            for buf, target in staged.values():
-                if isinstance(target, DTensor):
-                    assert isinstance(buf, DTensor)
-                    target.to_local().copy_(buf.to_local())
-                else:
-                    target.copy_(buf)
-
-    @override
-    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        meta = self.meta[key]
-        full = torch.empty(meta.shape, dtype=meta.dtype)
-        self.fill({key: full})
-        return full[index] if index else full
-
-
-def open_checkpoint(path: str | os.PathLike[str]) -> _Source:
-    """Open the checkpoint at ``path``, detecting its format from what the path holds."""
-    p = Path(os.fspath(path))
-    where = f"'{p}'"
-    if not p.exists():
-        raise _invalid(where, f"does not exist (on rank {_rank()})")
-    if p.is_dir():
-        indexes = sorted(p.glob("*.safetensors.index.json"))
-        if len(indexes) > 1:
-            raise _invalid(
-                where,
-                f"holds several indexes ({_listed([i.name for i in indexes])}); pass the path "
-                "of the one to load",
-            )
-        if indexes:
-            return _open_index(indexes[0])
-        if (p / ".metadata").is_file():
-            return _DCPSource(p)
-        singles = sorted(p.glob("*.safetensors"))
-        if len(singles) == 1:
-            return _SafetensorsSource(_single_keys(singles[0]), f"'{singles[0]}'")
-        if any(p.glob("*.distcp")):
-            raise _invalid(where, "holds DCP shard files (*.distcp) but no .metadata file")
-        if singles:
-            raise _invalid(
-                where,
-                f"holds {len(singles)} .safetensors files but no *.safetensors.index.json "
-                "saying which tensor lives where",
-            )
-        raise _invalid(where, "holds no .safetensors file, index or DCP .metadata")
-    if p.name.endswith(".index.json"):
-        return _open_index(p)
-    if p.suffix == ".safetensors":
-        return _SafetensorsSource(_single_keys(p), where)
-    raise _invalid(
-        where,
-        "is neither a .safetensors file nor an index (for torch.save files use FromStateDict)",
-    )
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _single_keys(file: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            keys = list(handle.keys())
-    except Exception as exc:
-        raise _invalid(
-            f"'{file}'", f"is truncated or not a safetensors file ({type(exc).__name__}: {exc})"
-        ) from exc
-    return dict.fromkeys(keys, file)
-
-
-def _open_index(index: Path) -> _SafetensorsSource:
-    where = f"'{index}'"
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, ValueError) as exc:
-        raise _invalid(where, f"is not readable JSON ({exc})") from exc
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise _invalid(where, "has no `weight_map` of tensor names to file names")
-    files = {key: index.parent / name for key, name in weight_map.items()}
-    return _SafetensorsSource(files, where)
+def describe_key_map(key_map: KeyMap) -> str:
+    """``key_map`` as ranks compare it in configure: a dict by its sorted items (its insertion
+    order does not change what it does), pairs in order, a callable by its name (what it
+    returns is compared in prepare, over the checkpoint's keys)."""
+    if isinstance(key_map, Mapping):
+        return describe_value(dict(sorted(key_map.items())))
+    return describe_value(key_map)
 
 
 # -- which rows a rank keeps ------------------------------------------------------------------
@@ -421,114 +191,32 @@ def local_index(tensor: DTensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))
 
 
-# -- validation -------------------------------------------------------------------------------
+# -- argument checks -------------------------------------------------------------------------
 
 
-def _kind(dtype: torch.dtype) -> str:
-    if dtype.is_complex:
-        return "complex"
-    if dtype.is_floating_point:
-        return "float"
-    return "bool" if dtype == torch.bool else "integer"
-
-
-@define
-class Match:
-    """How a checkpoint fits a model: the checkpoint key of each model name, what was left out,
-    and the dtype conversions a load makes (``"bfloat16->float32": count``)."""
-
-    keys: dict[str, str] = attrs.field(factory=dict)
-    missing: list[str] = attrs.field(factory=list)
-    unexpected: list[str] = attrs.field(factory=list)
-    converted: dict[str, int] = attrs.field(factory=dict)
-
-
-def match_checkpoint(
-    meta: Mapping[str, _Meta],
-    mapper: Callable[[str], str | None],
-    plan: UnitPlan,
-    ignored: IgnoredStates,
-    *,
-    strict: bool,
-    describe: str,
-    every_state: bool = False,
-) -> Match:
-    """Map the checkpoint's names and compare them with the plan; raises a ConfigurationError
-    naming every problem, capped per kind. ``every_state``: missing keys are errors even when
-    not ``strict``."""
-    mapped: dict[str, str] = {}
-    collisions: list[str] = []
-    for key in meta:
-        name = mapper(key)
-        if name is None:
-            continue
-        name = clean_name(name)
-        if name in mapped:
-            collisions.append(f"'{mapped[name]}' and '{key}' both map to '{name}'")
-        mapped[name] = key
-    found = Match()
-    shapes: list[str] = []
-    dtypes: list[str] = []
-    unfillable: list[str] = []
-    matched = 0
-    for unit in plan:
-        for entry in _unit_entries(unit, ignored, plan):
-            present = [n for n in entry.names if n in mapped]
-            if not present:
-                found.missing.append(" / ".join(entry.names))
-                if entry.tensor.is_meta:
-                    unfillable.append(entry.names[0])
-                continue
-            matched += 1
-            key = mapped[present[0]]
-            got, want = meta[key], entry.tensor
-            if got.shape != tuple(want.shape):
-                shapes.append(
-                    f"'{key}' is {list(got.shape)} in the checkpoint but "
-                    f"{list(want.shape)} in the model"
-                )
-            elif _kind(got.dtype) != _kind(want.dtype):
-                dtypes.append(
-                    f"'{key}' is {got.dtype} in the checkpoint but {want.dtype} in the model"
-                )
-            elif got.dtype != want.dtype:
-                pair = f"{str(got.dtype).removeprefix('torch.')}->" + str(want.dtype).removeprefix(
-                    "torch."
-                )
-                found.converted[pair] = found.converted.get(pair, 0) + 1
-            for n in entry.names:
-                found.keys[n] = key
-    known = {clean_name(k) for k in plan.root.module.state_dict(keep_vars=True)}
-    found.unexpected = sorted(mapped[n] for n in set(mapped) - known)
-    problems: list[str] = []
-    if collisions:
-        problems.append(f"{len(collisions)} name collision(s) after key_map: {_listed(collisions)}")
-    if found.missing and (strict or every_state or unfillable):
-        shown = found.missing if strict or every_state else unfillable
-        problems.append(f"{len(shown)} missing key(s): {_listed(shown)}")
-    if found.unexpected and strict:
-        problems.append(f"{len(found.unexpected)} unexpected key(s): {_listed(found.unexpected)}")
-    if shapes:
-        problems.append(f"{len(shapes)} wrong shape(s): {_listed(shapes, '; ')}")
-    if dtypes:
-        problems.append(f"{len(dtypes)} integer/float mismatch(es): {_listed(dtypes, '; ')}")
-    if not problems:
-        return found
-    hint = ""
-    total = matched + len(found.missing)
-    if matched * 2 < total:
-        names = [n for u in plan for e in _unit_entries(u, ignored, plan) for n in e.names]
-        hint = (
-            f". Only {matched} of the model's {total} states are in it: a checkpoint of another "
-            "model, or a key_map that misses a rule? Checkpoint keys start "
-            f"{_listed(sorted(meta)[:3])}; model names start {_listed(names[:3])}"
-        )
-    elif not strict and unfillable and not every_state:
-        hint = " (strict=False leaves out only states that are already real, not on meta)"
-    raise ConfigurationError(
-        f"`FromCheckpoint` got an invalid `path`: {describe} does not match the model: "
-        f"{'; '.join(problems)}{hint}. {_FIX}."
+def _check_path(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, str | os.PathLike):
+        return
+    raise config_error(
+        "FromCheckpoint",
+        "path",
+        f"expected a str or os.PathLike naming the checkpoint, got {type(value).__name__}",
+        "Pass the path every rank can read, e.g. FromCheckpoint('/ckpt/model'); for a state "
+        "dict that rank 0 holds in memory, use FromStateDict(state_dict)",
     )
+
+
+def _check_flag(fix: str) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, bool):
+            raise config_error(
+                "FromCheckpoint",
+                attribute.name,
+                f"expected True or False, got {value!r} ({type(value).__name__})",
+                fix,
+            )
+
+    return check
 
 
 # -- the materializer -------------------------------------------------------------------------
@@ -536,10 +224,13 @@ def match_checkpoint(
 
 @frozen
 class FromCheckpoint(BaseMaterializer):
-    """Materializes from a checkpoint every rank reads itself: a ``.safetensors`` file, a
-    folder with ``*.safetensors.index.json`` and its shard files (Hugging Face layout), or a
-    ``torch.distributed.checkpoint`` folder (``.metadata``); the format is detected from the
-    path, which every rank passes.
+    """Materializes from a checkpoint every rank reads itself, in any format
+    ``fsdp_builder.sources`` knows: a ``.safetensors`` file, a Hugging Face folder (safetensors
+    shards and ``*.safetensors.index.json``, or ``.bin`` shards and
+    ``pytorch_model.bin.index.json``), a ``torch.save`` file, a
+    ``torch.distributed.checkpoint`` folder (``.metadata``), or a format you registered with
+    :func:`fsdp_builder.sources.register_format`; the format is detected from the path, which
+    every rank passes.
 
     Each rank reads only what it keeps: with a backend that shards first (FSDP2,
     ``FullyShardBuilder``) the rows of its local shards; with FSDP1 one unit's full tensors at a
@@ -554,12 +245,13 @@ class FromCheckpoint(BaseMaterializer):
     to the model's (logged as the ``converted_dtypes`` event); integer/float mismatches are
     errors. ``strict=False`` loads what matches and logs the rest (``checkpoint_partial``);
     states missing from the checkpoint must then already be real. Non-persistent buffers are
-    not in checkpoints and are not loaded: build the modules that own them on a real device.
+    not in checkpoints: the model computes them (see ``fsdp_builder.materializers.buffers``).
 
     Raises:
         ConfigurationError: on every rank before any weight is written: a path that holds no
             checkpoint, missing or unexpected keys, wrong shapes, an index naming a missing file,
-            a truncated file, a DCP folder without metadata, an integer/float mismatch.
+            a truncated file, a DCP folder without metadata or missing a data file, an
+            integer/float mismatch, a key_map that fails or differs between ranks.
         MaterializationError: ``nonfinite="error"`` and NaN/inf found (named).
 
     Example:
@@ -571,13 +263,21 @@ class FromCheckpoint(BaseMaterializer):
         ```
     """
 
-    path: str | os.PathLike[str] = attrs.field(
-        validator=attrs.validators.instance_of((str, os.PathLike))
-    )
+    path: str | os.PathLike[str] = attrs.field(validator=_check_path)
     key_map: KeyMap = attrs.field(default=None, validator=_check_key_map, eq=False)
-    strict: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    strict: bool = attrs.field(
+        default=True,
+        validator=_check_flag(
+            "Pass strict=True (every state of the model from the checkpoint, nothing left "
+            "over) or strict=False (load what matches; the rest must already be real)"
+        ),
+    )
     shared_filesystem: bool = attrs.field(
-        default=True, validator=attrs.validators.instance_of(bool)
+        default=True,
+        validator=_check_flag(
+            "Pass shared_filesystem=True (every rank reads the path itself) or "
+            "shared_filesystem=False (rank 0 reads it and sends the weights)"
+        ),
     )
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=check_bucket_bytes)
     # NaN / inf in the loaded weights: "warn" (a UserWarning naming the tensors), "error"
@@ -585,72 +285,61 @@ class FromCheckpoint(BaseMaterializer):
     nonfinite: str = attrs.field(default="warn", validator=check_nonfinite_mode)
     shard_first: ClassVar[bool] = True
 
+    def describe(self) -> str:
+        """What ranks compare in configure: the path by its value (ranks reading different
+        checkpoints would stitch one model out of both), except where rank 0 alone reads it,
+        and the key_map (see :func:`describe_key_map`)."""
+        path = repr(os.fspath(self.path)) if self.shared_filesystem else "<read by rank 0>"
+        return (
+            f"FromCheckpoint(path={path}, key_map={describe_key_map(self.key_map)}, "
+            f"strict={self.strict}, shared_filesystem={self.shared_filesystem}, "
+            f"bucket_bytes={self.bucket_bytes}, nonfinite={self.nonfinite!r})"
+        )
+
     @override
     def prepare(self, env: Environment) -> MaterializerRun:
         """Open and validate the checkpoint (on every rank, or on rank 0 alone without a shared
         filesystem); every rank raises if any rank's check failed (collective)."""
+        mapper = key_mapper(self.key_map)
         if not self.shared_filesystem:
-            return self._prepare_rank0(env)
-        source: _Source | None = None
+            run = Rank0Run(env, CHECKPOINT_SPEC, self.bucket_bytes, self.nonfinite)
+            opener = partial(
+                open_matched, self.path, env, CHECKPOINT_SPEC, mapper, strict=self.strict
+            )
+            return prepare_rank0(env, run, opener)
+        source: CheckpointSource | None = None
         error: BaseException | None = None
         found = Match()
-        computed: Computed = {}
         try:
-            # No checkpoint holds non-persistent buffers: the model computes them.
-            computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
-            source = open_checkpoint(self.path)
-            found = match_checkpoint(
-                source.meta,
-                key_mapper(self.key_map),
-                env.plan,
-                env.ignored,
-                strict=self.strict,
-                describe=source.describe,
+            source, found = open_matched(
+                self.path, env, CHECKPOINT_SPEC, mapper, strict=self.strict, every_state=False
             )
         except ConfigurationError as exc:
             error = exc
-        except Exception as exc:  # a reader's own error: every rank must hear about it
-            error = _invalid(f"'{self.path}'", f"could not be read ({type(exc).__name__}: {exc})")
+        except Exception as exc:  # anything else a reader raised: every rank must hear about it
+            error = CHECKPOINT_SPEC.error(
+                f"'{os.fspath(self.path)}' could not be read ({type(exc).__name__}: {exc})"
+            )
+            error.__cause__ = exc
+        settings = _mapping_settings(source.tensors() if source else {}, found)
         try:
-            agree("materialize (validate)", error, group=env.agreement_group)
+            agree(
+                "materialize (validate)",
+                error,
+                group=env.agreement_group,
+                fingerprint=digest63(repr(settings)),
+                description={"config": settings, "plan": []},
+            )
+            # No checkpoint holds non-persistent buffers: the model computes them, the same on
+            # every rank, after the checkpoint was found sound (a failure here is not the path's).
+            computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
         except BaseException:
             if source is not None:
                 source.close()
             raise
         assert source is not None
-        _report(env, found)
-        return _LocalRun(env, source, found.keys, self.nonfinite, computed)
-
-    def _prepare_rank0(self, env: Environment) -> MaterializerRun:
-        verdict: str | None = None
-        reader: _Reader | None = None
-        if dist.get_rank() == 0:
-            source: _Source | None = None
-            try:
-                source = open_checkpoint(self.path)
-                found = match_checkpoint(
-                    source.meta,
-                    key_mapper(self.key_map),
-                    env.plan,
-                    env.ignored,
-                    strict=self.strict,
-                    describe=source.describe,
-                    every_state=True,
-                )
-                reader = _MappedReader(source, found.keys)
-                _report(env, found)
-            except Exception as exc:
-                if source is not None:
-                    source.close()
-                verdict = str(
-                    exc
-                    if isinstance(exc, ConfigurationError)
-                    else _invalid(f"'{self.path}'", f"could not be read ({exc})")
-                )
-        run = _LoadRun(
-            env, reader, self.bucket_bytes, nonfinite=self.nonfinite, loader="FromCheckpoint"
-        )
-        return start_rank0_load(env, verdict, run)
+        report_match(env, found)
+        return LocalRun(env, source, found.keys, self.nonfinite, computed)
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
@@ -660,52 +349,51 @@ class FromCheckpoint(BaseMaterializer):
         )
 
 
-def _report(env: Environment, found: Match) -> None:
-    if found.converted:
-        env.logger.info("converted_dtypes", conversions=dict(found.converted))
-    if found.missing or found.unexpected:
-        env.logger.warning(
-            "checkpoint_partial",
-            missing=found.missing[:_SHOWN],
-            missing_count=len(found.missing),
-            unexpected=found.unexpected[:_SHOWN],
-            unexpected_count=len(found.unexpected),
-        )
+def _mapping_settings(tensors: Mapping[str, TensorMeta], found: Match) -> list[tuple[str, str]]:
+    """What ranks compare after opening: where each checkpoint key goes under their key_map,
+    with its shape and dtype, in key order (the same on every rank of a correct program)."""
+    return [
+        (f"key_map({key!r})", f"{found.mapped.get(key)!r} {list(meta.shape)} {meta.dtype}")
+        for key, meta in sorted(tensors.items())
+    ]
 
 
-class _MappedReader(_Reader):
-    """Rank 0's view of a checkpoint under model names, for ``FromStateDict``'s run."""
+def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointSource:
+    """Open the checkpoint at ``path`` as ``FromCheckpoint`` does (format detected from what
+    the path holds); errors in ``FromCheckpoint``'s words."""
+    from fsdp_builder.sources import MissingPath, SourceError, open_source
 
-    def __init__(self, source: _Source, keys: dict[str, str]) -> None:
-        super().__init__({}, source.describe)
-        self._source = source
-        self._keys = keys
+    try:
+        return open_source(path)
+    except MissingPath as exc:
+        raise CHECKPOINT_SPEC.missing(exc) from exc
+    except SourceError as exc:
+        raise CHECKPOINT_SPEC.error(exc.problem, exc.fix) from exc
 
-    @override
-    def keys(self) -> list[str]:
-        return list(self._keys)
 
-    @override
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self._source.meta[self._keys[key]].shape
-
-    @override
-    def get(self, key: str) -> torch.Tensor:
-        return self._source.read(self._keys[key])
-
-    @override
-    def close(self) -> None:
-        self._source.close()
-        super().close()
+def fill(source: CheckpointSource, targets: Mapping[str, torch.Tensor]) -> None:
+    """Write each checkpoint entry into its target (a tensor, or a DTensor whose local part is
+    read alone), converting dtypes."""
+    if isinstance(source, FillsTargets):
+        source.fill(targets)
+        return
+    with torch.no_grad():
+        for key, target in targets.items():
+            if isinstance(target, DTensor):
+                local = target.to_local()
+                if local.numel():
+                    local.copy_(source.read(key, local_index(target)))
+            else:
+                target.copy_(source.read(key))
 
 
 @define
-class _LocalRun:
+class LocalRun:
     """One build's rank-local load: the open checkpoint and the checkpoint key of each model
     name. Each unit reads only this rank's part of its states."""
 
     env: Environment
-    source: _Source | None
+    source: CheckpointSource | None
     keys: dict[str, str]
     nonfinite: str = "warn"
     computed: Computed = attrs.field(factory=dict)
@@ -718,7 +406,7 @@ class _LocalRun:
         targets: dict[str, torch.Tensor] = {}
         loaded: list[tuple[str, torch.Tensor]] = []
         written = 0
-        for entry in _unit_entries(unit, env.ignored):
+        for entry in unit_entries(unit, env.ignored):
             name = next((n for n in entry.names if n in self.keys), None)
             if name is None:
                 continue  # strict=False and real: keeps its value
@@ -731,7 +419,7 @@ class _LocalRun:
             written += local.numel() * local.element_size()
         error: MaterializationError | None = None
         try:
-            self.source.fill(targets)
+            fill(self.source, targets)
         except Exception as exc:
             error = MaterializationError(
                 f"`FromCheckpoint` could not read unit '{unit.label}' out of "
@@ -764,4 +452,14 @@ class _LocalRun:
             self.source = None
 
 
-__all__ = ["FromCheckpoint", "KeyMap", "Match", "key_mapper", "local_index", "open_checkpoint"]
+__all__ = [
+    "CHECKPOINT_SPEC",
+    "FromCheckpoint",
+    "KeyMap",
+    "LocalRun",
+    "describe_key_map",
+    "fill",
+    "key_mapper",
+    "local_index",
+    "open_checkpoint",
+]

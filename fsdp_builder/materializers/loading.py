@@ -1,22 +1,25 @@
-"""Loading real weights: a full state dict held by rank 0 (in memory or in a file), streamed to
-every rank one unit at a time.
+"""What every loader shares: opening a checkpoint source and matching it against the model (one
+prepare path), and the rank-0 load, where rank 0 alone reads and the weights travel. Here too is
+``FromStateDict``, the loader of a state dict (or file) that rank 0 holds.
 
-Only rank 0 reads the source. Before any weight is written, rank 0 checks the source's keys and
-shapes against the unit plan and sends its verdict to every rank, so a bad checkpoint raises the
-same error everywhere instead of failing half-way through a broadcast. Then, per unit, rank 0
-copies the unit's tensors out of the source and broadcasts them; the other ranks only ever hold
-storage for the unit being built, never the full state dict.
+A load opens its source through ``fsdp_builder.sources`` (any registered format, or a state
+dict in memory), maps the source's names to the model's and checks names, shapes and dtypes
+against the unit plan before any weight is written. Where only rank 0 reads, its verdict reaches
+every rank, so a bad source raises the same error everywhere instead of failing half-way through
+a broadcast. Per unit, rank 0 copies the unit's tensors out of the source and broadcasts them
+(or, with a backend that shards first, scatters each rank's slices); the other ranks only ever
+hold storage for the unit being built, never the full state dict.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
+import structlog
 import torch
 import torch.distributed as dist
 from attrs import define, frozen
@@ -47,6 +50,12 @@ from fsdp_builder.runtime.collectives import (
 )
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, module_names, qualified, unit_modules
+from fsdp_builder.sources import CheckpointSource, MissingPath, SourceError, TensorMeta, open_source
+from fsdp_builder.sources.base import listed
+
+log = structlog.get_logger(__name__)
+
+Mapper = Callable[[str], "str | None"]
 
 _FIX_SOURCE = (
     "Pass the model's full state dict (`model.state_dict()` of the unwrapped model) on rank 0, "
@@ -54,159 +63,58 @@ _FIX_SOURCE = (
 )
 
 
-class _Reader:
-    """Read access to the source on rank 0: names, shapes, and one tensor at a time."""
-
-    def __init__(self, tensors: Mapping[str, Any], describe: str) -> None:
-        self._tensors = tensors
-        self.describe = describe
-
-    def keys(self) -> list[str]:
-        return list(self._tensors.keys())
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._tensors[key].shape)
-
-    def get(self, key: str) -> torch.Tensor:
-        value = self._tensors[key]
-        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-
-    def close(self) -> None:
-        """Drop the source (a file's mapping goes with its last tensor)."""
-        self._tensors = {}
-
-
-class _SafetensorsReader(_Reader):
-    """Reads one tensor at a time from a .safetensors file (nothing else is loaded)."""
-
-    def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
-        self._file = safe_open(str(path), framework="pt", device="cpu")
-        super().__init__({}, f"'{path}'")
-
-    @override
-    def keys(self) -> list[str]:
-        return list(self._file.keys())
-
-    @override
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._file.get_slice(key).get_shape())
-
-    @override
-    def get(self, key: str) -> torch.Tensor:
-        tensor: torch.Tensor = self._file.get_tensor(key)
-        return tensor
-
-    @override
-    def close(self) -> None:
-        self._file.__exit__(None, None, None)
-        super().close()
-
-
-def _not_a_state_dict(what: str, why: str) -> ConfigurationError:
-    return config_error(
-        "FromStateDict", "source", f"{what} is not a state dict ({why})", _FIX_SOURCE
-    )
-
-
-def _check_mapping(value: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise _not_a_state_dict(what, f"it holds a {type(value).__name__}")
-    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-    if bad:
-        shown = ", ".join(repr(k) for k in bad[:5])
-        raise _not_a_state_dict(
-            what,
-            f"entries {shown}{' ...' if len(bad) > 5 else ''} are not tensors named by strings; "
-            "if it is a checkpoint holding a state dict, pass that inner dict",
-        )
-    _check_values(value, what)
-    return value
-
-
-def _check_values(value: Mapping[str, torch.Tensor], what: str) -> None:
-    """Tensors that hold no values this loader can read: on meta, or sharded (DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = [k for k, v in value.items() if isinstance(v, DTensor)]
-    if sharded:
-        raise config_error(
-            "FromStateDict",
-            "source",
-            f"{what} holds DTensors ({_names(sharded)}): it is the state dict of a sharded "
-            "model, each rank holding a part",
-            "Pass the full state dict: torch.distributed.checkpoint.state_dict."
-            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) on the "
-            "sharded model, or model.state_dict() of the unwrapped one",
-        )
-    empty = [k for k, v in value.items() if v.is_meta]
-    if empty:
-        raise config_error(
-            "FromStateDict",
-            "source",
-            f"{what} holds tensors on the meta device, which have no values ({_names(empty)})",
-            "Pass the state dict of a model with real weights (not one built under "
-            "torch.device('meta'))",
-        )
-
-
-def _names(keys: list[str]) -> str:
-    more = f" ... ({len(keys)} in all)" if len(keys) > 5 else ""
-    return ", ".join(f"'{k}'" for k in keys[:5]) + more
-
-
-def _open(source: Any) -> _Reader:
-    """Open the source on rank 0; raises a ConfigurationError that says what to pass."""
-    if source is None:
-        raise config_error(
-            "FromStateDict",
-            "source",
-            "rank 0 was given None",
-            "Rank 0 holds the weights: pass it the state dict or a file path (other ranks may "
-            "pass None)",
-        )
-    if isinstance(source, Mapping):
-        return _Reader(_check_mapping(source, "the mapping given"), "the state dict given")
-    path = Path(os.fspath(source))
-    if not path.exists():
-        raise config_error(
-            "FromStateDict",
-            "source",
-            f"the path '{path}' does not exist on rank 0",
-            "Pass the path of a torch.save or .safetensors file that rank 0 can read",
-        )
-    if not path.is_file():
-        raise _not_a_state_dict(f"'{path}'", "it is not a file")
-    if path.suffix == ".safetensors":
-        try:
-            return _SafetensorsReader(path)
-        except Exception as exc:
-            raise _not_a_state_dict(f"'{path}'", f"safetensors could not read it: {exc}") from exc
-    try:
-        try:
-            # mmap keeps rank 0 from reading the whole file up front (zip-format files only).
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _not_a_state_dict(f"'{path}'", f"torch.load failed: {first[:200]}") from exc
-    return _Reader(_check_mapping(loaded, f"'{path}'"), f"'{path}'")
+def _identity(name: str) -> str:
+    return name
 
 
 @frozen
-class _Entry:
+class LoaderSpec:
+    """How a loader words its errors: its name, the argument that holds the source, the word
+    for the source in shape messages, its general fix, and whether integer/float mismatches
+    are refused (else every dtype converts to the model's)."""
+
+    name: str
+    argument: str
+    word: str
+    fix: str
+    check_kinds: bool
+    missing_fix: str
+
+    def error(self, problem: str, fix: str | None = None) -> ConfigurationError:
+        return config_error(self.name, self.argument, problem, fix or self.fix)
+
+    def missing(self, error: MissingPath) -> ConfigurationError:
+        return config_error(self.name, self.argument, error.problem, self.missing_fix)
+
+
+STATE_DICT_SPEC = LoaderSpec(
+    name="FromStateDict",
+    argument="source",
+    word="source",
+    fix=_FIX_SOURCE,
+    check_kinds=False,
+    missing_fix="Pass the path of a torch.save or .safetensors file that rank 0 can read",
+)
+
+
+# -- a unit's states, by every name they go by -----------------------------------------------
+
+
+@frozen
+class Entry:
     """One storage of a unit with every name it goes by (tied parameters have several)."""
 
     names: tuple[str, ...]
     tensor: torch.Tensor = attrs.field(eq=False)
 
 
-def _unit_entries(
+def unit_entries(
     unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None = None
-) -> Iterator[_Entry]:
-    modules = unit_modules(unit.module, _stops(unit, ignored, plan))
+) -> Iterator[Entry]:
+    """The persistent states ``unit`` owns. ``plan``: stop at the other units' modules (before
+    the build wrapped them)."""
+    others = {u.module for u in plan} - {unit.module} if plan is not None else set()
+    modules = unit_modules(unit.module, set(ignored.modules) | others)
     rel = module_names(unit.module)
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
     for m in modules:
@@ -226,65 +134,370 @@ def _unit_entries(
             full = clean_name(f"{prefix}.{name}" if prefix else name)
             by_id.setdefault(id(t), ([], t))[0].append(full)
     for names, t in by_id.values():
-        yield _Entry(tuple(dict.fromkeys(names)), t)
+        yield Entry(tuple(dict.fromkeys(names)), t)
 
 
-def _stops(unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None) -> set[Any]:
-    """Where a walk of ``unit`` stops: ignored modules, and (before the build wrapped them) the
-    modules of the other units."""
-    others = {u.module for u in plan} - {unit.module} if plan is not None else set()
-    return set(ignored.modules) | others
+# -- matching a source against the model ------------------------------------------------------
 
 
-def _shape(shape: tuple[int, ...]) -> str:
-    return str(list(shape))
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "bool" if dtype == torch.bool else "integer"
 
 
-def validate_source(reader: _Reader, plan: UnitPlan, ignored: IgnoredStates) -> str | None:
-    """Compare the source with the model's unit plan; None when it fits, else the message."""
-    keys = set(reader.keys())
-    root = plan.root.module
-    known = {clean_name(k) for k in root.state_dict(keep_vars=True)}
-    missing: list[str] = []
+@define
+class Match:
+    """How a checkpoint fits a model: the checkpoint key of each model name, what was left out,
+    and the dtype conversions a load makes (``"bfloat16->float32": count``)."""
+
+    keys: dict[str, str] = attrs.field(factory=dict)
+    missing: list[str] = attrs.field(factory=list)
+    unexpected: list[str] = attrs.field(factory=list)
+    converted: dict[str, int] = attrs.field(factory=dict)
+    # Checkpoint key → the model name it maps to (None: left out), for ranks to compare.
+    mapped: dict[str, str | None] = attrs.field(factory=dict)
+
+
+def map_keys(keys: list[str], mapper: Mapper, spec: LoaderSpec) -> dict[str, str | None]:
+    """Each checkpoint key → its model name under ``mapper``; a mapper that raises or returns
+    something other than a string or None is a problem of ``key_map``, named as such."""
+    mapped: dict[str, str | None] = {}
+    for key in keys:
+        try:
+            name = mapper(key)
+        except Exception as exc:
+            raise config_error(
+                spec.name,
+                "key_map",
+                f"raised {type(exc).__name__}: {exc} for the checkpoint key '{key}'",
+                "Make it return the model's name for every checkpoint key (or None to leave "
+                "the entry out)",
+            ) from exc
+        if name is not None and not isinstance(name, str):
+            raise config_error(
+                spec.name,
+                "key_map",
+                f"returned {name!r} ({type(name).__name__}) for the checkpoint key '{key}'",
+                "Make it return the model's name as a string, or None to leave the entry out",
+            )
+        mapped[key] = None if name is None else clean_name(name)
+    return mapped
+
+
+def match_source(
+    tensors: Mapping[str, TensorMeta],
+    mapper: Mapper,
+    plan: UnitPlan,
+    ignored: IgnoredStates,
+    *,
+    spec: LoaderSpec,
+    describe: str,
+    strict: bool = True,
+    every_state: bool = True,
+) -> Match:
+    """Map the source's names and compare them with the plan; raises a ConfigurationError in
+    ``spec``'s words naming every problem, capped per kind. ``every_state``: missing keys are
+    errors even when not ``strict``."""
+    found = Match(mapped=map_keys(sorted(tensors), mapper, spec))
+    by_name: dict[str, str] = {}
+    collisions: list[str] = []
+    for key, name in found.mapped.items():
+        if name is None:
+            continue
+        if name in by_name:
+            collisions.append(f"'{by_name[name]}' and '{key}' both map to '{name}'")
+        by_name[name] = key
     shapes: list[str] = []
+    dtypes: list[str] = []
+    unfillable: list[str] = []
+    matched = 0
     for unit in plan:
-        for entry in _unit_entries(unit, ignored, plan):
-            present = [n for n in entry.names if n in keys]
+        for entry in unit_entries(unit, ignored, plan):
+            present = [n for n in entry.names if n in by_name]
             if not present:
-                missing.append(" / ".join(entry.names))
+                found.missing.append(" / ".join(entry.names))
+                if entry.tensor.is_meta:
+                    unfillable.append(entry.names[0])
                 continue
-            got = reader.shape(present[0])
-            if got != tuple(entry.tensor.shape):
+            matched += 1
+            key = by_name[present[0]]
+            got, want = tensors[key], entry.tensor
+            if got.shape != tuple(want.shape):
                 shapes.append(
-                    f"'{present[0]}' is {_shape(got)} in the source but "
-                    f"{_shape(tuple(entry.tensor.shape))} in the model"
+                    f"'{key}' is {list(got.shape)} in the {spec.word} but "
+                    f"{list(want.shape)} in the model"
                 )
-    unexpected = sorted(keys - known)
-    problems = []
-    if missing:
-        problems.append(
-            f"{len(missing)} missing key(s): {', '.join(missing[:8])}"
-            f"{' ...' if len(missing) > 8 else ''}"
-        )
-    if unexpected:
-        problems.append(
-            f"{len(unexpected)} unexpected key(s): {', '.join(unexpected[:8])}"
-            f"{' ...' if len(unexpected) > 8 else ''}"
-        )
+            elif spec.check_kinds and _kind(got.dtype) != _kind(want.dtype):
+                dtypes.append(
+                    f"'{key}' is {got.dtype} in the {spec.word} but {want.dtype} in the model"
+                )
+            elif got.dtype != want.dtype:
+                pair = "->".join(str(d).removeprefix("torch.") for d in (got.dtype, want.dtype))
+                found.converted[pair] = found.converted.get(pair, 0) + 1
+            for n in entry.names:
+                found.keys[n] = key
+    known = {clean_name(k) for k in plan.root.module.state_dict(keep_vars=True)}
+    found.unexpected = sorted(by_name[n] for n in set(by_name) - known)
+    problems: list[str] = []
+    if collisions:
+        problems.append(f"{len(collisions)} name collision(s) after key_map: {listed(collisions)}")
+    if found.missing and (strict or every_state or unfillable):
+        shown = found.missing if strict or every_state else unfillable
+        problems.append(f"{len(shown)} missing key(s): {listed(shown)}")
+    if found.unexpected and strict:
+        problems.append(f"{len(found.unexpected)} unexpected key(s): {listed(found.unexpected)}")
     if shapes:
-        problems.append(
-            f"{len(shapes)} wrong shape(s): {'; '.join(shapes[:8])}"
-            f"{' ...' if len(shapes) > 8 else ''}"
-        )
+        problems.append(f"{len(shapes)} wrong shape(s): {listed(shapes, sep='; ')}")
+    if dtypes:
+        problems.append(f"{len(dtypes)} integer/float mismatch(es): {listed(dtypes, sep='; ')}")
     if not problems:
-        return None
-    hint = ""
-    if unexpected and any(k.startswith(("module.", "_orig_mod.")) for k in unexpected):
-        hint = " (keys start with a wrapper prefix: strip 'module.' / '_orig_mod.')"
-    return (
-        f"`FromStateDict` got an invalid `source`: {reader.describe} does not match the model: "
-        f"{'; '.join(problems)}{hint}. {_FIX_SOURCE}, with the same architecture and config."
+        return found
+    raise spec.error(
+        f"{describe} does not match the model: {'; '.join(problems)}"
+        f"{_hint(found, matched, shapes, tensors, plan, ignored, strict, unfillable, every_state)}"
     )
+
+
+def _hint(
+    found: Match,
+    matched: int,
+    shapes: list[str],
+    tensors: Mapping[str, TensorMeta],
+    plan: UnitPlan,
+    ignored: IgnoredStates,
+    strict: bool,
+    unfillable: list[str],
+    every_state: bool,
+) -> str:
+    if found.unexpected and any(k.startswith(("module.", "_orig_mod.")) for k in found.unexpected):
+        return " (keys start with a wrapper prefix: strip 'module.' / '_orig_mod.')"
+    total = matched + len(found.missing)
+    if matched * 2 < total:
+        names = [n for u in plan for e in unit_entries(u, ignored, plan) for n in e.names]
+        return (
+            f". Only {matched} of the model's {total} states are in it: a checkpoint of another "
+            "model, or a key_map that misses a rule? Checkpoint keys start "
+            f"{listed(sorted(tensors)[:3])}; model names start {listed(names[:3])}"
+        )
+    if shapes and len(shapes) * 2 > matched:
+        return (
+            f". {len(shapes)} of the {matched} states it shares with the model differ in shape: "
+            "a checkpoint of another config of this model?"
+        )
+    if not strict and unfillable and not every_state:
+        return " (strict=False leaves out only states that are already real, not on meta)"
+    return ""
+
+
+def open_matched(
+    source: Mapping[str, Any] | str | os.PathLike[str],
+    env: Environment,
+    spec: LoaderSpec,
+    mapper: Mapper = _identity,
+    *,
+    strict: bool = True,
+    every_state: bool = True,
+) -> tuple[CheckpointSource, Match]:
+    """The prepare step of every load, on one rank: open ``source`` and match it against the
+    plan. Raises a ConfigurationError in ``spec``'s words; nothing stays open if it does."""
+    try:
+        opened = open_source(source)
+    except MissingPath as exc:
+        raise spec.missing(exc) from exc
+    except SourceError as exc:
+        raise spec.error(exc.problem, exc.fix) from exc
+    except ConfigurationError:
+        raise
+    except Exception as exc:  # a reader's own error: the loader's words, the cause kept
+        what = f"'{os.fspath(source)}'" if not isinstance(source, Mapping) else "the state dict"
+        raise spec.error(f"{what} could not be read ({type(exc).__name__}: {exc})") from exc
+    try:
+        found = match_source(
+            opened.tensors(),
+            mapper,
+            env.plan,
+            env.ignored,
+            spec=spec,
+            describe=opened.describe,
+            strict=strict,
+            every_state=every_state,
+        )
+    except BaseException:
+        opened.close()
+        raise
+    return opened, found
+
+
+def report_match(env: Environment, found: Match) -> None:
+    """Log the dtype conversions and, for partial loads, what was left out."""
+    if found.converted:
+        env.logger.info("converted_dtypes", conversions=dict(found.converted))
+    if found.missing or found.unexpected:
+        env.logger.warning(
+            "checkpoint_partial",
+            missing=found.missing[:8],
+            missing_count=len(found.missing),
+            unexpected=found.unexpected[:8],
+            unexpected_count=len(found.unexpected),
+        )
+
+
+# -- the rank-0 load ---------------------------------------------------------------------------
+
+
+def prepare_rank0(
+    env: Environment,
+    run: Rank0Run,
+    open_on_rank0: Callable[[], tuple[CheckpointSource, Match]],
+) -> Rank0Run:
+    """Rank 0 opens and matches its source (``open_on_rank0``); its verdict (None: it fits)
+    reaches every rank, which raises it alike; then the run gets the non-persistent buffers the
+    model computes (no source holds them; the same on every rank, so a failure there is every
+    rank's, and it is reported as what it is, not as a bad source). Collective. The run is
+    closed if the load does not start."""
+    verdict: str | None = None
+    if dist.get_rank() == 0:
+        try:
+            run.source, found = open_on_rank0()
+            run.keys = found.keys
+            report_match(env, found)
+        except ConfigurationError as exc:
+            verdict = str(exc)
+        except Exception as exc:  # whatever a reader raises, the other ranks must hear it
+            verdict = str(
+                run.spec.error(f"the source could not be read ({type(exc).__name__}: {exc})")
+            )
+    box: list[Any] = [verdict]
+    dist.broadcast_object_list(box, src=0, group=env.agreement_group)
+    try:
+        if box[0] is not None:
+            raise ConfigurationError(box[0])
+        run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+@define
+class Rank0Run:
+    """One build's rank-0 load: the open source (rank 0 only) and the source key of each model
+    name, streamed unit by unit."""
+
+    env: Environment
+    spec: LoaderSpec
+    bucket_bytes: int
+    nonfinite: str = "warn"
+    source: CheckpointSource | None = None
+    keys: dict[str, str] = attrs.field(factory=dict)
+    computed: Computed = attrs.field(factory=dict)
+
+    def close(self) -> None:
+        self.computed = {}
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+    def materialize(self, unit: Unit) -> int:
+        env = self.env
+        if env.shards_first:
+            return self._scatter(unit)
+        source = self.source
+        modules = unit_modules(unit.module, env.ignored.modules)
+        device = collective_device(env.agreement_group)
+        allocate_empty(modules, device)
+        entries = list(unit_entries(unit, env.ignored))
+        error: BaseException | None = None
+        if source is not None:
+            try:
+                with torch.no_grad():
+                    for entry in entries:
+                        name = next(n for n in entry.names if n in self.keys)
+                        entry.tensor.detach().copy_(source.read(self.keys[name]))
+            except Exception as exc:  # the other ranks are about to wait for this unit
+                error = MaterializationError(
+                    f"`{self.spec.name}` could not copy unit '{unit.label}' out of "
+                    f"{source.describe}: {type(exc).__name__}: {exc}. {self.spec.fix}."
+                )
+        agree("materialize (load)", error, unit=unit.label, group=env.agreement_group)
+        written = 0
+        tensors = [e.tensor.detach() for e in entries]
+        for group, src in sync_stages(env):
+            written += broadcast_tensors(tensors, src, group, self.bucket_bytes)
+        # Every rank now holds the same values: each decides alone, and all alike.
+        verdict = nonfinite_verdict(
+            self.nonfinite,
+            nonfinite_names((e.names[0], e.tensor.detach()) for e in entries),
+            loader=self.spec.name,
+            unit=unit.label,
+            source="rank 0's source" if source is None else source.describe,
+            alike=True,
+        )
+        if verdict is not None:
+            raise verdict
+        fill_buffers(modules, self.computed, device)
+        env.logger.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _scatter(self, unit: Unit) -> int:
+        """The unit is already sharded (on meta): rank 0 reads this unit's tensors, once per
+        storage (tied names share it), and sends each rank only its slices. The source was
+        validated in prepare; should reading still fail, rank 0 sends zeros in place of what
+        it could not read and raises only after the unit's last collective, so no rank is left
+        waiting (the builder then raises on every rank)."""
+        source = self.source
+        state: dict[str, torch.Tensor] | None = None
+        error: MaterializationError | None = None
+        if source is not None:
+            state = {}
+            try:
+                for entry in unit_entries(unit, self.env.ignored):
+                    present = [n for n in entry.names if n in self.keys]
+                    if present:
+                        tensor = source.read(self.keys[present[0]])
+                        state.update(dict.fromkeys(present, tensor))
+            except Exception as exc:
+                error = MaterializationError(
+                    f"`{self.spec.name}` could not read unit '{unit.label}' out of "
+                    f"{source.describe}: {type(exc).__name__}: {exc}. {self.spec.fix}."
+                )
+        scatter_error: MaterializationError | None = None
+        try:
+            received = scatter_unit_state(unit, self.env, state)
+        except MaterializationError as exc:
+            scatter_error = exc
+            received = 0  # a read error says more than the entries it left out
+        # Ranks hold different slices: with nonfinite="error" every rank takes part in the
+        # verdict (also one whose read failed), so that all raise alike.
+        names = []
+        if error is None and scatter_error is None:
+            names = nonfinite_names(
+                (e.names[0], e.tensor) for e in unit_entries(unit, self.env.ignored)
+            )
+        verdict = nonfinite_verdict(
+            self.nonfinite,
+            names,
+            loader=self.spec.name,
+            unit=unit.label,
+            source="rank 0's source" if source is None else source.describe,
+            alike=False,
+            group=self.env.agreement_group,
+        )
+        if error is not None:
+            raise error
+        if scatter_error is not None:
+            raise scatter_error
+        if verdict is not None:
+            raise verdict
+        modules = unit_modules(unit.module, self.env.ignored.modules)
+        fill_buffers(modules, self.computed, self.env.device)
+        return received
+
+
+# -- FromStateDict ------------------------------------------------------------------------------
 
 
 def _check_source_type(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -301,8 +514,9 @@ def _check_source_type(instance: object, attribute: attrs.Attribute[Any], value:
 @frozen
 class FromStateDict(BaseMaterializer):
     """Materializes from a full state dict held by global rank 0: a mapping of names to tensors,
-    or a path to a ``torch.save`` or ``.safetensors`` file that rank 0 reads. Other ranks pass
-    None (or anything; only rank 0's source is used) and may hold the model on meta.
+    or a path that rank 0 reads, in any format ``fsdp_builder.sources`` knows (a ``torch.save``
+    or ``.safetensors`` file, a Hugging Face folder, a DCP folder, or one you registered). Other
+    ranks pass None (or anything; only rank 0's source is used) and may hold the model on meta.
 
     Keys and shapes are checked in ``prepare`` against every unit, on rank 0, and the verdict
     reaches every rank before any weight is written. Each unit is then copied out of the source on
@@ -343,19 +557,19 @@ class FromStateDict(BaseMaterializer):
     def prepare(self, env: Environment) -> MaterializerRun:
         """Open and validate the source on rank 0; every rank raises the same error if it does
         not fit (collective over the build's ranks)."""
-        verdict: str | None = None
-        reader: _Reader | None = None
-        if dist.get_rank() == 0:
-            try:
-                reader = _open(self.source)
-                verdict = validate_source(reader, env.plan, env.ignored)
-            except ConfigurationError as exc:
-                verdict = str(exc)
-            except Exception as exc:  # whatever a reader raises, the other ranks must hear it
-                verdict = str(_not_a_state_dict("the source", f"{type(exc).__name__}: {exc}"))
-        return start_rank0_load(
-            env, verdict, _LoadRun(env, reader, self.bucket_bytes, nonfinite=self.nonfinite)
-        )
+        run = Rank0Run(env, STATE_DICT_SPEC, self.bucket_bytes, self.nonfinite)
+        return prepare_rank0(env, run, partial(self._open, env))
+
+    def _open(self, env: Environment) -> tuple[CheckpointSource, Match]:
+        if self.source is None:
+            raise config_error(
+                "FromStateDict",
+                "source",
+                "rank 0 was given None",
+                "Rank 0 holds the weights: pass it the state dict or a file path (other ranks "
+                "may pass None)",
+            )
+        return open_matched(self.source, env, STATE_DICT_SPEC)
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
@@ -365,133 +579,17 @@ class FromStateDict(BaseMaterializer):
         )
 
 
-def start_rank0_load(env: Environment, verdict: str | None, run: _LoadRun) -> _LoadRun:
-    """Rank 0's ``verdict`` on its source (None: it fits) reaches every rank, which raises it
-    alike; then the run gets the non-persistent buffers the model computes (no source holds
-    them; the same on every rank, so a failure there is every rank's). Collective. The run is
-    closed if the load does not start."""
-    box: list[Any] = [verdict]
-    dist.broadcast_object_list(box, src=0, group=env.agreement_group)
-    try:
-        if box[0] is not None:
-            raise ConfigurationError(box[0])
-        run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
-    except BaseException:
-        run.close()
-        raise
-    return run
-
-
-@define
-class _LoadRun:
-    """One build's load: the open source (rank 0 only), streamed unit by unit."""
-
-    env: Environment
-    reader: _Reader | None
-    bucket_bytes: int
-    computed: Computed = attrs.field(factory=dict)
-    nonfinite: str = "warn"
-    loader: str = "FromStateDict"
-
-    def close(self) -> None:
-        self.computed = {}
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
-
-    def materialize(self, unit: Unit) -> int:
-        env = self.env
-        if env.shards_first:
-            return self._scatter(unit)
-        reader = self.reader
-        modules = unit_modules(unit.module, env.ignored.modules)
-        device = collective_device(env.agreement_group)
-        allocate_empty(modules, device)
-        entries = list(_unit_entries(unit, env.ignored))
-        error: BaseException | None = None
-        if reader is not None:
-            keys = set(reader.keys())
-            try:
-                with torch.no_grad():
-                    for entry in entries:
-                        name = next(n for n in entry.names if n in keys)
-                        entry.tensor.detach().copy_(reader.get(name))
-            except Exception as exc:  # the other ranks are about to wait for this unit
-                error = MaterializationError(
-                    f"`FromStateDict` could not copy unit '{unit.label}' out of "
-                    f"{reader.describe}: {type(exc).__name__}: {exc}. {_FIX_SOURCE}."
-                )
-        agree("materialize (load)", error, unit=unit.label, group=env.agreement_group)
-        written = 0
-        tensors = [e.tensor.detach() for e in entries]
-        for group, src in sync_stages(env):
-            written += broadcast_tensors(tensors, src, group, self.bucket_bytes)
-        # Every rank now holds the same values: each decides alone, and all alike.
-        verdict = nonfinite_verdict(
-            self.nonfinite,
-            nonfinite_names((e.names[0], e.tensor.detach()) for e in entries),
-            loader=self.loader,
-            unit=unit.label,
-            source="rank 0's source" if reader is None else reader.describe,
-            alike=True,
-        )
-        if verdict is not None:
-            raise verdict
-        fill_buffers(modules, self.computed, device)
-        env.logger.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def _scatter(self, unit: Unit) -> int:
-        """The unit is already sharded (on meta): rank 0 reads this unit's tensors, once per
-        storage (tied names share it), and sends each rank only its slices. The source was
-        validated in prepare; should reading still fail, rank 0 sends zeros in place of what it
-        could not read and raises only after the unit's last collective, so no rank is left
-        waiting (the builder then raises on every rank)."""
-        reader = self.reader
-        state: dict[str, torch.Tensor] | None = None
-        error: MaterializationError | None = None
-        if reader is not None:
-            state = {}
-            keys = set(reader.keys())
-            try:
-                for entry in _unit_entries(unit, self.env.ignored):
-                    present = [n for n in entry.names if n in keys]
-                    if present:
-                        tensor = reader.get(present[0])
-                        state.update(dict.fromkeys(present, tensor))
-            except Exception as exc:
-                error = MaterializationError(
-                    f"`FromStateDict` could not read unit '{unit.label}' out of "
-                    f"{reader.describe}: {type(exc).__name__}: {exc}. {_FIX_SOURCE}."
-                )
-        scatter_error: MaterializationError | None = None
-        try:
-            received = scatter_unit_state(unit, self.env, state)
-        except MaterializationError as exc:
-            scatter_error = exc
-            received = 0  # a read error says more than the entries it left out
-        # Ranks hold different slices: with nonfinite="error" every rank takes part in the
-        # verdict (also one whose read failed), so that all raise alike.
-        names = []
-        if error is None and scatter_error is None:
-            names = nonfinite_names(
-                (e.names[0], e.tensor) for e in _unit_entries(unit, self.env.ignored)
-            )
-        verdict = nonfinite_verdict(
-            self.nonfinite,
-            names,
-            loader=self.loader,
-            unit=unit.label,
-            source="rank 0's source" if reader is None else reader.describe,
-            alike=False,
-            group=self.env.agreement_group,
-        )
-        if error is not None:
-            raise error
-        if scatter_error is not None:
-            raise scatter_error
-        if verdict is not None:
-            raise verdict
-        modules = unit_modules(unit.module, self.env.ignored.modules)
-        fill_buffers(modules, self.computed, self.env.device)
-        return received
+__all__ = [
+    "STATE_DICT_SPEC",
+    "Entry",
+    "FromStateDict",
+    "LoaderSpec",
+    "Match",
+    "Rank0Run",
+    "map_keys",
+    "match_source",
+    "open_matched",
+    "prepare_rank0",
+    "report_match",
+    "unit_entries",
+]

@@ -1,0 +1,104 @@
+"""The checkpoint-source protocol: what a loader needs from a checkpoint, whatever its format.
+
+A source is opened from a path (or a state dict in memory) by the format that recognizes it
+(``fsdp_builder.sources.registry``). It lists its tensors with their global shapes and dtypes
+without reading their values, reads one tensor or a slice of it, and is closed once. Loaders
+match the listing against the model before anything is written, then read unit by unit.
+
+Problems with what the path holds are raised as :class:`SourceError`; the loader that opened the
+source turns them into its own ``ConfigurationError`` (its name, its argument, its fix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+from attrs import frozen
+
+from fsdp_builder.errors import ConfigurationError
+
+# A read of part of a tensor: one slice per leading dim (the rest is read whole).
+Index = tuple[slice, ...]
+
+
+@frozen
+class TensorMeta:
+    """A tensor as the checkpoint stores it: its global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class SourceError(ConfigurationError):
+    """What a path holds cannot be loaded; the message reads "'<path>' <what is wrong>".
+    ``fix``: a fix particular to this problem (else the loader gives its general one)."""
+
+    def __init__(self, problem: str, fix: str | None = None) -> None:
+        self.problem = problem
+        self.fix = fix
+        super().__init__(problem)
+
+
+class MissingPath(SourceError):
+    """The path does not exist on this rank."""
+
+    def __init__(self, path: str, rank: int, near: str | None = None) -> None:
+        self.path = path
+        self.rank = rank
+        # A name in the same folder close to the one given: the likely typo's fix.
+        self.near = near
+        hint = f"; did you mean '{near}'?" if near else ""
+        super().__init__(f"the path '{path}' does not exist on rank {rank}{hint}")
+
+
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """An open checkpoint: its tensors' names, shapes and dtypes, and reads of their values.
+
+    ``describe`` names the source in messages (e.g. ``"'/ckpt/model.safetensors'"``).
+    """
+
+    describe: str
+
+    def tensors(self) -> Mapping[str, TensorMeta]:
+        """Every tensor the source holds, by its name in the checkpoint; no values are read."""
+        ...
+
+    def read(self, key: str, index: Index | None = None) -> torch.Tensor:
+        """The tensor ``key`` (a key of :meth:`tensors`), or only ``tensor[index]``, on the CPU
+        in the stored dtype."""
+        ...
+
+    def close(self) -> None:
+        """Release files and mappings; no read follows."""
+        ...
+
+
+@runtime_checkable
+class FillsTargets(Protocol):
+    """A source that writes many tensors at once more cheaply than one read each (DCP)."""
+
+    def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """Write each checkpoint entry into its target: a tensor or a DTensor, whose local part
+        only is written; dtypes convert to the target's."""
+        ...
+
+
+def listed(items: list[str], shown: int = 8, sep: str = ", ") -> str:
+    """The first ``shown`` distinct items, and how many more there are."""
+    unique = list(dict.fromkeys(items))
+    text = sep.join(unique[:shown])
+    return text + (f"{sep}... ({len(unique) - shown} more)" if len(unique) > shown else "")
+
+
+__all__ = [
+    "CheckpointSource",
+    "FillsTargets",
+    "Index",
+    "MissingPath",
+    "SourceError",
+    "TensorMeta",
+    "listed",
+]

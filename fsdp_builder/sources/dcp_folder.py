@@ -1,0 +1,142 @@
+"""``torch.distributed.checkpoint`` (DCP) folders: a ``.metadata`` file and ``*.distcp`` data
+files, read without collectives (``dcp.load(..., no_dist=True)``) so that each rank reads the
+chunks its own targets need.
+
+Opening checks that every data file the metadata names is there and long enough: a missing or
+cut file is then a problem of the path, found before any unit is loaded, instead of torch's
+``CheckpointException`` in the middle of a build (which is a ``BaseException``, not an
+``Exception``, and is caught here for that reason).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import structlog
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp_builder.errors import MaterializationError
+from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
+
+log = structlog.get_logger(__name__)
+
+
+def _checkpoint_exception() -> tuple[type[BaseException], ...]:
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return (Exception,)
+    return (Exception, CheckpointException)
+
+
+class DCPSource:
+    """A DCP folder: its metadata when opened, values per request."""
+
+    def __init__(self, folder: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.describe = f"the DCP folder '{folder}'"
+        self.folder = folder
+        try:
+            metadata = FileSystemReader(str(folder)).read_metadata()
+        except _checkpoint_exception() as exc:
+            raise SourceError(
+                f"{self.describe} has an unreadable .metadata ({type(exc).__name__}: {exc})"
+            ) from exc
+        self._check_data_files(metadata)
+        self._meta = {
+            key: TensorMeta(tuple(item.size), item.properties.dtype)
+            for key, item in metadata.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata)
+        }
+
+    def _check_data_files(self, metadata: object) -> None:
+        """Every data file the metadata names exists and holds the bytes it points to."""
+        needed: dict[str, int] = {}
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            name = getattr(info, "relative_path", None)
+            if isinstance(name, str):
+                end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+                needed[name] = max(needed.get(name, 0), end)
+        absent = sorted(n for n in needed if not (self.folder / n).is_file())
+        if absent:
+            raise SourceError(
+                f"{self.describe} lacks data file(s) its .metadata names: {listed(absent)}",
+                fix="Copy the whole folder again (every *.distcp file dcp.save wrote), or "
+                "save the checkpoint again",
+            )
+        short = sorted(n for n, end in needed.items() if (self.folder / n).stat().st_size < end)
+        if short:
+            raise SourceError(
+                f"{self.describe} has data file(s) shorter than its .metadata says (truncated): "
+                f"{listed(short)}",
+                fix="Copy the whole folder again, or save the checkpoint again",
+            )
+
+    def tensors(self) -> Mapping[str, TensorMeta]:
+        return self._meta
+
+    def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """One ``dcp.load`` of the targets (DTensors: their local chunks only)."""
+        import torch.distributed.checkpoint as dcp
+
+        if not targets:
+            return
+        # DCP copies into same-dtype targets only: read into staging of the checkpoint's dtype
+        # where the model's differs.
+        staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        request: dict[str, torch.Tensor] = {}
+        for key, target in targets.items():
+            dtype = self._meta[key].dtype
+            if target.dtype == dtype:
+                request[key] = target
+                continue
+            if isinstance(target, DTensor):
+                buf: torch.Tensor = DTensor.from_local(
+                    torch.empty_like(target.to_local(), dtype=dtype),
+                    target.device_mesh,
+                    target.placements,
+                    run_check=False,
+                    shape=target.shape,
+                    stride=target.stride(),
+                )
+            else:
+                buf = torch.empty_like(target, dtype=dtype)
+            staged[key] = (buf, target)
+            request[key] = buf
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                # Reading without collectives is the point, not a fallback to warn about.
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(request, checkpoint_id=str(self.folder), no_dist=True)
+        except _checkpoint_exception() as exc:
+            raise MaterializationError(
+                f"{self.describe} could not be read: {type(exc).__name__}: {exc}"
+            ) from exc
+        with torch.no_grad():
+            for buf, target in staged.values():
+                if isinstance(target, DTensor):
+                    assert isinstance(buf, DTensor)
+                    target.to_local().copy_(buf.to_local())
+                else:
+                    target.copy_(buf)
+
+    def read(self, key: str, index: Index | None = None) -> torch.Tensor:
+        meta = self._meta[key]
+        full = torch.empty(meta.shape, dtype=meta.dtype)
+        self.fill({key: full})
+        return full[index] if index else full
+
+    def close(self) -> None:
+        return None
+
+
+def is_dcp_folder(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+__all__ = ["DCPSource", "is_dcp_folder"]

@@ -1,0 +1,173 @@
+"""Which format a path holds, and how to open it: a registry that users can extend.
+
+Formats are tried in order; the first whose ``detect(path)`` is true opens the path. Formats a
+user registers are tried before the built-in ones, so a user can also take over a layout the
+library knows. ``detect`` should only look (names, a few bytes), never load values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch.distributed as dist
+from attrs import frozen
+
+from fsdp_builder.errors import ConfigurationError, config_error
+from fsdp_builder.sources import dcp_folder, hf_safetensors, memory, torch_files
+from fsdp_builder.sources.base import CheckpointSource, MissingPath, SourceError
+
+log = structlog.get_logger(__name__)
+
+
+@frozen
+class Format:
+    """A checkpoint format: its name, how to recognize a path, and how to open it."""
+
+    name: str
+    detect: Callable[[Path], bool]
+    open: Callable[[Path], CheckpointSource]
+
+
+def _is_file_with(*suffixes: str) -> Callable[[Path], bool]:
+    return lambda path: path.is_file() and path.name.endswith(suffixes)
+
+
+_BUILT_IN: tuple[Format, ...] = (
+    Format("safetensors", _is_file_with(".safetensors"), hf_safetensors.open_file),
+    Format(
+        "safetensors-index", _is_file_with(".safetensors.index.json"), hf_safetensors.open_index
+    ),
+    Format(
+        "torch-index",
+        _is_file_with(".bin.index.json"),
+        lambda path: torch_files.ShardedTorchSource(path),
+    ),
+    Format(
+        "hf-safetensors-folder", hf_safetensors.is_index_folder, hf_safetensors.open_index_folder
+    ),
+    Format("dcp-folder", dcp_folder.is_dcp_folder, dcp_folder.DCPSource),
+    Format(
+        "safetensors-file-folder",
+        hf_safetensors.is_single_file_folder,
+        hf_safetensors.open_single_file_folder,
+    ),
+    Format("hf-torch-folder", torch_files.is_index_folder, torch_files.open_index_folder),
+    Format(
+        "torch-file-folder", torch_files.is_single_file_folder, torch_files.open_single_file_folder
+    ),
+    # Last: any other file is taken for a torch.save file (torch.load says if it is not one).
+    Format("torch-file", lambda path: path.is_file(), torch_files.open_file),
+)
+_USER: list[Format] = []
+
+
+def register_format(
+    name: str,
+    detect: Callable[[Path], bool],
+    open: Callable[[Path], CheckpointSource],
+) -> None:
+    """Make ``FromCheckpoint`` and ``FromStateDict`` read a format of your own.
+
+    ``detect(path)`` says whether a path holds your format; ``open(path)`` returns a
+    :class:`~fsdp_builder.sources.CheckpointSource`. Registering a name again replaces it.
+    Register on every rank before the build (e.g. at import of the module defining it).
+
+    Raises:
+        ConfigurationError: ``name`` is empty, or ``detect`` / ``open`` is not callable.
+
+    Example:
+        ```python
+        register_format("npz", lambda path: path.suffix == ".npz", NpzSource)
+        FromCheckpoint("/ckpt/model.npz")  # every rank reads its rows through NpzSource
+        ```
+    """
+    if not isinstance(name, str) or not name:
+        raise config_error(
+            "register_format",
+            "name",
+            f"expected a name, got {name!r}",
+            "Pass a short name such as 'npz'",
+        )
+    for argument, value in (("detect", detect), ("open", open)):
+        if not callable(value):
+            raise config_error(
+                "register_format",
+                argument,
+                f"expected a callable taking a pathlib.Path, got {type(value).__name__}",
+                "Pass a function (or class) taking the path",
+            )
+    _USER[:] = [f for f in _USER if f.name != name]
+    _USER.insert(0, Format(name, detect, open))
+    log.debug("checkpoint_format_registered", format=name)
+
+
+def unregister_format(name: str) -> None:
+    """Forget a format registered with :func:`register_format` (built-in ones stay)."""
+    _USER[:] = [f for f in _USER if f.name != name]
+
+
+def formats() -> list[str]:
+    """The formats' names, in the order they are tried."""
+    return [f.name for f in (*_USER, *_BUILT_IN)]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> CheckpointSource:
+    """Open ``source``: a state dict in memory, or a path whose format is detected.
+
+    Raises:
+        SourceError: the path is missing (:class:`MissingPath`), matches no format, or holds a
+            broken checkpoint; the message says which.
+    """
+    if isinstance(source, Mapping):
+        return memory.open_state_dict(source)
+    path = Path(os.fspath(source))
+    if not path.exists():
+        raise _missing(path)
+    for fmt in (*_USER, *_BUILT_IN):
+        if fmt.detect(path):
+            opened = fmt.open(path)
+            if not isinstance(opened, CheckpointSource):
+                raise ConfigurationError(
+                    f"The checkpoint format '{fmt.name}' opened '{path}' as a "
+                    f"{type(opened).__name__}, which lacks what a CheckpointSource has "
+                    "(describe, tensors(), read(key, index), close()). Fix the format's open "
+                    "function."
+                )
+            log.debug("checkpoint_opened", format=fmt.name, path=str(path))
+            return opened
+    raise SourceError(_unknown_folder(path))
+
+
+def _missing(path: Path) -> MissingPath:
+    parent = path.parent
+    names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
+    near = difflib.get_close_matches(path.name, names, n=1)
+    return MissingPath(str(path), _rank(), str(parent / near[0]) if near else None)
+
+
+def _unknown_folder(path: Path) -> str:
+    where = f"'{path}'"
+    if any(path.glob("*.distcp")):
+        return f"{where} holds DCP shard files (*.distcp) but no .metadata file"
+    singles = list(path.glob("*.safetensors"))
+    if singles:
+        return (
+            f"{where} holds {len(singles)} .safetensors files but no *.safetensors.index.json "
+            "saying which tensor lives where"
+        )
+    return (
+        f"{where} holds no checkpoint: it is not a file, and it holds no .safetensors file, "
+        "index or DCP .metadata (nor a single .bin / .pt file)"
+    )
+
+
+__all__ = ["Format", "formats", "open_source", "register_format", "unregister_format"]

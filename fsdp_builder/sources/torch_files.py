@@ -1,0 +1,122 @@
+"""``torch.save`` checkpoints: one ``.bin`` / ``.pt`` file holding a state dict, or a Hugging
+Face folder of ``.bin`` shards with a ``pytorch_model.bin.index.json`` (what transformers wrote
+with ``save_pretrained(..., safe_serialization=False)``).
+
+Files are loaded with ``mmap=True`` where their format allows (zip files, torch >= 1.6), so
+opening one maps it without reading its values; reads then touch only the pages they need.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
+from fsdp_builder.sources.hf_safetensors import only_index, read_weight_map, refuse_a_shard
+from fsdp_builder.sources.memory import StateDictSource, check_state_dict
+
+log = structlog.get_logger(__name__)
+
+
+def load_state_dict_file(path: Path, describe: str) -> Mapping[str, torch.Tensor]:
+    """The state dict a ``torch.save`` file holds (weights only: no code runs)."""
+    try:
+        try:
+            loaded: Any = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # not a zip file: mmap is not possible, read it whole
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SourceError(
+            f"{describe} is not a state dict (torch.load failed: {first[:200]})"
+        ) from exc
+    return check_state_dict(loaded, describe)
+
+
+def open_file(path: Path) -> StateDictSource:
+    """One ``torch.save`` file (not one shard of several)."""
+    refuse_a_shard(path)
+    where = f"'{path}'"
+    return StateDictSource(load_state_dict_file(path, where), where)
+
+
+class ShardedTorchSource:
+    """``.bin`` shards named by an index; each shard is loaded (mapped) when the source opens."""
+
+    def __init__(self, index: Path) -> None:
+        self.describe = f"'{index}'"
+        by_file: dict[str, list[str]] = {}
+        for key, name in read_weight_map(index).items():
+            by_file.setdefault(name, []).append(key)
+        absent_files = sorted(n for n in by_file if not (index.parent / n).is_file())
+        if absent_files:
+            raise SourceError(
+                f"{self.describe} names shard file(s) that do not exist: {listed(absent_files)}"
+            )
+        self._tensors: dict[str, torch.Tensor] = {}
+        absent: list[str] = []
+        for name, keys in by_file.items():
+            held = load_state_dict_file(
+                index.parent / name, f"{self.describe} holds '{name}', which"
+            )
+            for key in keys:
+                if key in held:
+                    self._tensors[key] = held[key]
+                else:
+                    absent.append(f"{key} (in {name})")
+        if absent:
+            raise SourceError(
+                f"{self.describe} has {len(absent)} key(s) in its index but not in their "
+                f"file: {listed(absent)}"
+            )
+        self._meta = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in self._tensors.items()}
+
+    def tensors(self) -> Mapping[str, TensorMeta]:
+        return self._meta
+
+    def read(self, key: str, index: Index | None = None) -> torch.Tensor:
+        tensor = self._tensors[key]
+        return tensor[index] if index else tensor
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+def is_index_folder(path: Path) -> bool:
+    return path.is_dir() and any(path.glob("*.bin.index.json"))
+
+
+def open_index_folder(folder: Path) -> ShardedTorchSource:
+    return ShardedTorchSource(only_index(folder, "*.bin.index.json"))
+
+
+def single_file_in(folder: Path) -> Path | None:
+    """The one ``.bin`` / ``.pt`` / ``.pth`` file of a folder, if it holds exactly one."""
+    files = [f for ext in ("bin", "pt", "pth") for f in folder.glob(f"*.{ext}") if f.is_file()]
+    return files[0] if len(files) == 1 else None
+
+
+def is_single_file_folder(path: Path) -> bool:
+    return path.is_dir() and single_file_in(path) is not None
+
+
+def open_single_file_folder(folder: Path) -> StateDictSource:
+    file = single_file_in(folder)
+    assert file is not None
+    return open_file(file)
+
+
+__all__ = [
+    "ShardedTorchSource",
+    "is_index_folder",
+    "is_single_file_folder",
+    "load_state_dict_file",
+    "open_file",
+    "open_index_folder",
+    "open_single_file_folder",
+]
