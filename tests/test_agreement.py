@@ -89,6 +89,11 @@ def scenarios() -> dict[str, dict[str, Any]]:
         FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("hybrid").groups((mine, mine)),
         make_model(CFG),
     )
+    # Ignoring nothing on one rank is not ignoring: the same program, built on every rank.
+    quiet = FSDPBuilder().device(CPUDevice()).wrap(Block)
+    out["ignore_nothing_on_one_rank"] = attempt(
+        quiet.ignore([]) if rank == 1 else quiet, make_model(CFG)
+    )
     # After all that the group still works: a good build succeeds.
     good = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(ResetParameters())
     good.build(make_model(CFG))
@@ -149,6 +154,12 @@ def test_hybrid_groups_must_cover_the_world(results: Any, rank: int) -> None:
     assert out["type"] == "ConfigurationError"
     assert "span 1 x 1 = 1 ranks but the world has 2" in out["message"]
     assert not out["wrapped"] and out["untouched"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_setting_that_changes_nothing_is_no_difference(results: Any, rank: int) -> None:
+    out = results[rank]["ignore_nothing_on_one_rank"]
+    assert out["type"] is None, out
 
 
 def test_group_still_usable_after_failures(results: Any) -> None:
