@@ -50,6 +50,7 @@ from fsdp_builder import (
     FromStateDict,
     FSDPBuilder,
     FullyShardBuilder,
+    InitFn,
     MaterializationError,
     RankDisagreementError,
     ResetParameters,
@@ -354,6 +355,12 @@ CONFIG_FAULTS: list[tuple[str, Callable[[], Any], str]] = [
         "state dict of wrong type",
         lambda: FromStateDict(_any(42)),
         r"expected a state dict, a path or None.*state_dict\(\)",
+    ),
+    (
+        "InitFn allocate not a bool",
+        lambda: InitFn(print, allocate=_any("yes")),
+        r"`InitFn` got an invalid `allocate`: expected True or False, got str 'yes'\. Pass "
+        r"allocate=True",
     ),
     (
         "nonfinite mode typo",

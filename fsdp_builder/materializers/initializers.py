@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
-from fsdp_builder.errors import MaterializationError, config_error
+from fsdp_builder.errors import MaterializationError, checked, config_error
 from fsdp_builder.materializers.buffers import (
     Computed,
     compute_buffers,
@@ -496,7 +496,15 @@ class InitFn(BaseMaterializer):
     communicates: ClassVar[bool] = False
 
     fn: Callable[[nn.Module], object] = attrs.field(validator=_check_callable)
-    allocate: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    allocate: bool = attrs.field(
+        default=False,
+        validator=checked(
+            attrs.validators.instance_of(bool),
+            "True or False",
+            "Pass allocate=True to have the builder allocate storage before fn writes values, "
+            "or leave it out (fn allocates, as FSDP1's param_init_fn does).",
+        ),
+    )
 
     @override
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
