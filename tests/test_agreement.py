@@ -175,3 +175,25 @@ def hang_on_rank1() -> None:
 def test_launcher_turns_a_hang_into_an_error() -> None:
     with pytest.raises(RankFailure, match=r"did not finish within 15s|raised"):
         run_ranks(hang_on_rank1, 2, timeout=15)
+
+
+# -- what ranks compare (no process group) ------------------------------------------------------
+
+
+def test_descriptions_do_not_depend_on_order_or_identity() -> None:
+    from pathlib import Path
+
+    from fsdp_builder.runtime.describe import describe, describe_settings
+
+    assert describe({"b": 1, "a": 2}) == describe({"a": 2, "b": 1})
+    assert describe({nn.Linear, nn.ReLU}) == describe({nn.ReLU, nn.Linear})
+    # Equal settings built from other objects read alike; different paths do not.
+    assert describe(ResetParameters()) == describe(ResetParameters())
+    assert describe(Path("a/b.safetensors")) == describe(Path("a/b.safetensors"))
+    assert describe(Path("a/b.safetensors")) != describe(Path("a/c.safetensors"))
+    # The ignored objects are left to the plan, which compares what they select.
+    shard_view = [torch.empty(10), torch.empty(0)]
+    other_rank = [torch.empty(6), torch.empty(4)]
+    mine = describe_settings({"ignored_states": shard_view, "ignored_modules": None, "x": 1})
+    theirs = describe_settings({"ignored_states": other_rank, "ignored_modules": None, "x": 1})
+    assert mine == theirs == [("x", "1")]
