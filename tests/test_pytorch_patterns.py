@@ -348,6 +348,49 @@ def fully_shard_real() -> dict[str, Any]:
     }
 
 
+def fully_shard_meta() -> dict[str, Any]:
+    """Upstream's meta-device init: ``fully_shard`` on meta, ``to_empty``, then each module's
+    ``reset_parameters()`` on its local shard. The builder must give the same layout (global
+    shapes, placements, local shapes, devices); its values are those of the unsharded model
+    initialized with the same seed, where plain torch on CPU draws each rank's shard from the
+    same random stream."""
+    from torch.distributed.fsdp import fully_shard
+
+    def meta() -> Model:
+        with torch.device("meta"):
+            return Model()
+
+    def layout(model: nn.Module) -> dict[str, Any]:
+        params: dict[str, Any] = dict(model.named_parameters())  # DTensors
+        return {
+            n: (tuple(p.shape), str(p.placements), tuple(p.to_local().shape), p.device.type)
+            for n, p in params.items()
+        }
+
+    plain = meta()
+    for m in plain.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(plain)
+    plain.to_empty(device=CPU)
+    torch.manual_seed(0)
+    for m in plain.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    torch.manual_seed(0)
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(nn.Linear)
+    mine = builder.materialize(ResetParameters()).build(meta())
+    torch.manual_seed(0)
+    reference = ResetParameters().materialize_model(meta(), wrap=nn.Linear).state_dict()
+    got = full_state_dict(mine)
+    return {
+        "same_layout": layout(plain) == layout(mine),
+        "like_unsharded": got.keys() == reference.keys()
+        and all(torch.equal(got[k], reference[k]) for k in reference),
+        "losses": train(mine),
+    }
+
+
 # -- one spawn ------------------------------------------------------------------------------------
 
 # Without nested units FSDP1 resets a unit's modules parents first, ResetParameters children
@@ -378,6 +421,7 @@ def cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     yield "sync_buffers", sync_buffers
     yield "different_models", different_models
     yield "fully_shard_real", fully_shard_real
+    yield "fully_shard_meta", fully_shard_meta
 
 
 def scenarios() -> Results:
@@ -463,3 +507,10 @@ def test_different_models_are_refused_before_any_collective() -> None:
 def test_fully_shard_from_a_real_model_matches_plain() -> None:
     for rank in scenario("fully_shard_real"):
         assert rank["same"] and rank["ours"] == rank["plain"], rank
+
+
+@pytest.mark.timeout(400)
+def test_fully_shard_on_meta_gives_the_plain_layout_and_unsharded_values() -> None:
+    for rank in scenario("fully_shard_meta"):
+        assert rank["same_layout"] and rank["like_unsharded"], rank
+        assert len(rank["losses"]) == 3
