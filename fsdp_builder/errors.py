@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 
 class FSDPBuilderError(Exception):
     """Base class of every error this library raises on purpose."""
@@ -80,3 +83,41 @@ class CommunicationError(FSDPBuilderError, RuntimeError):
 def config_error(where: str, argument: str, problem: str, fix: str) -> ConfigurationError:
     """Build a ConfigurationError that reads `where(argument=...)`: problem. fix."""
     return ConfigurationError(f"`{where}` got an invalid `{argument}`: {problem}. {fix}")
+
+
+class ExportError(FSDPBuilderError, RuntimeError):
+    """Writing a checkpoint failed (the folder, the disk, a state or the key map); raised on
+    every rank alike, with the OS's or torch's error as ``__cause__``; what the export had
+    written is removed."""
+
+
+# An attrs validator: (instance, attribute, value) -> None, raising to refuse.
+Validator = Callable[[Any, Any, Any], None]
+
+
+def checked(validator: Validator, expected: str, fix: str) -> Validator:
+    """An attrs validator that runs ``validator`` (e.g. ``attrs.validators.instance_of(bool)``)
+    and turns what it raises (attrs' own TypeError, whose message is a tuple holding the
+    ``Attribute``) into a ConfigurationError that names the class, the argument, what was
+    ``expected`` and the ``fix``::
+
+        allocate: bool = attrs.field(
+            default=False,
+            validator=checked(instance_of(bool), "True or False", "Pass allocate=True ..."),
+        )
+    """
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        try:
+            validator(instance, attribute, value)
+        except FSDPBuilderError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise config_error(
+                type(instance).__name__,
+                attribute.name,
+                f"expected {expected}, got {type(value).__name__} {value!r}",
+                fix,
+            ) from exc
+
+    return check

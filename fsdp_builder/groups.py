@@ -7,7 +7,7 @@ mesh dim 1) and replicated across nodes (the replicate group, mesh dim 0).
 from __future__ import annotations
 
 import os
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -446,6 +446,40 @@ def check_placed_on_other_dims(mesh: DeviceMesh | None, model: nn.Module, where:
     )
 
 
+def _checked_dims(mesh: DeviceMesh, dims: Any) -> tuple[str, ...]:
+    """``dims`` as a tuple of the mesh's dim names; the fix offered is one the mesh accepts."""
+    names = tuple(mesh.mesh_dim_names or ())
+    shape = tuple(mesh.shape)
+    given = (dims,) if isinstance(dims, str) else dims
+    if not isinstance(given, tuple | list) or not all(isinstance(d, str) for d in given):
+        raise config_error(
+            "MeshGroups",
+            "dims",
+            f"expected a dim name or a tuple of dim names, got {type(dims).__name__} {dims!r}",
+            f"Pass names of the mesh's dims, e.g. dims=({(names or ('dp',))[0]!r},).",
+        )
+    given = tuple(given)
+    if not names:
+        raise config_error(
+            "MeshGroups",
+            "dims",
+            f"the mesh {shape} has no dim names, so dims {given} cannot name its dims",
+            "Create the mesh with names, e.g. init_device_mesh(..., "
+            "mesh_dim_names=('dp', 'tp')), then pass dims=('dp',); or pass the data-parallel "
+            "slice itself, MeshGroups(mesh[...]), without dims.",
+        )
+    missing = [d for d in given if d not in names]
+    if not given or missing:
+        problem = "no dims" if not given else f"{missing} are not dims of the mesh {names} {shape}"
+        raise config_error(
+            "MeshGroups",
+            "dims",
+            problem,
+            f"Pass the data-parallel dims among {names}, e.g. dims=({names[0]!r},).",
+        )
+    return given
+
+
 @frozen(eq=False)
 class MeshGroups(BaseGroupFactory):
     """A device mesh: 1-D for sharding over one group; 2-D ``(replicate, shard)`` for hybrid.
@@ -480,16 +514,7 @@ class MeshGroups(BaseGroupFactory):
                 "Create one with torch.distributed.device_mesh.init_device_mesh(...).",
             )
         if self.dims is not None:
-            names = self.mesh.mesh_dim_names or ()
-            dims = (self.dims,) if isinstance(self.dims, str) else tuple(self.dims)
-            missing = [d for d in dims if d not in names]
-            if not dims or missing:
-                raise config_error(
-                    "MeshGroups",
-                    "dims",
-                    f"dims {dims} are not dims of the mesh {names} {tuple(self.mesh.shape)}",
-                    f"Pass data-parallel dims from {names}, e.g. dims=('dp',).",
-                )
+            dims = _checked_dims(self.mesh, self.dims)
             object.__setattr__(self, "mesh", self.mesh[dims if len(dims) > 1 else dims[0]])
             object.__setattr__(self, "dims", dims)
         check_mesh_ndim(self.mesh, "MeshGroups")

@@ -54,7 +54,7 @@ from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.logs import build_logger
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport
-from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun
+from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
 # The per-unit steps, in the order they run.
 UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
@@ -261,6 +261,7 @@ class _Build:
             agreement_group=self.agreement.group,
             buffer_dtypes=buffer_dtypes(model),
             shards_first=self.materializer.shard_first and self.backend.supports_shard_first,
+            values_from_rank0=overwrites(self.synchronizer),
             logger=build_logger(__name__, rank=self.rank, world_size=world_size),
         )
 

@@ -14,7 +14,7 @@ and can be shared between builders.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import attrs
 import torch
@@ -91,6 +91,9 @@ class BaseSynchronizer(DeclaredHooks):
     __slots__ = ()
 
     communicates: bool = True
+    # Whether every rank ends each unit with global rank 0's values of all its states (a
+    # materializer's values on the other ranks are then overwritten, never used).
+    overwrites: ClassVar[bool] = False
 
     def prepare(self, env: Environment) -> SyncRun:
         return _PerUnit(self, env)
@@ -150,6 +153,10 @@ class Chain(BaseSynchronizer):
     def communicates(self) -> bool:  # type: ignore[override]
         return any(step.communicates for step in self.steps)
 
+    @property
+    def overwrites(self) -> bool:  # type: ignore[override]
+        return any(overwrites(step) for step in self.steps)
+
     @override
     def prepare(self, env: Environment) -> SyncRun:
         runs: list[SyncRun] = []
@@ -160,6 +167,12 @@ class Chain(BaseSynchronizer):
             _ChainRun(runs).close()
             raise
         return _ChainRun(runs)
+
+
+def overwrites(synchronizer: StateSynchronizer) -> bool:
+    """Whether ``synchronizer`` gives every rank global rank 0's values (False when it does not
+    say)."""
+    return bool(getattr(synchronizer, "overwrites", False))
 
 
 # -- the unit's states ----------------------------------------------------------------------
@@ -322,6 +335,8 @@ class BroadcastFromRank0(BaseSynchronizer):
         FSDPBuilder().wrap(Block).synchronize(BroadcastFromRank0()).build(model)
         ```
     """
+
+    overwrites: ClassVar[bool] = True
 
     bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=check_bucket_bytes)
 

@@ -89,6 +89,11 @@ def scenarios() -> dict[str, dict[str, Any]]:
         FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("hybrid").groups((mine, mine)),
         make_model(CFG),
     )
+    # Ignoring nothing on one rank is not ignoring: the same program, built on every rank.
+    quiet = FSDPBuilder().device(CPUDevice()).wrap(Block)
+    out["ignore_nothing_on_one_rank"] = attempt(
+        quiet.ignore([]) if rank == 1 else quiet, make_model(CFG)
+    )
     # After all that the group still works: a good build succeeds.
     good = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(ResetParameters())
     good.build(make_model(CFG))
@@ -151,6 +156,12 @@ def test_hybrid_groups_must_cover_the_world(results: Any, rank: int) -> None:
     assert not out["wrapped"] and out["untouched"]
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_setting_that_changes_nothing_is_no_difference(results: Any, rank: int) -> None:
+    out = results[rank]["ignore_nothing_on_one_rank"]
+    assert out["type"] is None, out
+
+
 def test_group_still_usable_after_failures(results: Any) -> None:
     assert results[0]["good_after_failures"]["units"] == CFG.layers + 1
 
@@ -164,3 +175,25 @@ def hang_on_rank1() -> None:
 def test_launcher_turns_a_hang_into_an_error() -> None:
     with pytest.raises(RankFailure, match=r"did not finish within 15s|raised"):
         run_ranks(hang_on_rank1, 2, timeout=15)
+
+
+# -- what ranks compare (no process group) ------------------------------------------------------
+
+
+def test_descriptions_do_not_depend_on_order_or_identity() -> None:
+    from pathlib import Path
+
+    from fsdp_builder.runtime.describe import describe, describe_settings
+
+    assert describe({"b": 1, "a": 2}) == describe({"a": 2, "b": 1})
+    assert describe({nn.Linear, nn.ReLU}) == describe({nn.ReLU, nn.Linear})
+    # Equal settings built from other objects read alike; different paths do not.
+    assert describe(ResetParameters()) == describe(ResetParameters())
+    assert describe(Path("a/b.safetensors")) == describe(Path("a/b.safetensors"))
+    assert describe(Path("a/b.safetensors")) != describe(Path("a/c.safetensors"))
+    # The ignored objects are left to the plan, which compares what they select.
+    shard_view = [torch.empty(10), torch.empty(0)]
+    other_rank = [torch.empty(6), torch.empty(4)]
+    mine = describe_settings({"ignored_states": shard_view, "ignored_modules": None, "x": 1})
+    theirs = describe_settings({"ignored_states": other_rank, "ignored_modules": None, "x": 1})
+    assert mine == theirs == [("x", "1")]

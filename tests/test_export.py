@@ -8,6 +8,8 @@ the plain PyTorch way next to it (``get_model_state_dict(full_state_dict=True)``
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import json
 import re
@@ -196,6 +198,77 @@ def unwrapped_root_case(folder: str) -> dict[str, torch.Tensor]:
     return want
 
 
+def _raise(error: BaseException) -> Callable[..., Any]:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    return fail
+
+
+FAILURES = [
+    "existing file",
+    "under a file",
+    "unwritable",
+    "disk full",
+    "index write fails",
+    "meta model",
+    "key_map raises",
+    "key_map returns a number",
+]
+
+
+def failure_case(root: str, source: str) -> dict[str, dict[str, Any]]:
+    """Each way an export can fail, on the same built model: what every rank raised and the
+    files left behind."""
+    from unittest import mock
+
+    import fsdp_builder.tools.export as export
+
+    model = build("fsdp2", source)
+    out: dict[str, dict[str, Any]] = {}
+    for kind in FAILURES:
+        folder = Path(root) / "failures" / kind.replace(" ", "_")
+        target: Path = folder
+        key_map: Any = None
+        patch: Any = contextlib.nullcontext()
+        if dist.get_rank() == 0:
+            folder.parent.mkdir(exist_ok=True)
+            if kind in ("existing file", "under a file"):
+                folder.write_text("the user's notes\n")
+        dist.barrier()  # the file exists before any rank looks
+        if kind == "under a file":
+            target = folder / "export"
+        elif kind == "unwritable":
+            denied = PermissionError(errno.EACCES, "Permission denied", str(folder))
+            patch = mock.patch("safetensors.torch.save_file", _raise(denied))
+        elif kind == "disk full":
+            full = OSError(errno.ENOSPC, "No space left on device", str(folder))
+            patch = mock.patch("safetensors.torch.save_file", _raise(full))
+        elif kind == "index write fails":
+            full = OSError(errno.ENOSPC, "No space left on device", str(folder))
+            patch = mock.patch.object(export, "_write_index", _raise(full))
+        elif kind == "key_map raises":
+            key_map = {}.__getitem__
+        elif kind == "key_map returns a number":
+            key_map = len
+        exported = meta_llama() if kind == "meta model" else model
+        try:
+            with patch:
+                save_hf_checkpoint(exported, target, key_map=key_map, max_shard_bytes=20_000)
+            out[kind] = {"type": None}
+            continue
+        except Exception as exc:
+            out[kind] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "cause": type(exc.__cause__).__name__,
+            }
+        dist.barrier()  # rank 0 removed its files before anyone looks
+        out[kind]["left"] = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        out[kind]["file"] = folder.read_text() if folder.is_file() else None
+    return out
+
+
 def cases(source: str, root: str) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for backend in BACKENDS:
         yield ("export", backend), partial(export_case, backend, source, root)
@@ -204,6 +277,7 @@ def cases(source: str, root: str) -> Iterator[tuple[Hashable, Callable[[], Any]]
     yield "unwrapped_root", partial(unwrapped_root_case, f"{root}/unwrapped_root")
     yield "collision", partial(collision_case, source, f"{root}/collision")
     yield "dropped", partial(dropped_case, source, f"{root}/dropped")
+    yield "failures", partial(failure_case, root, source)
 
 
 def scenarios(source: str, root: str) -> Results:
@@ -346,3 +420,34 @@ def test_fsdp1_states_outside_every_unit_are_written(root: Path) -> None:
     want = scenario(root, "unwrapped_root")[0]
     _, tensors, _ = read_folder(root / "unwrapped_root")
     assert_same(tensors, want, "unwrapped root")
+
+
+# The error every rank raises, the cause it keeps, and words of the message: what was wrong and
+# the fix.
+EXPECTED = {
+    "existing file": ("ExportError", "FileExistsError", "it is a file, not a folder"),
+    "under a file": ("ExportError", "NotADirectoryError", "Pass a folder path"),
+    "unwritable": ("ExportError", "PermissionError", "no permission to write there"),
+    "disk full": ("ExportError", "OSError", "the disk is full.*Free space"),
+    "index write fails": ("ExportError", "OSError", "the disk is full.*were removed"),
+    "meta model": ("ConfigurationError", "NoneType", "meta device.*builder.build"),
+    "key_map raises": ("ConfigurationError", "KeyError", "`key_map`: it raised KeyError"),
+    "key_map returns a number": ("ConfigurationError", "NoneType", "returned int.*a str"),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", FAILURES)
+def test_a_failed_export_raises_one_library_error_everywhere_and_removes_its_files(
+    root: Path, kind: str
+) -> None:
+    ranks = [rank[kind] for rank in scenario(root, "failures")]
+    kind_name, cause, words = EXPECTED[kind]
+    for rank in ranks:
+        assert rank["type"] == kind_name, rank
+        assert re.search(words, rank["message"], re.S), rank["message"]
+        assert rank["cause"] == cause, rank
+        assert rank["left"] == [], rank  # every file it wrote removed, nothing else there
+    assert ranks[0]["message"] == ranks[1]["message"]
+    if kind in ("existing file", "under a file"):
+        assert ranks[0]["file"] == "the user's notes\n"  # the user's file is left alone

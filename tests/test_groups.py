@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
@@ -107,6 +108,21 @@ def test_mesh_dimensions_must_fit_the_strategy(world1: None) -> None:
         MeshGroups(init_device_mesh("cpu", (1, 1, 1)))
     with pytest.raises(ConfigurationError, match=r"`mesh`.*DeviceMesh, got str"):
         MeshGroups("mesh")  # type: ignore[arg-type]
+
+
+def test_mesh_dims_refusals_offer_a_fix_the_mesh_accepts(world1: None) -> None:
+    unnamed = init_device_mesh("cpu", (1, 1))
+    with pytest.raises(ConfigurationError, match=r"the mesh \(1, 1\) has no dim names") as info:
+        MeshGroups(unnamed, dims=("dp",))
+    assert "mesh_dim_names=" in str(info.value)
+    named = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data", "model"))
+    with pytest.raises(ConfigurationError, match=r"\['dp'\] are not dims") as info:
+        MeshGroups(named, dims=("dp",))
+    fix = re.search(r"dims=\('(\w+)',\)", str(info.value))
+    assert fix is not None and fix.group(1) == "data"
+    assert MeshGroups(named, dims=(fix.group(1),)).dims == ("data",)  # the fix works
+    with pytest.raises(ConfigurationError, match=r"expected a dim name or a tuple.*got int 1"):
+        MeshGroups(named, dims=1)  # type: ignore[arg-type]
 
 
 def test_created_groups(world1: None) -> None:

@@ -19,9 +19,10 @@ import attrs
 import torch
 from attrs import define, frozen
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
-from fsdp_builder.errors import MaterializationError, config_error
+from fsdp_builder.errors import MaterializationError, checked, config_error
 from fsdp_builder.materializers.buffers import (
     Computed,
     compute_buffers,
@@ -434,11 +435,16 @@ class InitFn(BaseMaterializer):
 
     ``allocate=True`` is the convenience form: the builder allocates storage on the compute
     device first (tied parameters re-tied) and calls ``fn`` children first, so ``fn`` only
-    writes values. Storage ``fn`` leaves unwritten is detected (it is filled with NaN before
-    ``fn`` runs) and refused.
+    writes values.
 
-    Either way, a state left on meta or unwritten is a MaterializationError naming it. ``fn``
-    must not run collectives: this step is local (one agreement per unit).
+    Either way, a state left on meta, or given storage that ``fn`` never writes, is a
+    MaterializationError naming it. Writes are seen as they happen (every in-place or ``out=``
+    operation, ``.data`` included, and states given new storage), never by reading values:
+    fresh memory may hold anything, NaN included. A state is "never written" only if its
+    values would be used: with a synchronizer that gives every rank rank 0's values
+    (``BroadcastFromRank0``), only rank 0's states are judged, so FSDP1's pattern of
+    ``to_empty`` on ranks other than 0 with ``sync_module_states`` builds. ``fn`` must not run
+    collectives: this step is local (one agreement per unit).
 
     Raises:
         ConfigurationError: ``fn`` is not callable.
@@ -459,7 +465,15 @@ class InitFn(BaseMaterializer):
     communicates: ClassVar[bool] = False
 
     fn: Callable[[nn.Module], object] = attrs.field(validator=_check_callable)
-    allocate: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    allocate: bool = attrs.field(
+        default=False,
+        validator=checked(
+            attrs.validators.instance_of(bool),
+            "True or False",
+            "Pass allocate=True to have the builder allocate storage before fn writes values, "
+            "or leave it out (fn allocates, as FSDP1's param_init_fn does).",
+        ),
+    )
 
     @override
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
@@ -468,7 +482,9 @@ class InitFn(BaseMaterializer):
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
         modules = unit_modules(unit.module, env.ignored.modules)
-        return self._materialize(unit.module, unit.fqn, env.device, modules, env.ignored)
+        # Rank 0's values reach every rank when the synchronizer overwrites: only they count.
+        judge = not env.values_from_rank0 or env.rank == 0
+        return self._materialize(unit.module, unit.fqn, env.device, modules, env.ignored, judge)
 
     @override
     def materialize_modules(
@@ -489,6 +505,7 @@ class InitFn(BaseMaterializer):
         device: torch.device,
         modules: list[nn.Module],
         ignored: IgnoredStates,
+        judge_unwritten: bool = True,
     ) -> int:
         if not needs_materialization(modules, ignored):
             return 0
@@ -500,12 +517,13 @@ class InitFn(BaseMaterializer):
 
         if self.allocate:
             allocate_empty(modules, device)
-            with torch.no_grad():
-                for m, n, _ in pending:
-                    _poison(getattr(m, n))
+        given = {(id(m), n): _storage_key(getattr(m, n)) for m, n, _ in pending}
+        writes = WriteWatch()
+        if self.allocate:
 
             def call(module: nn.Module, _fqn: str) -> None:
-                self.fn(module)
+                with writes:
+                    self.fn(module)
 
             initialize_children_first(
                 root,
@@ -517,7 +535,7 @@ class InitFn(BaseMaterializer):
             )
         else:
             tied = tied_groups(modules)
-            with torch.no_grad():
+            with torch.no_grad(), writes:
                 for module in modules:  # breadth-first, parents first: FSDP1's order
                     try:
                         self.fn(module)
@@ -530,7 +548,11 @@ class InitFn(BaseMaterializer):
                         ) from exc
             retie(tied)
         left = [fqn_of(m, n) for m, n, _ in pending if getattr(m, n).is_meta]
-        unwritten = [fqn_of(m, n) for m, n, _ in pending if _poisoned(getattr(m, n))]
+        unwritten = [
+            fqn_of(m, n)
+            for m, n, _ in pending
+            if judge_unwritten and writes.unwritten(getattr(m, n), given[(id(m), n)])
+        ]
         if left or unwritten:
             problems = []
             if left:
@@ -557,16 +579,62 @@ def _named_direct(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
 
-def _poison(tensor: torch.Tensor) -> None:
-    """Fill fresh storage with a value no initializer writes, to find what stays unwritten."""
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.fill_(float("nan"))
+_ALLOCATORS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
-def _poisoned(tensor: torch.Tensor) -> bool:
-    if tensor.is_meta or not (tensor.is_floating_point() or tensor.is_complex()):
-        return False
-    return bool(torch.isnan(tensor.detach()).any())
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of the tensor's storage, to tell storages apart within one process (never
+    compared across ranks); None where there is none to judge (meta, empty, a tensor subclass
+    such as DTensor whose storage is not its own)."""
+    if tensor.is_meta or tensor.numel() == 0 or type(tensor) not in (torch.Tensor, nn.Parameter):
+        return None
+    return int(tensor.untyped_storage().data_ptr())
+
+
+class WriteWatch(TorchDispatchMode):
+    """Records, while active, which storages were written (by any operation that mutates an
+    argument: in-place ops, ``out=``, ``copy_``, ``set_``) and which were freshly allocated by an
+    ``empty`` operation and not written since. It never reads a value, so what fresh memory
+    happens to hold (NaN under ``torch.use_deterministic_algorithms``, garbage otherwise) cannot
+    change its verdict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+        self.fresh: set[int] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            for tensor in value if isinstance(value, list | tuple) else [value]:
+                self._mark(tensor, self.written, self.fresh)
+        if func.overloadpacket.__name__ in _ALLOCATORS:
+            self._mark(out, self.fresh, self.written)
+        return out
+
+    @staticmethod
+    def _mark(tensor: Any, add: set[int], drop: set[int]) -> None:
+        key = _storage_key(tensor) if isinstance(tensor, torch.Tensor) else None
+        if key is not None:
+            add.add(key)
+            drop.discard(key)
+
+    def unwritten(self, tensor: torch.Tensor, given: int | None) -> bool:
+        """Whether ``tensor``, which had storage ``given`` before the watch (None: none of its
+        own), holds storage nobody wrote: the storage it was given, or an ``empty`` one made
+        while watching."""
+        key = _storage_key(tensor)
+        if key is None:
+            return False
+        if key == given:
+            return key not in self.written
+        return key in self.fresh
 
 
 def check_seed(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:

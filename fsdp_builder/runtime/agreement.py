@@ -85,18 +85,33 @@ def _plan_difference(rank: int, reference: Any, desc: Any) -> str:
     if ref_units != units:
         return f"rank {rank} planned units {units}, rank 0 planned {ref_units}"
     for (unit, ref_states), (_, states) in zip(reference, desc, strict=True):
+        where = f"in unit '{unit or '<root>'}'"
+        ref_names = [s[0] for s in ref_states]
+        names = [s[0] for s in states]
+        # A state one rank shards and the other does not (another model, or other ignored
+        # states) is named by what is missing, not by the first position the lists part.
+        only_ref = [n for n in ref_names if n not in set(names)]
+        only_rank = [n for n in names if n not in set(ref_names)]
+        if only_ref or only_rank:
+            parts = []
+            if only_ref:
+                parts.append(f"rank 0 has {_listed(only_ref)} that rank {rank} does not")
+            if only_rank:
+                parts.append(f"rank {rank} has {_listed(only_rank)} that rank 0 does not")
+            return f"{where}, {' and '.join(parts)}"
         for a, b in zip(ref_states, states, strict=False):
             if a != b:
                 return (
-                    f"in unit '{unit or '<root>'}', rank 0 has {a[0]} {list(a[1])} {a[2]} "
+                    f"{where}, rank 0 has {a[0]} {list(a[1])} {a[2]} "
                     f"but rank {rank} has {b[0]} {list(b[1])} {b[2]}"
                 )
         if len(ref_states) != len(states):
-            return (
-                f"in unit '{unit or '<root>'}', rank 0 has {len(ref_states)} states but "
-                f"rank {rank} has {len(states)}"
-            )
+            return f"{where}, rank 0 has {len(ref_states)} states but rank {rank} has {len(states)}"
     return "ranks differ"
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def agree(

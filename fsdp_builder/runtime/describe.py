@@ -1,11 +1,22 @@
 """Stable descriptions of a build's configuration, for ranks to compare before anything changes.
 
 Every rank describes its configuration as ``(setting, text)`` pairs; equal configurations give
-equal texts on every rank. What legitimately differs between ranks is left out: a device's index
-(``cuda:{local_rank}``), a process group's members (each node has its own shard group), the
-source only rank 0 holds (``FromStateDict``). A strategy can say how it is described with a
-``describe() -> str`` method; otherwise an attrs strategy is described by its type and fields,
-and any other object by its type.
+equal texts on every rank. A description holds only what is the same on every rank of a correct
+program: names, global shapes, dtypes and settings. What legitimately differs between ranks is
+left out: a device's index (``cuda:{local_rank}``), a process group's members (each node has its
+own shard group), the source only rank 0 holds (``FromStateDict``), and anything that depends
+on the process rather than the program: storage addresses, object ids, the iteration order of
+dicts and sets (mappings and sets are described sorted), and local shard sizes.
+
+A tensor is described by its global shape and dtype (a DTensor's ``shape`` is global). The
+ignored modules and states are not described at all (:data:`NOT_COMPARED`): they are never
+communicated, so ranks may ignore different objects (PyTorch's FSDP tests ignore a different
+number of modules per rank), and the ignored parameters of an already sharded child are views of
+each rank's own shard, whose sizes differ by design. What they decide, which states each unit
+shards, is compared exactly by the unit plan's signature (names, global shapes, dtypes).
+
+A strategy can say how it is described with a ``describe() -> str`` method; otherwise an attrs
+strategy is described by its type and fields, and any other object by its type.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +32,10 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+# Settings that ranks do not compare (see the module doc): what they select is compared through
+# the unit plan instead.
+NOT_COMPARED = frozenset({"ignored_modules", "ignored_states"})
 
 
 def describe(value: Any) -> str:
@@ -30,6 +46,9 @@ def describe(value: Any) -> str:
         return value.name
     if isinstance(value, torch.dtype):
         return str(value)
+    if isinstance(value, os.PathLike):
+        # Compared like the str it stands for: two ranks that read different files differ.
+        return f"{type(value).__name__}({os.fspath(value)!r})"
     if isinstance(value, torch.device):
         return f"device({value.type})"
     if isinstance(value, dist.ProcessGroup):
@@ -46,7 +65,9 @@ def describe(value: Any) -> str:
         if isinstance(text, str):
             return text
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{describe(k)}: {describe(v)}" for k, v in value.items()) + "}"
+        # Sorted: equal mappings built in another order must read alike.
+        items = sorted(f"{describe(k)}: {describe(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
     if isinstance(value, list | tuple):
         return "[" + ", ".join(describe(v) for v in value) + "]"
     if isinstance(value, set | frozenset):
@@ -71,5 +92,5 @@ def describe(value: Any) -> str:
 
 
 def describe_settings(items: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(setting, text)`` pairs for ``items``, in their order."""
-    return [(name, describe(value)) for name, value in items.items()]
+    """``(setting, text)`` pairs for ``items``, in their order, without :data:`NOT_COMPARED`."""
+    return [(name, describe(value)) for name, value in items.items() if name not in NOT_COMPARED]

@@ -38,6 +38,9 @@ class Environment:
     # True when each unit is sharded on meta before its materializer runs (a shard-first
     # materializer with a backend that supports it): materializers then fill local shards.
     shards_first: bool = False
+    # True when the synchronizer gives every rank global rank 0's values after each unit is
+    # materialized (BroadcastFromRank0): values materialized on other ranks are never used.
+    values_from_rank0: bool = False
     # The build's event logger, bound to rank and world_size (see fsdp_builder.runtime.logs).
     logger: Any = attrs.field(default=None)
 

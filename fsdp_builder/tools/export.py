@@ -19,14 +19,20 @@ How the states are gathered:
 Rank 0 copies each tensor into the current file's buffer and writes the file (with
 ``safetensors.torch.save_file``) before the buffer would pass ``max_shard_bytes``, so its peak
 is one unit plus one file buffer. Files are written under temporary names and renamed once
-their number is known; a failure on rank 0 (a name collision, a full disk) removes them and is
-raised on every rank after the last collective, so no rank is left waiting.
+their number is known, then the index is written under a temporary name and renamed last. A
+failure on rank 0 (a name collision, a key map that raises, a full disk, a folder that cannot be
+written) removes every file the export wrote and is raised on every rank after the last
+collective, as the same library error (ConfigurationError or ExportError) with the same message
+and rank 0's own error as ``__cause__``, so no rank is left waiting. A model that was not built
+(states on the meta device) is refused on every rank before any collective.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -37,12 +43,14 @@ import torch
 import torch.distributed as dist
 from attrs import frozen
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
-from fsdp_builder.errors import ConfigurationError, config_error
+from fsdp_builder.errors import ConfigurationError, ExportError, FSDPBuilderError, config_error
 from fsdp_builder.materializers.checkpoints import KeyMap, key_mapper
 from fsdp_builder.planning.ignored import clean_name
+from fsdp_builder.runtime.agreement import agree
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
@@ -103,6 +111,7 @@ class _Writer:
         self.buffer: dict[str, torch.Tensor] = {}
         self.buffered = 0
         self.parts: list[tuple[Path, list[str]]] = []
+        self.written: list[Path] = []  # every file this export created, to remove on failure
         self.total = 0
         self.sources: dict[str, str] = {}  # checkpoint name → model name, for collisions
         self.error: BaseException | None = None
@@ -131,6 +140,7 @@ class _Writer:
         from safetensors.torch import save_file
 
         path = self.folder / f"model-{len(self.parts) + 1:05d}.safetensors.tmp"
+        self.written.append(path)
         save_file(self.buffer, str(path), metadata={"format": "pt"})
         self.parts.append((path, list(self.buffer)))
         self.buffer = {}
@@ -140,21 +150,31 @@ class _Writer:
         self.flush()
         count = len(self.parts)
         names = [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
-        for stale in self.folder.iterdir():
-            if _SHARD.match(stale.name) and stale.name not in names:
-                stale.unlink()
         weight_map: dict[str, str] = {}
         for (path, keys), name in zip(self.parts, names, strict=True):
+            self.written.append(self.folder / name)
             os.replace(path, self.folder / name)
             weight_map.update(dict.fromkeys(keys, name))
         index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        staged = self.folder / f"{INDEX_NAME}.tmp"
+        self.written.append(staged)
+        _write_index(staged, index)
+        self.written.append(self.folder / INDEX_NAME)
+        os.replace(staged, self.folder / INDEX_NAME)
+        # Only a complete export replaces an earlier one's files.
+        for stale in self.folder.iterdir():
+            if _SHARD.match(stale.name) and stale.name not in names:
+                stale.unlink()
         return tuple(names)
 
     def abandon(self) -> None:
         self.buffer = {}
-        for path, _ in self.parts:
+        for path in self.written:
             path.unlink(missing_ok=True)
+
+
+def _write_index(path: Path, index: dict[str, Any]) -> None:
+    path.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _check_arguments(key_map: KeyMap, max_shard_bytes: int) -> None:
@@ -302,9 +322,14 @@ def save_hf_checkpoint(
         The files written, the total size and rank 0's peak of held tensor bytes.
 
     Raises:
-        ConfigurationError: a bad ``key_map`` or ``max_shard_bytes`` (raised before any
-            collective), or two model names mapped to one checkpoint name (raised on every
-            rank, after the last collective, with no file left behind).
+        ConfigurationError: a bad ``key_map`` or ``max_shard_bytes``, or a model that was not
+            built (states on the meta device), raised on every rank before any collective; two
+            model names mapped to one checkpoint name, or a ``key_map`` that raises or returns
+            something other than a str or None (raised on every rank, after the last
+            collective, with no file left behind).
+        ExportError: rank 0 could not write the files (``folder`` is a file, no permission, a
+            full disk) or gather a state; raised on every rank with rank 0's error as
+            ``__cause__``, after removing every file the export wrote.
     """
     _check_arguments(key_map, max_shard_bytes)
     try:
@@ -315,6 +340,7 @@ def save_hf_checkpoint(
         ) from exc
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
+    agree("export (check)", _unbuilt(model))
     target = Path(folder)
     tally = _Tally()
     writer = _Writer(target, max_shard_bytes, tally)
@@ -331,37 +357,119 @@ def save_hf_checkpoint(
             if writer.error is not None:
                 continue
             try:
-                name = mapper(model_name)
+                name = _mapped(mapper, model_name)
                 if name is not None:
                     writer.add(model_name, name, tensor, owned)
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:
                 writer.error = exc
             del tensor
     files: tuple[str, ...] = ()
     if rank == 0 and writer.error is None:
         try:
             files = writer.finish()
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             writer.error = exc
+    failure: tuple[str, str, BaseException | None] | None = None
     if rank == 0 and writer.error is not None:
         writer.abandon()
-    failure = None if writer.error is None else _describe(writer.error)
+        failure = _failure(writer.error, target)
     outcome: list[Any] = [(files, writer.total, failure)]
     if distributed:
         dist.broadcast_object_list(outcome, src=0)
     files, total, failure = outcome[0]
     if failure is not None:
-        if rank == 0 and writer.error is not None:
-            raise writer.error
-        kind, message = failure
-        if kind == ConfigurationError.__name__:
-            raise ConfigurationError(message)
-        raise RuntimeError(f"save_hf_checkpoint failed on rank 0: {kind}: {message}")
+        kind, message, cause = failure
+        if isinstance(writer.error, FSDPBuilderError):
+            raise writer.error  # rank 0's own, with its cause
+        if writer.error is not None:
+            cause = writer.error
+        error_type = ConfigurationError if kind == ConfigurationError.__name__ else ExportError
+        raise error_type(message) from cause
     return HFExport(files=files, total_size=total, peak_bytes=tally.peak if rank == 0 else 0)
 
 
-def _describe(error: BaseException) -> tuple[str, str]:
-    return type(error).__name__, str(error)
+def _unbuilt(model: nn.Module) -> ConfigurationError | None:
+    """A model whose states are still on the meta device: the same on every rank of a program
+    that exports what it built, so every rank refuses before the first collective."""
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if not left:
+        return None
+    return config_error(
+        "save_hf_checkpoint",
+        "model",
+        f"its states {', '.join(left[:4])}{' ...' if len(left) > 4 else ''} are on the meta "
+        "device: it was not built",
+        "Export the model a builder returned (model = builder.build(model))",
+    )
+
+
+def _mapped(mapper: Callable[[str], str | None], model_name: str) -> str | None:
+    try:
+        name = mapper(model_name)
+    except Exception as exc:
+        raise config_error(
+            "save_hf_checkpoint",
+            "key_map",
+            f"it raised {type(exc).__name__}: {exc} for the model name {model_name!r}",
+            "Make it return a checkpoint name (a str), or None to leave a state out, for every "
+            "model name",
+        ) from exc
+    if name is not None and not isinstance(name, str):
+        raise config_error(
+            "save_hf_checkpoint",
+            "key_map",
+            f"it returned {type(name).__name__} {name!r} for the model name {model_name!r}",
+            "Make it return a checkpoint name (a str), or None to leave a state out",
+        )
+    return name
+
+
+# What an OSError's errno says about the folder, and the fix.
+_OS_FIXES: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("the disk is full", "Free space on that disk, or export to another folder"),
+    errno.EDQUOT: ("the disk quota is used up", "Free space, or export to another folder"),
+    errno.EACCES: ("no permission to write there", "Pass a folder this process may write to"),
+    errno.EPERM: ("no permission to write there", "Pass a folder this process may write to"),
+    errno.EROFS: ("the file system is read-only", "Pass a folder on a writable file system"),
+    errno.EEXIST: (
+        "it is a file, not a folder",
+        "Pass a folder path (it is created if needed), or move the file away",
+    ),
+    errno.ENOTDIR: (
+        "a part of the path is a file, not a folder",
+        "Pass a folder path whose parents are folders",
+    ),
+}
+
+
+def _failure(error: BaseException, folder: Path) -> tuple[str, str, BaseException | None]:
+    """Rank 0's failure as every rank raises it: the library error's type name, its message,
+    and its cause (the OS's, torch's or the key map's error; its text where it cannot travel to
+    the other ranks)."""
+    cause = error.__cause__ if isinstance(error, FSDPBuilderError) else error
+    if isinstance(error, FSDPBuilderError):
+        kind, message = type(error).__name__, str(error)
+    else:
+        if isinstance(error, OSError) and error.errno in _OS_FIXES:
+            what, fix = _OS_FIXES[error.errno]
+        else:
+            what, fix = "rank 0 could not write or gather a state", "Fix the cause above"
+        kind = ExportError.__name__
+        message = (
+            f"`save_hf_checkpoint` could not write to '{folder}': {what} "
+            f"({type(error).__name__}: {error}). {fix}; the files this export wrote were "
+            "removed."
+        )
+    return kind, message, None if cause is None else _portable(cause)
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it can be sent to the other ranks as it is, else its text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "HFExport", "save_hf_checkpoint"]

@@ -87,11 +87,14 @@ def run_ranks(
     timeout: float = 180.0,
     backend: str = "gloo",
     start_method: str = "spawn",
+    grace: float = 5.0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` new ranks with an initialized process group;
     return the per-rank results. ``fn`` must be importable (module level). ``start_method``
     "forkserver" forks ranks from a server that has already imported what
-    ``multiprocessing.set_forkserver_preload`` named, saving the imports of each rank."""
+    ``multiprocessing.set_forkserver_preload`` named, saving the imports of each rank.
+    ``grace``: seconds the other ranks still get to finish once a rank died without reporting
+    (then they are killed)."""
     ctx: Any = mp.get_context(start_method)  # every context has Process and Queue
     results = ctx.Queue()
     # The parent hosts the rendezvous store on a port the OS picks and keeps it bound until the
@@ -130,7 +133,7 @@ def run_ranks(
                 # A rank died without reporting (segfault, OOM kill): the rest cannot finish.
                 break
     for p in procs:
-        p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        p.join(timeout=max(0.0, min(grace, deadline - time.monotonic())))
     for p in procs:
         if p.is_alive():
             p.kill()
