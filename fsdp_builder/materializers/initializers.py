@@ -118,6 +118,40 @@ def subtree_rules(model: nn.Module) -> dict[int, tuple[SubtreeRule, ...]]:
     return found
 
 
+def _own_rules(module: nn.Module) -> tuple[SubtreeRule, ...]:
+    return tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
+
+
+def unit_subtree_rules(
+    model: nn.Module, root: nn.Module, root_fqn: str, modules: list[nn.Module]
+) -> dict[int, tuple[SubtreeRule, ...]]:
+    """``subtree_rules`` for one unit's ``modules`` (breadth-first from ``root``, reached from
+    ``model`` by ``root_fqn``): walks the path down to the unit and the unit itself, so a build
+    of N units stays linear instead of walking the whole model per unit. Falls back to the
+    whole walk when ``root_fqn`` does not lead to ``root`` (a wrapper renamed the path)."""
+    inherited: tuple[SubtreeRule, ...] = ()
+    current: nn.Module | None = model
+    for name in root_fqn.split(".") if root_fqn else ():
+        assert current is not None
+        inherited += _own_rules(current)
+        current = current._modules.get(name)
+        if current is None:
+            return subtree_rules(model)
+    if current is not root:
+        return subtree_rules(model)
+    found = {id(root): inherited}
+    owned = {id(m) for m in modules}
+    for module in modules:
+        rules = found.get(id(module))
+        if rules is None:
+            continue
+        below = rules + _own_rules(module)
+        for child in module.children():
+            if id(child) in owned:
+                found.setdefault(id(child), below)
+    return found
+
+
 def initializer_of(module: nn.Module) -> Callable[[], object] | None:
     """The module's parameter initializer: ``reset_parameters`` or a known private one."""
     public = getattr(module, "reset_parameters", None)
@@ -317,7 +351,7 @@ class BaseMaterializer(DeclaredHooks):
             modules, self.storage_device or device, only_meta=not self.reinitialize
         )
 
-        rules = subtree_rules(model if model is not None else root)
+        rules = unit_subtree_rules(model if model is not None else root, root, root_fqn, modules)
 
         def init(module: nn.Module, fqn: str) -> None:
             if self.wants(module, modules):
