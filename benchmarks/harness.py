@@ -43,6 +43,7 @@ from tqdm import tqdm
 from benchmarks.baselines import BASELINES
 from benchmarks.common import Job, Outcome, Recipe
 from benchmarks.models import BenchConfig, largest_unit_bytes, model_bytes
+from benchmarks.progress import Progress
 from benchmarks.recipes import builder_recipes
 
 log = structlog.get_logger("benchmarks")
@@ -92,8 +93,54 @@ def _reset_hwm() -> bool:
         return False
 
 
+def _rss_split() -> tuple[int, int]:
+    """(anonymous, file-backed) resident bytes. statm's ``shared`` counts file-backed and
+    shared-memory pages (RssFile + RssShmem); the rest of ``resident`` is anonymous (RssAnon).
+    One read of statm is much cheaper than parsing /proc/self/status."""
+    with open("/proc/self/statm") as f:
+        fields = f.read().split()
+    resident, shared = int(fields[1]) * _PAGE, int(fields[2]) * _PAGE
+    return resident - shared, shared
+
+
+class RssSplit:
+    """High-water marks of anonymous (heap) and file-backed (mapped files) resident memory,
+    sampled every ``interval`` seconds by a thread; the kernel keeps no high-water mark of
+    either, so spikes shorter than the interval are missed. A loader that maps a checkpoint
+    shows up in ``file``, what it copies out of it in ``anon``."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.baseline = (0, 0)
+        self.peak = (0, 0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.baseline = self.peak = _rss_split()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        anon, file = _rss_split()
+        self.peak = (max(self.peak[0], anon), max(self.peak[1], file))
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._take()
+
+    def stop(self) -> tuple[int, int]:
+        """(anonymous, file-backed) peak above the levels at :meth:`start`."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        self._take()
+        return self.peak[0] - self.baseline[0], self.peak[1] - self.baseline[1]
+
+
 class PeakMemory:
-    """Peak memory above the level at :meth:`start`, for this process."""
+    """Peak memory above the level at :meth:`start`, for this process; on the CPU also the
+    anonymous and file-backed peaks apart (:attr:`split`, set by :meth:`stop`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -102,8 +149,12 @@ class PeakMemory:
         self._peak = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._split = RssSplit() if device.type != "cuda" else None
+        self.split: tuple[int, int] | None = None
 
     def start(self) -> None:
+        if self._split is not None:
+            self._split.start()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -125,6 +176,8 @@ class PeakMemory:
             self._peak = max(self._peak, _rss_bytes())
 
     def stop(self) -> int:
+        if self._split is not None:
+            self.split = self._split.stop()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return int(torch.cuda.max_memory_allocated(self.device)) - self.baseline
@@ -133,6 +186,10 @@ class PeakMemory:
             self._thread.join()
             return max(self._peak, _rss_bytes()) - self.baseline
         return _hwm_bytes() - self.baseline
+
+
+def _max_known(values: Iterator[int | None]) -> int | None:
+    return max((v for v in values if v is not None), default=None)
 
 
 # -- one measurement, on one rank ------------------------------------------------------------
@@ -320,6 +377,8 @@ def _measure(
         "seconds": seconds,
         "peak_bytes": peak,
         "baseline_bytes": memory.baseline,
+        "peak_anon_bytes": memory.split[0] if memory.split else None,
+        "peak_file_bytes": memory.split[1] if memory.split else None,
         "memory_method": memory.method,
         "comm_bytes": outcome.comm_bytes,
         "weight_comm_bytes": outcome.weight_comm_bytes,
@@ -571,10 +630,11 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
     order = _plan(recipes, sizes, worlds, repeats)
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
-    bar = tqdm(order, desc="bench", unit="run", disable=args.quiet, dynamic_ncols=True)
-    for index, (repeat, size, world, recipe) in enumerate(bar):
+    progress = Progress(len(order), quiet=args.quiet)
+    for index, (repeat, size, world, recipe) in enumerate(order):
         cfg = configs[size]
-        bar.set_postfix_str(f"{recipe.name} {labels[size].strip()} w{world}")
+        label = f"{recipe.name} {labels[size].strip()} w{world}"
+        progress.start(label)
         record: dict[str, Any] = {
             "recipe": recipe.name,
             "family": recipe.family,
@@ -614,6 +674,8 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
                 seconds=max(r["seconds"] for r in ranks),
                 peak_bytes=max(r["peak_bytes"] for r in ranks),
                 peak_bytes_nonzero_ranks=max((r["peak_bytes"] for r in ranks[1:]), default=None),
+                peak_anon_bytes=_max_known(r.get("peak_anon_bytes") for r in ranks),
+                peak_file_bytes=_max_known(r.get("peak_file_bytes") for r in ranks),
                 comm_bytes=ranks[0]["comm_bytes"],
                 weight_comm_bytes=max(
                     (r["weight_comm_bytes"] for r in ranks if r["weight_comm_bytes"] is not None),
@@ -633,7 +695,8 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
             )
             log.warning("measurement_failed", recipe=recipe.name, size=record["size"], error=exc)
         records.append(record)
-    bar.close()
+        progress.done(label, record["seconds"], record["error"])
+    progress.close()
     scratch.cleanup()
 
     machine["loadavg_end"] = _loadavg()

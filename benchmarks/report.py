@@ -64,6 +64,8 @@ def medians(result: dict[str, Any]) -> dict[Key, dict[str, Any]]:
             "seconds": _median(r["seconds"] for r in ok),
             "peak_bytes": _median(r["peak_bytes"] for r in ok),
             "peak_bytes_nonzero_ranks": _median(r.get("peak_bytes_nonzero_ranks") for r in ok),
+            "peak_anon_bytes": _median(r.get("peak_anon_bytes") for r in ok),
+            "peak_file_bytes": _median(r.get("peak_file_bytes") for r in ok),
             "comm_bytes": _median(r.get("comm_bytes") for r in ok),
             "weight_comm_bytes": _median(r.get("weight_comm_bytes") for r in ok),
             "sync_seconds": _median(_phase(r, "synchronize") for r in ok),
@@ -330,8 +332,9 @@ def medians_table(result: dict[str, Any]) -> str:
     rows = medians(result)
     lines = [
         "| W | size | recipe | time (s) | time ÷ fsdp1_full | peak MiB | "
-        "peak ÷ (model/W + unit) | comm MiB | checksum |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---|",
+        "peak ÷ (model/W + unit) | anon peak MiB | anon ÷ (model/W + unit) | file peak MiB | "
+        "comm MiB | checksum |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     order = sorted(
         rows.values(),
@@ -344,7 +347,7 @@ def medians_table(result: dict[str, Any]) -> str:
             if ref and ref["seconds"] and r["seconds"] is not None
             else None
         )
-        peak = r["peak_bytes"]
+        peak, anon, file = r["peak_bytes"], r["peak_anon_bytes"], r["peak_file_bytes"]
         name = r["recipe"] if r["family"] == "baseline" else f"**{r['recipe']}**"
         if r["failed"]:
             name += f" ({r['failed']} failed)"
@@ -352,6 +355,9 @@ def medians_table(result: dict[str, Any]) -> str:
             f"| {r['world_size']} | {r['size']} ({r['params'] / 1e6:.0f}M) | {name} | "
             f"{_fmt(r['seconds'])} | {_fmt(rel)} | {_fmt(None if peak is None else peak / MIB, 0)}"
             f" | {_fmt(None if peak is None else peak / unit_bound(r))} | "
+            f"{_fmt(None if anon is None else anon / MIB, 0)} | "
+            f"{_fmt(None if anon is None else anon / unit_bound(r))} | "
+            f"{_fmt(None if file is None else file / MIB, 0)} | "
             f"{_fmt_comm(r['comm_bytes'])} | "
             f"{r['checksum'] or ''} |"
         )

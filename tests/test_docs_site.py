@@ -49,8 +49,8 @@ def test_the_docs_site_is_built_by_the_test_command() -> None:
 # Names from other libraries, checked by those libraries' own documentation rather than ours.
 FOREIGN = {"torch", "transformers", "accelerate", "safetensors", "structlog", "attrs", "nn"}
 FOREIGN |= {"dist", "np", "os", "sys", "logging", "warnings", "pytest", "json"}
-FILE_SUFFIXES = (".py", ".md", ".json", ".safetensors", ".bin", ".pt", ".txt", ".sh", ".yml")
-FILE_SUFFIXES += (".cfg", ".toml", ".npz", ".metadata", ".whl", ".index")
+FILE_SUFFIXES: tuple[str, ...] = (".py", ".md", ".json", ".safetensors", ".bin", ".pt", ".txt")
+FILE_SUFFIXES += (".sh", ".yml", ".cfg", ".toml", ".npz", ".metadata", ".whl", ".index")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 CODE_NAME = re.compile(r"^(?P<dotted>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?P<call>\(.*\))?$")
 

@@ -138,12 +138,47 @@ def lineages(model: nn.Module) -> dict[int, Lineage]:
     stack: list[tuple[nn.Module, Lineage]] = [(model, NO_LINEAGE)]
     while stack:
         module, inherited = stack.pop()
-        library = library_initializer(module) or inherited.library_init
-        lineage = Lineage(library, inherited.rules)
-        found[id(module)] = lineage
-        own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
-        below = Lineage(library, inherited.rules + own) if own else lineage
+        found[id(module)], below = _step(module, inherited)
         stack.extend((child, below) for child in module.children())
+    return found
+
+
+def _step(module: nn.Module, inherited: Lineage) -> tuple[Lineage, Lineage]:
+    """A module's own lineage and the one its children inherit."""
+    library = library_initializer(module) or inherited.library_init
+    lineage = Lineage(library, inherited.rules)
+    own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
+    return lineage, (Lineage(library, inherited.rules + own) if own else lineage)
+
+
+def unit_lineages(
+    model: nn.Module, root: nn.Module, root_fqn: str, modules: list[nn.Module]
+) -> dict[int, Lineage]:
+    """``lineages`` for one unit's ``modules`` (breadth-first from ``root``, reached from
+    ``model`` by ``root_fqn``): walks the path down to the unit and the unit itself, so a build
+    of N units stays linear instead of walking the whole model per unit. Falls back to the whole
+    walk when ``root_fqn`` does not lead to ``root`` (a wrapper renamed the path)."""
+    inherited = NO_LINEAGE
+    current: nn.Module | None = model
+    for name in root_fqn.split(".") if root_fqn else ():
+        assert current is not None
+        inherited = _step(current, inherited)[1]
+        current = current._modules.get(name)
+        if current is None:
+            return lineages(model)
+    if current is not root:
+        return lineages(model)
+    found: dict[int, Lineage] = {}
+    below_of: dict[int, Lineage] = {id(root): inherited}
+    owned = {id(m) for m in modules}
+    for module in modules:
+        parent_gives = below_of.get(id(module))
+        if parent_gives is None:
+            continue
+        found[id(module)], below = _step(module, parent_gives)
+        for child in module.children():
+            if id(child) in owned:
+                below_of.setdefault(id(child), below)
     return found
 
 

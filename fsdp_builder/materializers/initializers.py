@@ -35,6 +35,7 @@ from fsdp_builder.materializers.conventions import (
     Lineage,
     initializer_of,
     lineages,
+    unit_lineages,
 )
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
@@ -271,7 +272,7 @@ class BaseMaterializer(DeclaredHooks):
             modules, self.storage_device or device, only_meta=not self.reinitialize
         )
 
-        found = lineages(model if model is not None else root)
+        found = unit_lineages(model if model is not None else root, root, root_fqn, modules)
 
         def init(module: nn.Module, fqn: str) -> None:
             lineage = found.get(id(module), NO_LINEAGE)

@@ -58,8 +58,16 @@ def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, s
 
 
 def direct_states(module: nn.Module) -> list[torch.Tensor]:
-    """The parameters and buffers ``module`` registers itself (not its children's)."""
-    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    """The parameters and buffers ``module`` registers itself (not its children's). Read from
+    the module's own dicts: ``parameters(recurse=False)`` builds a generator chain per call,
+    which adds up at several calls per module per unit."""
+    seen: set[int] = set()
+    found: list[torch.Tensor] = []
+    for t in (*module._parameters.values(), *module._buffers.values()):
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            found.append(t)
+    return found
 
 
 def has_meta_states(module: nn.Module) -> bool:
@@ -69,9 +77,10 @@ def has_meta_states(module: nn.Module) -> bool:
 def needs_materialization(modules: Iterable[nn.Module], ignored: IgnoredStates) -> bool:
     """True when a managed parameter or a buffer of these modules is on the meta device."""
     for m in modules:
-        if any(p.is_meta for p in m.parameters(recurse=False) if p not in ignored.params):
+        params = (p for p in m._parameters.values() if p is not None)
+        if any(p.is_meta for p in params if p not in ignored.params):
             return True
-        if any(b.is_meta for b in m.buffers(recurse=False)):
+        if any(b.is_meta for b in m._buffers.values() if b is not None):
             return True
     return False
 
@@ -80,7 +89,7 @@ def tied_groups(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
     """The (module, name) slots of each parameter registered more than once."""
     by_param: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in modules:
-        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+        for name, p in m._parameters.items():
             if p is not None:
                 by_param.setdefault(id(p), []).append((m, name))
     return [slots for slots in by_param.values() if len(slots) > 1]
@@ -101,8 +110,8 @@ def allocate_empty(
         if own and (not only_meta or any(t.is_meta for t in own)):
             real = [
                 (name, t)
-                for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
-                if not t.is_meta
+                for name, t in [*m._parameters.items(), *m._buffers.items()]
+                if t is not None and not t.is_meta
             ]
             m.to_empty(device=device, recurse=False)
             with torch.no_grad():

@@ -1,0 +1,210 @@
+"""StreamInit: shard-local initialization whose full weights do not depend on the world size."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_builder import CPUDevice, FSDPBuilder, FullyShardBuilder
+from fsdp_builder.materializers.streams import (
+    StreamInit,
+    _Streams,
+    global_indices,
+    streamed_init,
+    uniform01,
+)
+from fsdp_builder.tools.demo import full_state_dict
+from fsdp_builder.tools.launch import run_ranks
+
+SEED = 11
+
+
+class TruncNormal(nn.Module):
+    """Initialized the way transformers' models are: truncated normal, Kaiming/Xavier normal."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(dim * 2, dim))
+        self.b = nn.Parameter(torch.empty(dim, dim * 3))
+        self.c = nn.Parameter(torch.empty(dim + 3, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.a, std=0.02)
+        nn.init.kaiming_normal_(self.b, nonlinearity="relu")
+        nn.init.xavier_normal_(self.c)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim * 2)
+        self.norm = nn.LayerNorm(dim * 2)
+        self.attn = nn.MultiheadAttention(dim * 2, 2, batch_first=True)
+        self.conv = nn.Conv1d(dim * 2, dim, 3)
+        self.extra = TruncNormal(dim)
+
+
+class Model(nn.Module):
+    def __init__(self, dim: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(37, dim)  # rows that split unevenly across 2 and 4 ranks
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 37)
+
+
+def _build(backend: str) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        model = Model()
+    builder = FullyShardBuilder() if backend == "fsdp2" else FSDPBuilder()
+    builder.device(CPUDevice()).wrap(Block).materialize(StreamInit(seed=SEED))
+    sharded = builder.build(model)
+    return {k: v.clone() for k, v in full_state_dict(sharded).items()}
+
+
+def _both_backends() -> dict[str, Any]:
+    local = []
+    for p in (
+        FullyShardBuilder()
+        .device(CPUDevice())
+        .wrap(Block)
+        .materialize(StreamInit(seed=SEED))
+        .build(_meta())
+        .parameters()
+    ):
+        local.append(p.to_local().numel() if hasattr(p, "to_local") else p.numel())
+    return {
+        "fsdp2": _build("fsdp2"),
+        "fsdp1": _build("fsdp1"),
+        "rank": dist.get_rank(),
+        "local_numel": sum(local),
+    }
+
+
+def _meta() -> Model:
+    with torch.device("meta"):
+        return Model()
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[int, list[dict[str, Any]]]:
+    return {w: run_ranks(_both_backends, w, timeout=240) for w in (1, 2, 4)}
+
+
+@pytest.mark.timeout(300)
+def test_full_weights_bit_identical_at_every_world_size(
+    builds: dict[int, list[dict[str, Any]]],
+) -> None:
+    reference = builds[1][0]["fsdp2"]
+    assert len(reference) > 20
+    for world, ranks in builds.items():
+        for backend in ("fsdp2", "fsdp1"):
+            got = ranks[0][backend]
+            assert got.keys() == reference.keys(), (world, backend)
+            for name, value in reference.items():
+                assert torch.equal(got[name], value), (world, backend, name)
+
+
+@pytest.mark.timeout(300)
+def test_ranks_hold_only_their_shards(builds: dict[int, list[dict[str, Any]]]) -> None:
+    full = builds[1][0]["local_numel"]
+    for world in (2, 4):
+        held = sum(r["local_numel"] for r in builds[world])
+        # Every element held once across the ranks, and each rank holds about 1/W of it.
+        assert held == full, world
+        assert max(r["local_numel"] for r in builds[world]) < full / world * 1.5, world
+
+
+@pytest.mark.timeout(300)
+def test_weights_differ_between_parameters_and_rows(
+    builds: dict[int, list[dict[str, Any]]],
+) -> None:
+    sd = builds[1][0]["fsdp2"]
+    a, b = sd["blocks.0.linear.weight"], sd["blocks.1.linear.weight"]
+    assert not torch.equal(a, b)
+    # Not one shard repeated: the two halves of a sharded weight differ.
+    rows = a.shape[0] // 2
+    assert not torch.equal(a[:rows], a[rows : 2 * rows])
+
+
+def _named(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+def _stats_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict(
+        {
+            "linear": nn.Linear(256, 512),
+            "conv": nn.Conv2d(32, 64, 3),
+            "embed": nn.Embedding(1000, 64),
+            "attn": nn.MultiheadAttention(128, 4),
+            "extra": TruncNormal(128),
+        }
+    )
+
+
+@pytest.mark.timeout(60)
+def test_statistics_match_eager_reset_parameters() -> None:
+    eager = _named(_stats_model())
+    streamed_model = _stats_model()
+    streams = _Streams(SEED)
+    streams.names.update({id(p): n for n, p in streamed_model.named_parameters()})
+    with torch.no_grad(), streamed_init(streams):
+        for module in reversed(list(streamed_model.modules())):  # children first, as eager
+            if isinstance(module, nn.MultiheadAttention):
+                module._reset_parameters()
+            elif hasattr(module, "reset_parameters") and module is not streamed_model:
+                module.reset_parameters()  # type: ignore[operator]
+    streamed = _named(streamed_model)
+    for name, value in eager.items():
+        got = streamed[name]
+        if value.std() == 0:
+            assert torch.equal(got, value), name  # constants stay constants
+            continue
+        assert not torch.equal(got, value), name  # drawn from the streams, not torch's RNG
+        got, value = got.detach(), value.detach()
+        assert float(got.abs().max()) <= float(value.abs().max()) * 1.2, name
+        if value.numel() < 1000:
+            continue  # too few draws for the standard deviation to be within 10 %
+        assert math.isclose(float(got.std()), float(value.std()), rel_tol=0.10), name
+        # Four standard errors of the mean apart at most.
+        assert abs(float(got.mean())) < 4 * float(value.std()) / math.sqrt(value.numel()), name
+
+
+def test_global_indices_of_a_plain_tensor_are_row_major() -> None:
+    t = torch.empty(3, 4, 5)
+    assert torch.equal(global_indices(t), torch.arange(60).view(3, 4, 5))
+
+
+def test_uniform_stream_is_a_function_of_the_counter() -> None:
+    counters = torch.arange(10_000)
+    u = uniform01(5, counters)
+    assert torch.equal(u[7000:], uniform01(5, counters[7000:]))
+    assert not torch.equal(u, uniform01(6, counters))
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01
+
+
+def test_other_tensors_use_torch_own_initializers() -> None:
+    streams = _Streams(SEED)
+    t = torch.empty(100)
+    torch.manual_seed(3)
+    expected = torch.empty(100).uniform_(-1, 1)
+    torch.manual_seed(3)
+    with streamed_init(streams):
+        nn.init.uniform_(t, -1, 1)
+    assert torch.equal(t, expected)
+    assert nn.init.uniform_.__module__ == "torch.nn.init"  # restored
+
+
+def test_seed_is_validated() -> None:
+    from fsdp_builder.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError):
+        StreamInit(seed=-1)
