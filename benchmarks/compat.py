@@ -1,13 +1,15 @@
 """Compatibility matrix: a fixed, fast subset of the test suite on several torch releases.
 
-For each release asked for, a virtual environment ``<venvs>/torch-<release>`` is created (or
-reused when it already holds that release), torch is installed into it (``pip install
-"torch==<release>.*"``, or a wheel given with ``--wheel``), then this checkout with its test
-extras (``pip install -e '.[test]'``). The subset (:data:`SUBSET`: every backend, every role and
-the compositions at least once) then runs there with pytest, and the results are merged into
-``benchmarks/results/compat.json`` (one record per release, the latest run of each) and written as
-the table ``benchmarks/results/compat.md``: release by passed / failed / errors / skipped, and the
-first error of each failing group (a test function, all its parameters together).
+For each release asked for, a virtual environment ``<venvs>/torch-<release>`` is created (or reused
+when it already holds that release), torch is installed into it (``pip install
+"torch==<release>.*"``, or a wheel given with ``--wheel``), then this checkout
+(``pip install -e .``) with what the subset needs from the test extra (pytest, pytest-timeout,
+safetensors; with ``--full-extras`` the whole ``.[test]``, minutes more). The subset
+(:data:`SUBSET`: every backend, every role and the compositions at least once) then runs there
+with pytest, and the results are merged into ``benchmarks/results/compat.json`` (one record per
+release, the latest run of each) and written as the table ``benchmarks/results/compat.md``:
+release by passed / failed / errors / skipped, and the first error of each failing group (a test
+function, all its parameters together).
 
 Usage, from the repository root (the venvs go outside the repository)::
 
@@ -47,13 +49,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 JSON_PATH = RESULTS / "compat.json"
 MD_PATH = RESULTS / "compat.md"
 
-# The subset: whole files whose multi-rank jobs are spawned once per file and world size (so a
-# file costs about as much as its slowest world), and the parts of other files that cover a role
-# the files above do not. Together: FSDP1 and FSDP2 (1, 2 and 4 ranks, every strategy), every
-# materializer (reset, init_fn, deterministic, shard-first, init_weights, state dict, checkpoint
-# files: safetensors and DCP), every synchronizer, the group factories and meshes, ignored
-# states, fully_shard's own options, activation checkpointing, compile and tensor parallelism.
-SUBSET: tuple[str, ...] = (
+# The subset. Multi-rank test files spawn their ranks once per file and world size, so a file
+# costs about as much as its spawns: the files below run whole, but only FSDP2's own file keeps
+# its 4-rank spawn (every strategy, hybrid meshes from a MeshGroups and from AutoHybridGroups);
+# the other files run their 1- and 2-rank tests. Together: FSDP1 and FSDP2 with every strategy,
+# every materializer (reset, init_fn, deterministic, shard-first, init_weights, state dict,
+# checkpoint files: safetensors and DCP), every synchronizer, the group factories and meshes,
+# ignored states, fully_shard's own options, activation checkpointing, compile, tensor
+# parallelism on one rank, and the version gates.
+SUBSET_FILES: tuple[str, ...] = (
     "tests/test_fsdp2.py",
     "tests/test_fsdp1_multirank.py",
     "tests/test_checkpoints.py",
@@ -65,6 +69,12 @@ SUBSET: tuple[str, ...] = (
     "tests/test_ignored.py",
     "tests/test_versions.py",
 )
+# Deselects the 4-rank tests (ids "[4-...", "...-4]", "[4]", "[w4-...", "four_ranks") outside
+# test_fsdp2.py.
+SUBSET_SELECT = "test_fsdp2.py or not ([4- or -4] or [4] or [w4- or four_ranks)"
+SUBSET: tuple[str, ...] = (*SUBSET_FILES, "-k", SUBSET_SELECT)
+# What the subset imports beyond the library's own requirements (from the test extra).
+SUBSET_NEEDS: tuple[str, ...] = ("pytest>=7.4", "pytest-timeout>=2.2", "safetensors>=0.4")
 
 # What the matrix covers when no release is named: every minor release from the floor candidates
 # to the newest this project tests.
@@ -104,7 +114,12 @@ def _run(cmd: Sequence[str], log: Path) -> None:
 
 
 def prepare_venv(
-    release: str, venvs: Path, wheel: str | None, index_url: str | None, log: Path
+    release: str,
+    venvs: Path,
+    wheel: str | None,
+    index_url: str | None,
+    log: Path,
+    full_extras: bool = False,
 ) -> tuple[Path, str]:
     """A venv with torch ``release`` and this checkout's test extras; returns its python and
     the exact torch version. Reused when it already holds that release and the library."""
@@ -132,7 +147,10 @@ def prepare_venv(
     )
     if probe.returncode != 0:
         # torch is already there and satisfies the library's own requirement, so pip keeps it.
-        _run([str(python), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]"], log)
+        # The library itself (its console script runs in the subset) and what the subset
+        # imports; full_extras: the whole test extra (transformers, mkdocs, ... : minutes more).
+        target = [f"{ROOT}[test]"] if full_extras else [str(ROOT), *SUBSET_NEEDS]
+        _run([str(python), "-m", "pip", "install", "-q", "-e", *target], log)
     after = installed_torch(python)
     if after != version:
         raise RuntimeError(f"installing the test extras changed torch {version} to {after}")
@@ -244,14 +262,14 @@ def render(results: dict[str, Any]) -> str:
     """The markdown table of every recorded release, oldest first."""
     releases = sorted(results["releases"].items(), key=lambda kv: _release_key(kv[0]))
     lines = [
-        "# Compatibility matrix",
+        "## Compatibility matrix",
         "",
-        "Produced by `python -m benchmarks.compat` (see [docs/torch_versions.md]"
-        "(../../docs/torch_versions.md)): a fresh venv per torch release, this checkout with its "
-        "test extras, and the fixed subset of the suite below, on the CPU (gloo). The latest run "
-        "of each release; records in [compat.json](compat.json).",
+        "Produced by `python -m benchmarks.compat` (see `docs/torch_versions.md`): a venv per "
+        "torch release, this checkout, and the fixed subset of the suite below, on the CPU "
+        "(gloo). The latest run of each release; its records are in "
+        "`benchmarks/results/compat.json`.",
         "",
-        "Subset: " + ", ".join(f"`{t}`" for t in results.get("subset", SUBSET)) + ".",
+        "Subset: `pytest " + " ".join(_quoted(results.get("subset", SUBSET))) + "`.",
         "",
         "| torch | result | passed | failed | errors | skipped | time (s) | run on |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -266,9 +284,9 @@ def render(results: dict[str, Any]) -> str:
         )
     failing = [(r, rec) for r, rec in releases if rec.get("groups") or rec.get("install_error")]
     if failing:
-        lines += ["", "## First error of each failing group", ""]
+        lines += ["", "### First error of each failing group", ""]
         for release, rec in failing:
-            lines += [f"### torch {rec.get('torch', release)}", ""]
+            lines += [f"#### torch {rec.get('torch', release)}", ""]
             if rec.get("install_error"):
                 lines += [f"- could not install: {rec['install_error']}", ""]
                 continue
@@ -279,13 +297,17 @@ def render(results: dict[str, Any]) -> str:
             lines.append("")
     skipped = [(r, rec) for r, rec in releases if rec.get("skips")]
     if skipped:
-        lines += ["", "## Skips", ""]
+        lines += ["", "### Skips", ""]
         for release, rec in skipped:
-            lines += [f"### torch {rec.get('torch', release)}", ""]
+            lines += [f"#### torch {rec.get('torch', release)}", ""]
             for reason, count in sorted(rec["skips"].items()):
                 lines.append(f"- {count}: {reason}")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _quoted(args: Sequence[str]) -> list[str]:
+    return [f"'{a}'" if " " in a else a for a in args]
 
 
 def write(results: dict[str, Any], json_path: Path = JSON_PATH, md_path: Path = MD_PATH) -> None:
@@ -324,12 +346,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout", type=float, default=600, help="seconds per release (default 600)"
     )
     parser.add_argument("--tests", nargs="+", help="pytest arguments instead of the subset")
+    parser.add_argument(
+        "--full-extras",
+        action="store_true",
+        help="install the whole test extra (pip install -e '.[test]') instead of what the "
+        "subset needs",
+    )
     parser.add_argument("--delete-after", action="store_true", help="remove each venv after")
     parser.add_argument("--list", action="store_true", help="print the subset and exit")
+    parser.add_argument(
+        "--render", action="store_true", help="rewrite compat.md from compat.json and exit"
+    )
     args = parser.parse_args(argv)
     tests = tuple(args.tests or SUBSET)
     if args.list:
-        print(" ".join(tests))
+        print(" ".join(_quoted(tests)))
+        return 0
+    if args.render:
+        write(load_results())
         return 0
     venvs: Path = args.venvs.resolve()
     if venvs == ROOT or ROOT in venvs.parents:
@@ -353,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write(results)
             status = 1
             continue
-        print(f"== torch {version}: running {len(tests)} test paths (log: {log})", flush=True)
+        print(f"== torch {version}: running the subset (log: {log})", flush=True)
         record = run_subset(python, tests, args.timeout, log)
         record.update(
             torch=version, date=stamp, python=platform.python_version(), tests=list(tests)
