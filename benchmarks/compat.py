@@ -316,14 +316,32 @@ def write(results: dict[str, Any], json_path: Path = JSON_PATH, md_path: Path = 
     md_path.write_text(render(results))
 
 
-def _parse_wheels(items: Sequence[str]) -> dict[str, str]:
-    wheels: dict[str, str] = {}
+def _record(release: str, record: dict[str, Any]) -> None:
+    """Store one release's record, re-reading the file first (runs of other releases may have
+    written theirs meanwhile)."""
+    results = load_results()
+    results["subset"] = list(SUBSET)
+    results["releases"][release] = record
+    write(results)
+
+
+def _parse_pairs(items: Sequence[str], option: str) -> dict[str, str]:
+    pairs: dict[str, str] = {}
     for item in items:
         release, sep, path = item.partition("=")
         if not sep or not path:
-            raise SystemExit(f"--wheel takes RELEASE=PATH, got {item!r}")
-        wheels[release] = path
-    return wheels
+            raise SystemExit(f"{option} takes RELEASE=PATH, got {item!r}")
+        pairs[release] = path
+    return pairs
+
+
+def given_python(release: str, path: str) -> tuple[Path, str]:
+    """An interpreter given with --python, checked to hold torch ``release``."""
+    python = Path(path)
+    version = installed_torch(python)
+    if version is None or not same_release(version, release):
+        raise RuntimeError(f"{python} has torch {version}, not {release}")
+    return python, version
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,6 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(default: $FSDP_BUILDER_COMPAT_VENVS or ~/.cache/fsdp-builder-compat)",
     )
     parser.add_argument("--wheel", action="append", default=[], help="RELEASE=PATH of a wheel")
+    parser.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        help="RELEASE=PATH of an interpreter that already has that torch and the subset's "
+        "packages (e.g. this checkout's own .venv): used as it is, nothing installed",
+    )
     parser.add_argument("--index-url", help="package index for torch (e.g. PyTorch's CPU index)")
     parser.add_argument(
         "--timeout", type=float, default=600, help="seconds per release (default 600)"
@@ -369,10 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if venvs == ROOT or ROOT in venvs.parents:
         raise SystemExit(f"--venvs {venvs} is inside the repository; put the venvs elsewhere")
     venvs.mkdir(parents=True, exist_ok=True)
-    wheels = _parse_wheels(args.wheel)
-    results = load_results()
-    if args.tests is None:
-        results["subset"] = list(SUBSET)
+    wheels = _parse_pairs(args.wheel, "--wheel")
+    pythons = _parse_pairs(args.python, "--python")
     status = 0
     for release in args.releases or DEFAULT_RELEASES:
         log = venvs / f"torch-{release}.log"
@@ -380,11 +403,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         stamp = time.strftime("%Y-%m-%d", time.gmtime())
         print(f"== torch {release}: preparing {venvs / f'torch-{release}'}", flush=True)
         try:
-            python, version = prepare_venv(release, venvs, wheels.get(release), args.index_url, log)
+            if release in pythons:
+                python, version = given_python(release, pythons[release])
+            else:
+                python, version = prepare_venv(
+                    release, venvs, wheels.get(release), args.index_url, log, args.full_extras
+                )
         except RuntimeError as exc:
             print(f"== torch {release}: {exc}", flush=True)
-            results["releases"][release] = {"install_error": str(exc), "date": stamp}
-            write(results)
+            _record(release, {"install_error": str(exc), "date": stamp})
             status = 1
             continue
         print(f"== torch {version}: running the subset (log: {log})", flush=True)
@@ -392,8 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         record.update(
             torch=version, date=stamp, python=platform.python_version(), tests=list(tests)
         )
-        results["releases"][release] = record
-        write(results)
+        _record(release, record)
         print(
             f"== torch {version}: {_status(record)}: {record['passed']} passed, "
             f"{record['failed']} failed, {record['errors']} errors, {record['skipped']} skipped "
