@@ -13,6 +13,7 @@ from torch import nn
 
 import fsdp_builder.versions as versions
 from fsdp_builder import ConfigurationError, CPUDevice, FSDPBuilder, FullyShardBuilder
+from fsdp_builder.materializers.checkpoints import open_checkpoint
 from fsdp_builder.tools.demo import Block, DemoConfig, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,10 +148,13 @@ def test_fsdp2_ignored_params_are_refused_in_configure(
     assert "FullyShardBuilder.ignore" in str(info.value)
 
 
-def test_dcp_folders_need_no_dist_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check FromCheckpoint runs when it opens a DCP folder."""
+def test_dcp_folders_need_no_dist_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """FromCheckpoint refuses a DCP folder when it opens it (every rank alike, before any
+    weight is read); safetensors files need nothing newer than the floor."""
     feature = versions.DCP_NO_DIST
     _pretend(monkeypatch, _below(feature))
-    with pytest.raises(ConfigurationError, match=_refusal(feature)):
-        versions.require(feature, "FromCheckpoint", "path")
-    assert "safetensors" in versions.FEATURES[feature].fix
+    (tmp_path / ".metadata").write_bytes(b"")
+    with pytest.raises(ConfigurationError, match=_refusal(feature)) as info:
+        open_checkpoint(tmp_path)
+    assert str(info.value).startswith("`FromCheckpoint` got an invalid `path`")
+    assert "safetensors" in str(info.value)

@@ -65,6 +65,7 @@ from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, unit_modules
+from fsdp_builder.versions import DCP_NO_DIST, require
 
 KeyMap = Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[str], "str | None"] | None
 
@@ -260,6 +261,7 @@ class _DCPSource(_Source):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        require(DCP_NO_DIST, "FromCheckpoint", "path")
         self.describe = f"the DCP folder '{folder}'"
         self.folder = folder
         try:
