@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -175,25 +176,24 @@ def run_subset(python: Path, tests: Sequence[str], timeout: float, log: Path) ->
         with log.open("a") as out:
             out.write(f"$ {' '.join(cmd)}\n")
             out.flush()
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
             try:
-                done = subprocess.run(
-                    cmd,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    timeout=timeout,
-                    check=False,
-                )
-                code: int | None = done.returncode
+                code: int | None = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                # An interrupted pytest still writes the report of the tests it finished.
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
                 code = None
         seconds = time.monotonic() - start
         record = parse_junit(junit) if junit.exists() else _empty()
     record["seconds"] = round(seconds, 1)
     record["exit_code"] = code
     if code is None:
-        record["note"] = f"stopped after {timeout:.0f} s"
+        record["note"] = f"stopped after {timeout:.0f} s: counts of the tests finished by then"
     return record
 
 
@@ -281,6 +281,9 @@ def render(results: dict[str, Any]) -> str:
             f"| {rec['torch']} | {_status(rec)} | {rec['passed']} | {rec['failed']} | "
             f"{rec['errors']} | {rec['skipped']} | {rec['seconds']:.0f} | {rec.get('date', '')} |"
         )
+    notes = [(r, rec["note"]) for r, rec in releases if rec.get("note")]
+    if notes:
+        lines += [""] + [f"- torch {release}: {note}" for release, note in notes]
     failing = [(r, rec) for r, rec in releases if rec.get("groups") or rec.get("install_error")]
     if failing:
         lines += ["", "### First error of each failing group", ""]
