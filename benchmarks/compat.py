@@ -250,11 +250,12 @@ def _status(record: dict[str, Any]) -> str:
     if record.get("install_error"):
         return "not installed"
     bad = record["failed"] + record["errors"]
-    if record.get("exit_code") is None:
-        return "stopped"
-    if bad == 0 and record["passed"] > 0:
-        return "green"
-    return "red"
+    if bad:
+        return "red"
+    code = record.get("exit_code")
+    if code is None or code == 2:  # past the time limit, or interrupted: not every test ran
+        return "incomplete"
+    return "green" if code == 0 and record["passed"] > 0 else "red"
 
 
 def render(results: dict[str, Any]) -> str:
