@@ -16,6 +16,8 @@
 # (all pure-Python wheels, so they install on any Python 3 and platform). Only the packages
 # that do not import there are installed, from .whl/ alone.
 #
+# The summary states the torch version the run used (first and last lines).
+#
 # Exit status: 0 when the tests passed (or found no GPU and skipped) and the benchmark ran;
 # 1 otherwise. Without CUDA the benchmark is skipped.
 
@@ -35,6 +37,12 @@ status=0
 say() { echo "== $*" | tee -a "$SUMMARY"; }
 
 say "gpu_check $(date -u +%FT%TZ) in $ROOT ($(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo 'no git'))"
+# The torch this run used, next to the floor setup.cfg declares (docs/torch_versions.md lists
+# what each feature needs); the results below hold for this torch only.
+TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__, 'cuda', torch.version.cuda)" 2>/dev/null ||
+    echo "not importable")
+say "torch $TORCH_VERSION (setup.cfg declares $(grep -Eo 'torch>=[0-9.]+' "$ROOT/setup.cfg" || echo '?'))"
+trap 'say "ran with torch $TORCH_VERSION"' EXIT
 { nvidia-smi 2>&1 || echo "nvidia-smi: not available"; } >>"$SUMMARY"
 "$PY" - >>"$SUMMARY" 2>&1 <<'EOF'
 import platform

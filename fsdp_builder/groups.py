@@ -7,6 +7,7 @@ mesh dim 1) and replicated across nodes (the replicate group, mesh dim 0).
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -337,6 +338,9 @@ class HybridGroups(BaseGroupFactory):
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (``mesh`` itself when it is not a slice)."""
     get_root = getattr(mesh, "_get_root_mesh", None)
+    if not callable(get_root):  # torch 2.7 keeps the roots in the module's mesh resources
+        resources = getattr(torch.distributed.device_mesh, "_mesh_resources", None)
+        get_root = partial(resources.get_root_mesh, mesh) if resources is not None else None
     root = get_root() if callable(get_root) else None
     return root if isinstance(root, DeviceMesh) else mesh
 

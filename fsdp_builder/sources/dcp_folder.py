@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
+from fsdp_builder.versions import DCP_NO_DIST, require
 
 log = structlog.get_logger(__name__)
 
@@ -39,6 +40,7 @@ class DCPSource:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        require(DCP_NO_DIST, "FromCheckpoint", "path")
         self.describe = f"the DCP folder '{folder}'"
         self.folder = folder
         try:

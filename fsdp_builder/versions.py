@@ -1,0 +1,180 @@
+"""Which torch each feature needs: one table, and the checks the configure stage runs.
+
+``setup.cfg`` declares the oldest torch the whole test subset passes on (see
+``docs/torch_versions.md`` and ``benchmarks/results/compat.md``). Images on GPU clusters often pin
+an older torch and install this library with ``--no-deps``; for them, each feature that an older
+torch cannot do is listed in :data:`FEATURES` with the first torch release that can, and the
+builder refuses it in the configure stage (before any collective, the model untouched) with a
+``ConfigurationError`` naming the feature and that release, instead of a torch-internal traceback
+in the middle of a build.
+
+Only the release (major, minor) is compared: nightlies and vendor builds such as
+``2.8.0a0+git1234`` or ``2.8.0a0+nv25.05`` count as 2.8.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Final
+
+import structlog
+import torch
+from attrs import frozen
+from torch.distributed.fsdp import ShardingStrategy
+
+from fsdp_builder.errors import config_error
+
+logger = structlog.get_logger(__name__)
+
+Release = tuple[int, int]
+
+
+@frozen
+class Feature:
+    """A feature some torch releases cannot do.
+
+    ``name``: how messages name it. ``minimum``: the first (major, minor) release that can.
+    ``why``: what goes wrong on an older torch. ``fix``: what to do instead of upgrading, if
+    anything.
+    """
+
+    name: str
+    minimum: Release
+    why: str
+    fix: str = ""
+
+    @property
+    def minimum_text(self) -> str:
+        return f"{self.minimum[0]}.{self.minimum[1]}"
+
+
+FSDP2_CPU: Final = "fsdp2_cpu"
+FSDP2_REPLICATE_GLOO: Final = "fsdp2_replicate_gloo"
+FSDP2_IGNORED_PARAMS: Final = "fsdp2_ignored_params"
+DCP_NO_DIST: Final = "dcp_no_dist"
+
+FEATURES: Final[dict[str, Feature]] = {
+    FSDP2_CPU: Feature(
+        "FullyShardBuilder (fully_shard) computing on the CPU",
+        (2, 7),
+        "fully_shard's CPU path calls Stream.record_event, which the CPU stream lacks before "
+        "torch 2.7 (AttributeError in the first forward)",
+        "Use FSDPBuilder (FSDP1) on the CPU, or compute on CUDA devices.",
+    ),
+    FSDP2_REPLICATE_GLOO: Feature(
+        "FullyShardBuilder with a replicate dimension (NO_SHARD or hybrid sharding) on gloo",
+        (2, 8),
+        "fully_shard all-reduces gradients over the replicate dimension with ReduceOp.AVG, "
+        "which gloo refuses before torch 2.8 ('Cannot use ReduceOp.AVG with Gloo')",
+        "Use FSDPBuilder (FSDP1) for NO_SHARD or hybrid sharding on the CPU, or a FULL_SHARD / "
+        "SHARD_GRAD_OP strategy.",
+    ),
+    FSDP2_IGNORED_PARAMS: Feature(
+        "FullyShardBuilder.ignore (fully_shard(ignored_params=...))",
+        (2, 7),
+        "fully_shard has no ignored_params argument before torch 2.7",
+        "Use FSDPBuilder to ignore modules or parameters.",
+    ),
+    DCP_NO_DIST: Feature(
+        "FromCheckpoint of a torch.distributed.checkpoint folder (dcp.load(no_dist=True))",
+        (2, 7),
+        "torch.distributed.checkpoint.load has no no_dist argument before torch 2.7",
+        "Convert the checkpoint to safetensors (FromCheckpoint reads those on any torch).",
+    ),
+}
+
+
+def parse_release(version: str) -> Release:
+    """``"2.8.0+cpu"`` → ``(2, 8)``; anything after major.minor (patch, pre-release, local
+    label) is ignored."""
+    match = re.match(r"\s*(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def torch_release() -> Release:
+    """The (major, minor) release of the torch imported here."""
+    return parse_release(str(torch.__version__))
+
+
+def supports(feature: str, release: Release | None = None) -> bool:
+    """Whether ``release`` (default: this torch) can do ``feature`` (a key of FEATURES)."""
+    try:
+        needed = FEATURES[feature]
+    except KeyError:
+        raise ValueError(
+            f"unknown feature {feature!r}; known: {', '.join(sorted(FEATURES))}"
+        ) from None
+    return (release or torch_release()) >= needed.minimum
+
+
+def require(feature: str, where: str, argument: str) -> None:
+    """Raise ``ConfigurationError`` naming the feature and its minimum torch when this torch
+    cannot do ``feature``. ``where`` and ``argument`` name the call that asked for it, as in
+    every configuration error."""
+    if supports(feature):
+        return
+    needed = FEATURES[feature]
+    current = str(torch.__version__)
+    logger.debug("torch too old", feature=feature, minimum=needed.minimum_text, torch=current)
+    fix = f"Upgrade torch to {needed.minimum_text} or later"
+    fix += f"; or: {needed.fix}" if needed.fix else "."
+    raise config_error(
+        where,
+        argument,
+        f"{needed.name} needs torch >= {needed.minimum_text}, this is torch {current} "
+        f"({needed.why})",
+        fix,
+    )
+
+
+_REPLICATING: Final = frozenset(
+    {
+        ShardingStrategy.NO_SHARD,
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    }
+)
+
+
+def check_build(
+    backend: str,
+    strategy: ShardingStrategy,
+    device: torch.device,
+    ignored_params: Iterable[object] = (),
+) -> None:
+    """The version gates of one build, run in the configure stage once the compute device is
+    known: ``backend`` is ``"fsdp1"`` or ``"fsdp2"``, ``strategy`` the configured one (before
+    clamping to the world size). Raises ``ConfigurationError`` for the first feature this torch
+    cannot do. FSDP1 needs nothing beyond the declared floor."""
+    if backend != "fsdp2":
+        return
+    where = "FullyShardBuilder"
+    if any(True for _ in ignored_params):
+        require(FSDP2_IGNORED_PARAMS, f"{where}.ignore", "states")
+    if device.type == "cpu":
+        require(FSDP2_CPU, f"{where}.device", "device")
+        if strategy in _REPLICATING and _world_size() > 1:
+            require(FSDP2_REPLICATE_GLOO, f"{where}.sharding", "strategy")
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+__all__ = [
+    "DCP_NO_DIST",
+    "FEATURES",
+    "FSDP2_CPU",
+    "FSDP2_IGNORED_PARAMS",
+    "FSDP2_REPLICATE_GLOO",
+    "Feature",
+    "check_build",
+    "parse_release",
+    "require",
+    "supports",
+    "torch_release",
+]
