@@ -146,7 +146,7 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
                 f"{_WHERE}.per_unit",
                 name,
                 f"{value!r} for unit '{unit.label}' is not valid: {exc}",
-                "Return the value the builder's own option takes.",
+                f"Return what FullyShardedDataParallel's {name} takes.",
             ) from exc
     strategy = checked.get("sharding_strategy")
     if strategy is not None and (strategy in HYBRID_STRATEGIES) != options.is_hybrid:

@@ -176,8 +176,8 @@ def check_reshard_divides(value: bool | int | None, shard_size: int, what: str, 
     raise config_error(
         where,
         "reshard_after_forward",
-        f"{value} does not divide {what} ({shard_size}), so fully_shard cannot reshard "
-        "parameters to groups of that size after forward",
+        f"{value} does not divide {what} of {shard_size} rank(s), so fully_shard cannot "
+        "reshard parameters to groups of that size after forward",
         f"Pass True, False, or one of {divisors[:8]}.",
     )
 
@@ -473,7 +473,7 @@ class FullyShardBackend:
         check_fsdp2_plan(context.plan, options)
         # The shard group spans the world or a divisor of it: a size that does not divide the
         # world cannot divide the group (the exact group is checked once it exists).
-        world = f"the world size of {context.world_size} ranks"
+        world = "the world size"
         check_reshard_divides(
             options.reshard_after_forward,
             context.world_size,
