@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -28,9 +29,15 @@ from fsdp_builder import (
     InitWeights,
     ShardingBuilder,
 )
+from fsdp_builder.backends.registry import BACKENDS
+from fsdp_builder.builder import builder_for
+from fsdp_builder.planning.ignored import IgnoredStates
+from fsdp_builder.planning.plan import plan_units
+from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 
+ROOT = Path(__file__).resolve().parents[1]
 CFG = DemoConfig(vocab=16, dim=8, heads=2, layers=2, seq=4)
 
 # What ranks do together: torch.distributed's collectives and group creation.
@@ -128,6 +135,47 @@ class ScalarBelowChild(nn.Module):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         self.scale = nn.Parameter(torch.tensor(2.0))
+
+
+# -- the backend owns its knowledge ----------------------------------------------------------
+
+
+def backend_name_comparisons() -> re.Pattern[str]:
+    """A backend name compared (``==``, ``!=``, ``in``) or used as a table's key."""
+    quoted = "[\"'](?:" + "|".join(map(re.escape, BACKENDS)) + ")[\"']"
+    return re.compile(rf"(?:==|!=|\bin\b)\s*[(\[{{]?\s*{quoted}|{quoted}\s*(?:==|!=|:)")
+
+
+def test_no_code_outside_backends_branches_on_a_backend_name() -> None:
+    comparison = backend_name_comparisons()
+    # What the pattern is for: the branches and tables that lived in estimate.py and cli.py.
+    for former in (
+        'if backend == "fsdp1":',
+        'FullyShardBuilder() if backend == "fsdp2" else FSDPBuilder()',
+        'return {"fsdp1": "FSDPBuilder", "fsdp2": "FullyShardBuilder"}.get(name)',
+    ):
+        assert comparison.search(former), former
+    package = ROOT / "fsdp_builder"
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if path.relative_to(package).parts[0] != "backends"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if comparison.search(line)
+    ]
+    assert not found, "ask the backend object (fsdp_builder.backends) instead:\n" + "\n".join(found)
+
+
+def test_every_backend_names_its_builder_and_layout() -> None:
+    plan = plan_units(demo(), WrapPolicy(classes=(Block,)), IgnoredStates())
+    for name, backend in BACKENDS.items():
+        assert type(builder_for(name)).__name__ == backend.builder
+        for unit in plan:
+            # Split over one rank a unit is kept whole; over more, never more than whole.
+            assert backend.kept_bytes(unit, 1) == unit.param_bytes
+            assert 0 < backend.kept_bytes(unit, 4) <= unit.param_bytes
+    with pytest.raises(ConfigurationError, match=r"'fsdp3' is not a backend.*'fsdp1', 'fsdp2'"):
+        builder_for("fsdp3")
 
 
 # -- FSDP1: a scalar parameter below a wrapped child -----------------------------------------
