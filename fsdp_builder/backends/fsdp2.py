@@ -471,6 +471,8 @@ class FullyShardBackend:
         options = context.options
         check_root_not_wrapped(context.plan, _WHERE)
         check_fsdp2_plan(context.plan, options)
+        if context.ignored.params and not supports_ignored_params():
+            ignored_params_kwargs(context.model, context.ignored.params)  # raises, naming why
         # The shard group spans the world or a divisor of it: a size that does not divide the
         # world cannot divide the group (the exact group is checked once it exists).
         world = "the world size"
