@@ -246,6 +246,12 @@ def test_init_weights_on_fsdp1_is_refused_in_configure(world1: None) -> None:
         ),
         (
             FSDPBuilder,
+            lambda m, fqn: {"cpu_offload": CPUOffloadPolicy()},
+            r"invalid `cpu_offload`: CPUOffloadPolicy for unit 'blocks.0' is fully_shard's",
+            r"Return CPUOffload\(offload_params=True\) or a bool",
+        ),
+        (
+            FSDPBuilder,
             lambda m, fqn: {"forward_prefetc": True},
             r"invalid `forward_prefetc`",
             r"Did you mean 'forward_prefetch'",
@@ -262,6 +268,7 @@ def test_init_weights_on_fsdp1_is_refused_in_configure(world1: None) -> None:
         "fsdp2-mistyped",
         "fsdp1-mistyped",
         "fsdp1-bad-value",
+        "fsdp1-offload",
         "fsdp1-typo",
         "fsdp2-reshard",
     ],

@@ -148,6 +148,14 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
                 f"{value!r} for unit '{unit.label}' is not valid: {exc}",
                 f"Return what FullyShardedDataParallel's {name} takes.",
             ) from exc
+    if isinstance(checked.get("cpu_offload"), OffloadPolicy):
+        raise config_error(
+            f"{_WHERE}.per_unit",
+            "cpu_offload",
+            f"{type(checked['cpu_offload']).__name__} for unit '{unit.label}' is fully_shard's "
+            "(FSDP2)",
+            "Return CPUOffload(offload_params=True) or a bool.",
+        )
     strategy = checked.get("sharding_strategy")
     if strategy is not None and (strategy in HYBRID_STRATEGIES) != options.is_hybrid:
         raise config_error(
