@@ -22,11 +22,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, f
 from torch.distributed.tensor import DTensor
 
 from fsdp_builder import (
+    BaseSynchronizer,
     ConfigurationError,
     CPUDevice,
     FSDPBuilder,
     FullyShardBuilder,
     InitWeights,
+    ResetParameters,
     ShardingBuilder,
 )
 from fsdp_builder.backends.registry import BACKENDS
@@ -35,6 +37,7 @@ from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
+from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +179,46 @@ def test_every_backend_names_its_builder_and_layout() -> None:
             assert 0 < backend.kept_bytes(unit, 4) <= unit.param_bytes
     with pytest.raises(ConfigurationError, match=r"'fsdp3' is not a backend.*'fsdp1', 'fsdp2'"):
         builder_for("fsdp3")
+
+
+# -- the configure context, and the hooks that came before it --------------------------------
+
+
+class RefusesInCheck(ResetParameters):
+    """A user subclass written against ``check(plan, ignored)``."""
+
+    def check(self, plan: Any, ignored: Any) -> None:
+        raise ConfigurationError(f"`RefusesInCheck` got an invalid `plan`: {len(plan)} units. Fix.")
+
+
+class SeesTheContext(BaseSynchronizer):
+    communicates = False
+
+    def __init__(self, seen: list[ConfigureContext]) -> None:
+        self.seen = seen
+
+    def check_context(self, context: ConfigureContext) -> None:
+        self.seen.append(context)
+        raise ConfigurationError("`SeesTheContext` got an invalid `context`: planted. Fix.")
+
+    def synchronize(self, unit: Any, env: Any) -> int:
+        return 0
+
+
+def test_a_materializer_checking_the_plan_still_refuses_in_configure(world1: None) -> None:
+    build = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(RefusesInCheck()).build
+    refused(build, demo(), r"`RefusesInCheck` got an invalid `plan`: 3 units", r"Fix")
+
+
+def test_any_role_may_check_the_whole_context(world1: None) -> None:
+    seen: list[ConfigureContext] = []
+    model = demo()
+    build = FullyShardBuilder().device(CPUDevice()).wrap(Block).synchronize(SeesTheContext(seen))
+    refused(build.build, model, r"`SeesTheContext` got an invalid `context`", r"Fix")
+    [context] = seen
+    assert context.model is model and len(context.plan) == 3
+    assert (context.backend.name, context.backend.builder) == ("fsdp2", "FullyShardBuilder")
+    assert context.backend.supports_shard_first and context.world_size == 1
 
 
 # -- FSDP1: a scalar parameter below a wrapped child -----------------------------------------
