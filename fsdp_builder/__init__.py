@@ -30,6 +30,7 @@ from fsdp_builder.groups import (
     ProcessGroups,
 )
 from fsdp_builder.materializers.checkpoints import FromCheckpoint
+from fsdp_builder.materializers.conventions import register_initializer, register_subtree_rule
 from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     DeferredInit,
@@ -43,7 +44,7 @@ from fsdp_builder.materializers.loading import FromStateDict
 from fsdp_builder.materializers.sharded import InitWeights, ShardFirstReset
 from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
 from fsdp_builder.planning.plan import Unit, UnitPlan, plan_units
-from fsdp_builder.planning.wrap import WrapPolicy
+from fsdp_builder.planning.wrap import NoSplitModules, WrapPolicy
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.report import BuildReport, StageRecord
 from fsdp_builder.synchronizers import (
@@ -85,6 +86,7 @@ __all__ = [
     "MaterializationError",
     "Materializer",
     "MeshGroups",
+    "NoSplitModules",
     "NoSync",
     "PlanError",
     "ProcessGroups",
@@ -100,6 +102,8 @@ __all__ = [
     "UnitPlan",
     "WrapPolicy",
     "plan_units",
+    "register_initializer",
+    "register_subtree_rule",
     "resolve_ignored",
     "save_hf_checkpoint",
     "BroadcastFromRank0",

@@ -210,20 +210,25 @@ class ShardingBuilder:
         chosen = synchronizers[0] if len(synchronizers) == 1 else Chain(synchronizers)
         return self._set("synchronizer", chosen)
 
-    def wrap(self: B, policy: Any) -> B:
-        """Which modules become units: classes, a ``(module, fqn) -> bool`` or a torch policy.
+    def wrap(self: B, *policy: Any) -> B:
+        """Which modules become units: one or more classes (or an iterable of them), a
+        ``(module, fqn) -> bool``, a torch policy, or ``NoSplitModules()``. Without this call a
+        transformers model is wrapped by its ``_no_split_modules`` classes, any other model is
+        one unit.
 
         Raises:
-            ConfigurationError: not a module class, a two-argument predicate or a torch policy; set
-                twice (use ``clone()``).
+            ConfigurationError: not a module class, a two-argument predicate or a torch policy;
+                module classes of which the model has no module (the error names the classes
+                that look like its blocks); set twice (use ``clone()``).
 
         Example:
             ```python
             FSDPBuilder().wrap(TransformerBlock)
+            FSDPBuilder().wrap(LlamaDecoderLayer, nn.Embedding)
             FSDPBuilder().wrap(lambda module, fqn: fqn.startswith("layers."))
             ```
         """
-        return self._set("wrap", WrapPolicy.of(policy))
+        return self._set("wrap", WrapPolicy.of(policy[0] if len(policy) == 1 else policy))
 
     def ignore(
         self: B, modules: Iterable[nn.Module] | None = None, states: Iterable[Any] | None = None

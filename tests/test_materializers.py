@@ -106,10 +106,11 @@ def test_deferred_init_without_torchdistx_is_a_configuration_error(
 
 def test_modules_without_an_initializer_are_named_together() -> None:
     model = on_meta(TwoStrangers)
-    with pytest.raises(MaterializationError, match=r"no reset_parameters\(\)") as info:
+    with pytest.raises(MaterializationError, match=r"no initializer") as info:
         ResetParameters().materialize_model(model)
     assert "first (NoInit)" in str(info.value)
     assert "inner.1 (NoInit)" in str(info.value)
+    assert "register_initializer(TheirClass, fn)" in str(info.value)
     assert "inner.0" not in str(info.value)
 
 
@@ -274,3 +275,19 @@ def test_a_real_ignored_parameter_in_a_meta_module_keeps_its_value(world1: None)
     assert model[0].weight is frozen  # the wrapper left the ignored parameter in place
     assert torch.equal(frozen, torch.full((4, 4), 3.0))
     assert not any(p.is_meta for p in sharded.parameters())
+
+
+def test_the_suggested_fix_for_a_module_without_an_initializer_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fsdp_builder import register_initializer
+    from fsdp_builder.materializers import conventions
+
+    monkeypatch.setattr(conventions, "_REGISTERED", dict(conventions._REGISTERED))
+    register_initializer(NoInit, lambda m: nn.init.constant_(m.w, 0.5))
+    model = ResetParameters().materialize_model(on_meta(TwoStrangers))
+    assert all(
+        torch.equal(m.w, torch.full((3,), 0.5)) for m in model.modules() if isinstance(m, NoInit)
+    )
+    with pytest.raises(ConfigurationError, match=r"register_initializer.*`module_class`"):
+        register_initializer(NoInit.__init__, lambda m: None)  # type: ignore[arg-type]

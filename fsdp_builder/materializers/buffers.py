@@ -1,13 +1,18 @@
-"""Non-persistent buffers on the meta device (RoPE tables, causal masks): computed the way the
-model defines them, never loaded.
+"""Non-persistent buffers on the meta device (RoPE tables, causal masks, ``position_ids``):
+computed the way the model defines them, never loaded.
 
 A non-persistent buffer is in no state dict: its value is a function of the model's
-configuration. When its module has an initializer (``reset_parameters``) that initializer gives
-it its value with the module. Otherwise the model's whole-model initializer does: torchtitan's
-convention is ``model.init_weights(buffer_device=...)``. The builder runs that initializer once
-per build on a copy of the model whose every tensor is on the meta device, where weight
-initialization costs nothing and only the buffers it computes come out real, and keeps those
-buffers (on the CPU) to fill each unit's after the unit is materialized.
+configuration. It is computed by the first convention that applies:
+
+1. its module's initializer by the model's convention (``fsdp_builder.materializers.
+   conventions``: a registered initializer, a transformers model's ``_init_weights``, or
+   ``reset_parameters``), run on a scratch copy of that module alone on the CPU;
+2. the model's whole-model initializer, torchtitan's ``model.init_weights(buffer_device=...)``
+   (or ``init_weights(**kwargs)``), run once on a copy of the model whose every tensor is on
+   the meta device, where weight initialization costs nothing and only the buffers it computes
+   come out real.
+
+The values are kept on the CPU to fill each unit's buffers after the unit is materialized.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 
 from fsdp_builder.errors import MaterializationError
+from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, initializer_of, lineages
 
 # Names of whole-model initializers, in the order they are looked for on the model's root.
 WHOLE_MODEL_INITIALIZERS = ("init_weights",)
@@ -60,33 +66,96 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _by_module(owner: nn.Module, lineage: Lineage, names: list[str]) -> dict[str, torch.Tensor]:
+    """The buffers ``names`` of ``owner`` from its own initializer, run on a copy of ``owner``
+    alone whose own states get CPU storage (its children stay meta); {} when it has none or
+    it leaves them on meta."""
+    if initializer_of(owner, lineage) is None:
+        return {}
+    scratch = _meta_copy(owner)
+    scratch.to_empty(device="cpu", recurse=False)
+    init = initializer_of(scratch, lineage)
+    assert init is not None
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        init()
+    out = {}
+    for name in names:
+        value = scratch._buffers.get(name)
+        if value is not None and not value.is_meta:
+            out[name] = value.detach()
+    return out
+
+
+def _whole_model_kwargs(init: Callable[..., Any]) -> dict[str, Any]:
+    """``buffer_device`` for initializers that take it by name or through ``**kwargs``
+    (torchtitan's models declare both forms)."""
+    params = inspect.signature(init).parameters.values()
+    takes = any(
+        p.name == "buffer_device" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params
+    )
+    return {"buffer_device": torch.device("cpu")} if takes else {}
+
+
 def compute_buffers(model: nn.Module, wanted: list[tuple[nn.Module, str]]) -> Computed:
-    """The values of ``wanted`` (non-persistent buffers on meta, by owner and name), from the
-    model's whole-model initializer run on a meta copy; raises MaterializationError naming the
-    buffers it cannot compute and the fix. Local: no collective."""
+    """The values of ``wanted`` (non-persistent buffers on meta, by owner and name) by the
+    model's convention (see the module docstring); raises MaterializationError naming the
+    buffers it cannot compute, each convention tried and the fix. Local: no collective."""
     if not wanted:
         return {}
     path = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    names = [f"{path.get(id(m), '?') or '<root>'}.{n}" for m, n in wanted]
+
+    def label(owner: nn.Module, name: str) -> str:
+        return f"{path.get(id(owner), '?') or '<root>'}.{name}"
+
+    computed: Computed = {}
+    owners: dict[int, tuple[nn.Module, list[str]]] = {}
+    for owner, name in wanted:
+        owners.setdefault(id(owner), (owner, []))[1].append(name)
+    rest: list[tuple[nn.Module, str]] = []
+    found_lineages = lineages(model)
+    for owner, names in owners.values():
+        try:
+            found = _by_module(owner, found_lineages.get(id(owner), NO_LINEAGE), names)
+        except Exception as exc:
+            raise MaterializationError(
+                f"Computing the non-persistent buffers "
+                f"{', '.join(label(owner, n) for n in names)} with the initializer of "
+                f"{type(owner).__name__} failed: {type(exc).__name__}: {exc}. Make it work on a "
+                "module whose own states are on the CPU, or register one with "
+                "`fsdp_builder.register_initializer`."
+            ) from exc
+        for name in names:
+            if name in found:
+                computed[(id(owner), name)] = found[name]
+            else:
+                rest.append((owner, name))
+    if rest:
+        computed.update(_by_whole_model(model, rest, [label(m, n) for m, n in rest], path))
+    return computed
+
+
+def _by_whole_model(
+    model: nn.Module, wanted: list[tuple[nn.Module, str]], names: list[str], path: dict[int, str]
+) -> Computed:
     init = whole_model_initializer(model)
     if init is None:
         raise MaterializationError(
-            f"The non-persistent buffers {', '.join(names[:8])} are on the meta device and "
-            "neither their modules (no reset_parameters()) nor the model (no "
-            f"{' / '.join(WHOLE_MODEL_INITIALIZERS)}(buffer_device=...)) can compute them. Give "
-            "their module a reset_parameters() that sets them, or the model an "
-            "init_weights(buffer_device=None) as torchtitan's models have."
+            f"The non-persistent buffers {', '.join(names[:8])} are on the meta device and no "
+            "convention computes them: their modules have no initializer (reset_parameters(), "
+            "a registered one, or a transformers model's _init_weights) and the model has no "
+            f"{' / '.join(WHOLE_MODEL_INITIALIZERS)}(buffer_device=...). Register an "
+            "initializer for their module class with `fsdp_builder.register_initializer(cls, "
+            "fn)`, or give the model an init_weights(buffer_device=None) as torchtitan's models "
+            "have."
         )
     shadow = _meta_copy(model)
     shadow_init = whole_model_initializer(shadow)
     assert shadow_init is not None
-    kwargs = {}
-    if "buffer_device" in inspect.signature(shadow_init).parameters:
-        kwargs["buffer_device"] = torch.device("cpu")
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # initializers on meta tensors may warn; nothing real
-            shadow_init(**kwargs)
+            shadow_init(**_whole_model_kwargs(shadow_init))
     except Exception as exc:
         raise MaterializationError(
             f"Computing the non-persistent buffers {', '.join(names[:8])} with "
@@ -107,7 +176,8 @@ def compute_buffers(model: nn.Module, wanted: list[tuple[nn.Module, str]]) -> Co
         raise MaterializationError(
             f"`{type(model).__name__}.{getattr(init, '__name__', 'init')}(buffer_device=...)` "
             f"left the non-persistent buffers {', '.join(left[:8])} on the meta device. Make it "
-            "compute them on `buffer_device`."
+            "compute them on `buffer_device`, or register an initializer for their module class "
+            "with `fsdp_builder.register_initializer(cls, fn)`."
         )
     return computed
 

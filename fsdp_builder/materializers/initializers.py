@@ -28,6 +28,13 @@ from fsdp_builder.materializers.buffers import (
     fill_buffers,
     nonpersistent_meta,
 )
+from fsdp_builder.materializers.conventions import (
+    _SUBTREE_RULES,
+    NO_LINEAGE,
+    Lineage,
+    initializer_of,
+    lineages,
+)
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.context import ConfigureContext
@@ -45,42 +52,6 @@ from fsdp_builder.runtime.tree import (
     tied_groups,
     unit_modules,
 )
-
-# torch.nn modules that own parameters but whose initializer is private. Found by scanning every
-# nn.Module subclass in torch.nn for direct parameters without ``reset_parameters``.
-_PRIVATE_INITIALIZERS: dict[type[nn.Module], str] = {
-    nn.MultiheadAttention: "_reset_parameters",
-}
-
-# Initializers a parent runs over its whole subtree after its children built themselves, as one
-# rule per parameter below it: nn.Transformer applies Xavier to every matrix of its layers. A
-# parent's own initializer cannot reach layers that are units of their own (materialized and
-# sharded before the parent), so the materializers apply the rule to each parameter below such
-# a parent right after that parameter's own module is initialized.
-SubtreeRule = Callable[[torch.Tensor], object]
-
-
-def _xavier_matrices(param: torch.Tensor) -> None:
-    if param.dim() > 1:
-        nn.init.xavier_uniform_(param)
-
-
-_SUBTREE_RULES: dict[type[nn.Module], SubtreeRule] = {nn.Transformer: _xavier_matrices}
-
-
-def register_subtree_rule(parent: type[nn.Module], rule: SubtreeRule) -> None:
-    """Make ``ResetParameters``, ``DeterministicInit`` and ``ShardFirstReset`` call
-    ``rule(param)`` on every parameter below a module of type ``parent``, after that
-    parameter's own module was initialized (what ``parent``'s constructor does to its
-    subtree). Registering a type again replaces its rule."""
-    if not (isinstance(parent, type) and issubclass(parent, nn.Module)) or not callable(rule):
-        raise config_error(
-            "register_subtree_rule",
-            "parent",
-            f"expected an nn.Module subclass and a callable, got {parent!r} and {rule!r}",
-            "Pass e.g. register_subtree_rule(MyModel, lambda p: nn.init.normal_(p, std=0.02)).",
-        )
-    _SUBTREE_RULES[parent] = rule
 
 
 def unreached_subtrees(plan: UnitPlan) -> list[tuple[str, list[str]]]:
@@ -107,29 +78,6 @@ def warn_unreached_subtrees(plan: UnitPlan, who: str) -> None:
         )
 
 
-def subtree_rules(model: nn.Module) -> dict[int, tuple[SubtreeRule, ...]]:
-    """Module id → the rules of its registered ancestors, outermost first."""
-    found: dict[int, tuple[SubtreeRule, ...]] = {}
-    stack: list[tuple[nn.Module, tuple[SubtreeRule, ...]]] = [(model, ())]
-    while stack:
-        module, inherited = stack.pop()
-        found[id(module)] = inherited
-        own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
-        stack.extend((child, inherited + own) for child in module.children())
-    return found
-
-
-def initializer_of(module: nn.Module) -> Callable[[], object] | None:
-    """The module's parameter initializer: ``reset_parameters`` or a known private one."""
-    public = getattr(module, "reset_parameters", None)
-    if callable(public):
-        return public
-    for cls, attr in _PRIVATE_INITIALIZERS.items():
-        if isinstance(module, cls):
-            return getattr(module, attr)
-    return None
-
-
 def seed_generators(seed: int, device: torch.device) -> None:
     """Seed the generators an initializer draws from for tensors on ``device`` (always the
     CPU's). Cheaper than ``torch.manual_seed``, which also queues a seed, with a recorded stack
@@ -153,10 +101,11 @@ def buffers_to_compute(
     sets (all of them when ``initialized`` is False: a loader runs no initializer), computed by
     the model's whole-model initializer (see ``fsdp_builder.materializers.buffers``). Local."""
     modules = [m for m in model.modules() if m not in ignored.modules]
+    found = lineages(model) if initialized else {}
     wanted = [
         (m, name)
         for m, name in nonpersistent_meta(modules)
-        if not initialized or initializer_of(m) is None
+        if not initialized or initializer_of(m, found.get(id(m), NO_LINEAGE)) is None
     ]
     return compute_buffers(model, wanted)
 
@@ -263,6 +212,9 @@ class BaseMaterializer(DeclaredHooks):
     # that only works locally sets False and saves ranks an agreement per unit.
     communicates: ClassVar[bool] = True
     shard_first: ClassVar[bool] = False
+    # Whether modules inside a library's model (transformers) are initialized by that model's
+    # convention, stateless ones included (see fsdp_builder.materializers.conventions).
+    library_conventions: ClassVar[bool] = False
 
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
         return None
@@ -279,8 +231,9 @@ class BaseMaterializer(DeclaredHooks):
     def init_module(self, module: nn.Module, fqn: str) -> None:
         raise NotImplementedError
 
-    def init_owned(self, module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
-        """``init_module``, given the subtree rules of the module's ancestors (see
+    def init_owned(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        """``init_module``, given what the module's ancestors decide (its library's model-level
+        initializer, registered parents' subtree rules: see
         ``register_subtree_rule``); the default ignores them."""
         self.init_module(module, fqn)
 
@@ -324,11 +277,15 @@ class BaseMaterializer(DeclaredHooks):
             modules, self.storage_device or device, only_meta=not self.reinitialize
         )
 
-        rules = subtree_rules(model if model is not None else root)
+        found = lineages(model if model is not None else root)
 
         def init(module: nn.Module, fqn: str) -> None:
-            if self.wants(module, modules):
-                self.init_owned(module, fqn, rules.get(id(module), ()))
+            lineage = found.get(id(module), NO_LINEAGE)
+            # A library's model-level initializer may set a child's states from its parent
+            # (GPT-2 scales c_proj from its attention block), so it visits stateless modules.
+            library = self.library_conventions and lineage.library_init is not None
+            if library or self.wants(module, modules):
+                self.init_owned(module, fqn, lineage)
 
         initialize_children_first(
             root,
@@ -370,6 +327,7 @@ class BaseMaterializer(DeclaredHooks):
 
 def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) -> list[str]:
     missing: list[str] = []
+    found = lineages(plan.root.module)
     for unit in plan:
         names = module_names(unit.module)
         for m in unit_modules(unit.module, ignored.modules):
@@ -378,12 +336,12 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
                 continue
             if _only_nonpersistent_buffers(m):
                 continue  # computed for the build (fsdp_builder.materializers.buffers)
-            if initializer_of(m) is None:
+            if initializer_of(m, found.get(id(m), NO_LINEAGE)) is None:
                 missing.append(
                     f"{clean_name(qualified(unit.fqn, names.get(id(m), ''))) or '<root>'} "
                     f"({type(m).__name__})"
                 )
-    return missing
+    return list(dict.fromkeys(missing))  # a module shared by two units is named once
 
 
 def _only_nonpersistent_buffers(module: nn.Module) -> bool:
@@ -393,9 +351,10 @@ def _only_nonpersistent_buffers(module: nn.Module) -> bool:
     return bool(names) and all(n in module._non_persistent_buffers_set for n in names)
 
 
-def run_initializer(module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
-    """The module's own initializer, then its ancestors' subtree rules on its parameters."""
-    init = initializer_of(module)
+def run_initializer(module: nn.Module, fqn: str, lineage: Lineage = NO_LINEAGE) -> None:
+    """The module's initializer by its model's convention, then its ancestors' subtree rules on
+    its parameters."""
+    init = initializer_of(module, lineage)
     if init is None and _only_nonpersistent_buffers(module):
         return  # its buffers are computed for the build and filled after
     if init is None:  # refused by check(); reached only when bypassed
@@ -403,15 +362,25 @@ def run_initializer(module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...])
             f"'{fqn or '<root>'}' ({type(module).__name__}) has no reset_parameters(); add one."
         )
     init()
-    for rule in rules:
+    for rule in lineage.rules:
         for param in module.parameters(recurse=False):
             rule(param)
 
 
+_NO_INITIALIZER_FIX = (
+    "Give their class a reset_parameters() method, or register one with "
+    "`fsdp_builder.register_initializer(TheirClass, fn)` (fn(module) sets the module's own "
+    "states in place), or load their values with FromCheckpoint(path) / FromStateDict(...)."
+)
+
+
 @frozen
 class ResetParameters(BaseMaterializer):
-    """``to_empty`` + ``reset_parameters()`` for each owned module that has states on meta
-    (``nn.MultiheadAttention``'s and ``nn.Transformer``'s private initializers included).
+    """``to_empty`` + each owned module's initializer for modules that have states on meta:
+    ``reset_parameters()`` (``nn.MultiheadAttention``'s and ``nn.Transformer``'s private
+    initializers included), a registered one (``register_initializer``), or, inside a Hugging
+    Face transformers model, the model's own ``_init_weights`` (what ``Model(config)`` gives,
+    RoPE tables and ``position_ids`` included).
 
     Modules not on meta are left as they are, so ranks that already hold real weights keep them.
     Values come from each rank's global RNG: seed every rank alike, or follow with a synchronizer.
@@ -430,6 +399,7 @@ class ResetParameters(BaseMaterializer):
     """
 
     communicates: ClassVar[bool] = False
+    library_conventions: ClassVar[bool] = True
 
     @override
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
@@ -437,17 +407,16 @@ class ResetParameters(BaseMaterializer):
         if missing:
             raise MaterializationError(
                 "`ResetParameters` cannot initialize these modules on the meta device because "
-                f"they have no reset_parameters(): {', '.join(missing)}. Add a "
-                "reset_parameters() method to them, or use InitFn(fn) / FromStateDict(...)."
+                f"they have no initializer: {', '.join(missing)}. {_NO_INITIALIZER_FIX}"
             )
 
     @override
     def init_module(self, module: nn.Module, fqn: str) -> None:
-        run_initializer(module, fqn, ())
+        run_initializer(module, fqn)
 
     @override
-    def init_owned(self, module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
-        run_initializer(module, fqn, rules)
+    def init_owned(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        run_initializer(module, fqn, lineage)
 
 
 def _check_callable(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -652,16 +621,15 @@ class DeterministicInit(ResetParameters):
         missing = _uninitializable(plan, ignored, meta_only=False)
         if missing:
             raise MaterializationError(
-                f"`DeterministicInit` cannot initialize these modules because they have no "
-                f"reset_parameters(): {', '.join(missing)}. Add a reset_parameters() method to "
-                "them, or use InitFn(fn) / FromStateDict(...)."
+                "`DeterministicInit` cannot initialize these modules because they have no "
+                f"initializer: {', '.join(missing)}. {_NO_INITIALIZER_FIX}"
             )
 
     @override
-    def init_owned(self, module: nn.Module, fqn: str, rules: tuple[SubtreeRule, ...]) -> None:
+    def init_owned(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         with torch.random.fork_rng(devices=[]):
             seed_generators(derived_seed(self.seed, fqn), torch.device("cpu"))
-            run_initializer(module, fqn, rules)
+            run_initializer(module, fqn, lineage)
 
 
 @frozen

@@ -33,18 +33,17 @@ from typing_extensions import override
 
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
+from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, lineages
 from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     MaterializerRun,
     ResetParameters,
-    SubtreeRule,
     buffers_to_compute,
     check_seed,
     initialize_children_first,
     initializer_of,
     run_initializer,
     seed_generators,
-    subtree_rules,
 )
 from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import Unit, UnitPlan
@@ -125,7 +124,7 @@ class _ShardFirstRun:
     env: Environment
     base_seed: int
     computed: Computed
-    rules: dict[int, tuple[SubtreeRule, ...]]
+    rules: dict[int, Lineage]
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
@@ -139,11 +138,12 @@ class _ShardFirstRun:
         rules = self.rules
 
         def init(module: nn.Module, fqn: str) -> None:
-            if id(module) not in pending or initializer_of(module) is None:
+            lineage = rules.get(id(module), NO_LINEAGE)
+            if id(module) not in pending or initializer_of(module, lineage) is None:
                 return  # real, or buffers only: to_empty gave it storage
             with torch.random.fork_rng(devices=_fork_devices(env.device)):
                 seed_generators(shard_seed(self.base_seed, index, fqn), env.device)
-                run_initializer(module, fqn, rules.get(id(module), ()))
+                run_initializer(module, fqn, lineage)
 
         initialize_children_first(
             unit.module,
@@ -201,7 +201,7 @@ class ShardFirstReset(ResetParameters):
         """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module
         computed = buffers_to_compute(model, env.ignored)
-        return _ShardFirstRun(env, agree_on_seed(env, self.seed), computed, subtree_rules(model))
+        return _ShardFirstRun(env, agree_on_seed(env, self.seed), computed, lineages(model))
 
 
 @define

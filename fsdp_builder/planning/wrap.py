@@ -1,7 +1,10 @@
 """Wrap policies: which modules become their own shard unit.
 
-Three forms are accepted: module classes, a predicate on ``(module, fqn)``, or one of torch's own
-wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``).
+Four forms are accepted: module classes, a predicate on ``(module, fqn)``, one of torch's own
+wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``), or :class:`NoSplitModules` (the
+block classes a Hugging Face transformers model names in ``_no_split_modules``, as Accelerate's
+transformer-based wrap picks them). Without a policy, a model that names such classes is wrapped
+by them; any other model is one unit.
 """
 
 from __future__ import annotations
@@ -17,8 +20,34 @@ from torch.distributed.fsdp.wrap import _Policy
 from fsdp_builder.config import CheckpointPredicate, PerUnitFn
 from fsdp_builder.errors import config_error
 from fsdp_builder.planning.ignored import is_wrapped
+from fsdp_builder.runtime.logs import build_logger
 
 WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
+
+
+@frozen
+class NoSplitModules:
+    """Wrap the block classes the model names in ``_no_split_modules`` (Hugging Face
+    transformers models, nested ones included): each decoder or encoder layer becomes a unit.
+
+    What a build without ``.wrap(...)`` uses for such a model; pass it to say so explicitly.
+
+    Example:
+        ```python
+        FullyShardBuilder().wrap(NoSplitModules()).build(llama)  # LlamaDecoderLayer units
+        ```
+    """
+
+
+def no_split_class_names(model: nn.Module) -> tuple[str, ...]:
+    """The class names in ``_no_split_modules`` of ``model`` and of every module below it that
+    declares one (transformers' own collection rule), in first-seen order."""
+    names: dict[str, None] = {}
+    for module in model.modules():
+        declared = getattr(module, "_no_split_modules", None)
+        if isinstance(declared, list | tuple | set):
+            names.update((str(n), None) for n in declared)
+    return tuple(names)
 
 
 def _is_module_class(value: Any) -> bool:
@@ -35,6 +64,8 @@ class WrapPolicy:
     # FSDP1's callable policies, e.g. partial(transformer_auto_wrap_policy, ...): called as
     # (module, recurse, nonwrapped_numel).
     legacy_policy: Callable[..., bool] | None = None
+    # Classes named by the model's ``_no_split_modules``, resolved against the model at plan time.
+    no_split: bool = False
 
     @classmethod
     def of(cls, spec: Any) -> WrapPolicy:
@@ -43,6 +74,8 @@ class WrapPolicy:
             return spec
         if spec is None:
             return cls()
+        if isinstance(spec, NoSplitModules):
+            return cls(no_split=True)
         if isinstance(spec, _Policy):
             return cls(torch_policy=spec)
         if _is_module_class(spec):
@@ -80,8 +113,44 @@ class WrapPolicy:
             "partial(transformer_auto_wrap_policy, ...)).",
         )
 
+    def is_default(self) -> bool:
+        return self == WrapPolicy()
+
+    def _by_names(self, root: nn.Module) -> tuple[type[nn.Module], ...]:
+        """The classes of ``root``'s modules named by its ``_no_split_modules``."""
+        names = set(no_split_class_names(root))
+        found: dict[type[nn.Module], None] = {}
+        for module in root.modules():
+            if type(module).__name__ in names:
+                found[type(module)] = None
+        return tuple(found)
+
     def select(self, root: nn.Module, ignored_modules: frozenset[nn.Module]) -> set[nn.Module]:
-        """The modules of ``root`` (root excluded) that this policy makes units."""
+        """The modules of ``root`` (root excluded) that this policy makes units. Raises a
+        ConfigurationError when module classes are given and the model has none of them."""
+        if self.no_split or (self.is_default() and no_split_class_names(root)):
+            classes = self._by_names(root)
+            if not classes:
+                raise config_error(
+                    "ShardingBuilder.wrap",
+                    "policy",
+                    f"NoSplitModules() found no module of the classes "
+                    f"{list(no_split_class_names(root)) or '(none declared)'} that "
+                    f"{type(root).__name__}._no_split_modules names",
+                    _wrap_fix(root),
+                )
+            chosen = WrapPolicy(classes=classes).select(root, ignored_modules)
+            # A block whose parameter is tied to one outside it (BERT's word embeddings and its
+            # MLM decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
+            # transformer-based wrap leaves tied modules to the root.
+            tied = _tied_outside(root, chosen)
+            build_logger(__name__).info(
+                "wrap_no_split_modules",
+                classes=[c.__name__ for c in classes],
+                explicit=self.no_split,
+                left_to_parent=sorted(tied.values()),
+            )
+            return chosen - set(tied)
         if self.torch_policy is not None:
             # torch's policies answer for a root; their target kwargs are FSDP1 overrides we
             # do not apply per unit, so only the selected modules matter here.
@@ -97,6 +166,14 @@ class WrapPolicy:
                 selected.add(module)
             elif self.predicate is not None and self.predicate(module, fqn):
                 selected.add(module)
+        if self.classes and not any(isinstance(m, self.classes) for m in root.modules()):
+            raise config_error(
+                "ShardingBuilder.wrap",
+                "policy",
+                f"no module of {type(root).__name__} is a "
+                f"{' or '.join(c.__name__ for c in self.classes)}, so the model would be one unit",
+                _wrap_fix(root),
+            )
         return selected
 
     def overrides(
@@ -125,6 +202,8 @@ class WrapPolicy:
         return found
 
     def describe(self) -> str:
+        if self.no_split:
+            return "NoSplitModules"
         if self.torch_policy is not None:
             return type(self.torch_policy).__name__
         if self.legacy_policy is not None:
@@ -135,6 +214,50 @@ class WrapPolicy:
         if self.predicate is not None:
             return getattr(self.predicate, "__name__", "predicate")
         return "root-only"
+
+
+def _tied_outside(root: nn.Module, chosen: set[nn.Module]) -> dict[nn.Module, str]:
+    """The modules of ``chosen`` holding a parameter that is also registered outside them,
+    with their qualified names."""
+    registrations: dict[int, int] = {}
+    for module in root.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                registrations[id(p)] = registrations.get(id(p), 0) + 1
+    names = {m: n for n, m in root.named_modules()}
+    out: dict[nn.Module, str] = {}
+    for module in chosen:
+        inside: dict[int, int] = {}
+        for sub in module.modules():
+            for p in sub._parameters.values():
+                if p is not None:
+                    inside[id(p)] = inside.get(id(p), 0) + 1
+        if any(registrations[i] > n for i, n in inside.items()):
+            out[module] = names.get(module, "?")
+    return out
+
+
+def block_like_classes(model: nn.Module) -> list[str]:
+    """Names of the classes that look like a model's blocks: those its ``_no_split_modules``
+    names, then the classes of ``nn.ModuleList`` members, most frequent first."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                name = type(child).__name__
+                counts[name] = counts.get(name, 0) + 1
+    ranked = sorted(counts, key=lambda n: -counts[n])
+    return list(dict.fromkeys([*no_split_class_names(model), *ranked]))
+
+
+def _wrap_fix(model: nn.Module) -> str:
+    blocks = block_like_classes(model)
+    if not blocks:
+        return "Pass classes of modules of this model, or a callable (module, fqn) -> bool."
+    return (
+        f"Classes of {type(model).__name__} that look like blocks: {', '.join(blocks[:6])}; "
+        f"pass those, e.g. `.wrap({blocks[0]})`, or a callable (module, fqn) -> bool."
+    )
 
 
 def unit_overrides(
@@ -293,7 +416,10 @@ def _legacy_select(
 
 
 __all__ = [
+    "NoSplitModules",
     "WrapPolicy",
+    "block_like_classes",
+    "no_split_class_names",
     "WrapPredicate",
     "checkpoint_predicate",
     "checkpoint_unit",

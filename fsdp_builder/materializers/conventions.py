@@ -1,0 +1,199 @@
+"""Init conventions: how each module of a model gets its values, as the model's own library
+would give them.
+
+A module is initialized by, in this order of precedence:
+
+1. an initializer registered for its class (``register_initializer``);
+2. its library's model-level initializer when it sits inside a Hugging Face transformers model
+   (``PreTrainedModel._init_weights(module)`` of the nearest enclosing ``PreTrainedModel``, the
+   function ``Model(config)`` runs after construction; it also computes RoPE tables and
+   ``position_ids``), falling back to the module's ``reset_parameters`` for what it leaves
+   unwritten;
+3. PyTorch's convention: ``reset_parameters()`` (or a known private initializer).
+
+What a module's ancestors add to it is its :class:`Lineage`: the library initializer above and the
+subtree rules of registered parents (``nn.Transformer`` applies Xavier to its layers). Lineages
+are computed in one walk of the model (``lineages``), once per build or check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from attrs import frozen
+from torch import nn
+
+from fsdp_builder.errors import MaterializationError, config_error
+
+# Initializers a parent runs over its whole subtree after its children built themselves, as one
+# rule per parameter below it. A parent's own initializer cannot reach layers that are units of
+# their own (materialized and sharded before the parent), so the materializers apply the rule
+# to each parameter below such a parent right after that parameter's own module is initialized.
+SubtreeRule = Callable[[torch.Tensor], object]
+ModuleInitializer = Callable[[nn.Module], object]
+
+
+def _xavier_matrices(param: torch.Tensor) -> None:
+    if param.dim() > 1:
+        nn.init.xavier_uniform_(param)
+
+
+_SUBTREE_RULES: dict[type[nn.Module], SubtreeRule] = {nn.Transformer: _xavier_matrices}
+
+# torch.nn modules that own parameters but whose initializer is private. Found by scanning every
+# nn.Module subclass in torch.nn for direct parameters without ``reset_parameters``.
+_REGISTERED: dict[type[nn.Module], ModuleInitializer] = {
+    nn.MultiheadAttention: lambda m: m._reset_parameters(),
+}
+
+
+def register_subtree_rule(parent: type[nn.Module], rule: SubtreeRule) -> None:
+    """Make ``ResetParameters``, ``DeterministicInit`` and ``ShardFirstReset`` call
+    ``rule(param)`` on every parameter below a module of type ``parent``, after that
+    parameter's own module was initialized (what ``parent``'s constructor does to its
+    subtree). Registering a type again replaces its rule."""
+    if not (isinstance(parent, type) and issubclass(parent, nn.Module)) or not callable(rule):
+        raise config_error(
+            "register_subtree_rule",
+            "parent",
+            f"expected an nn.Module subclass and a callable, got {parent!r} and {rule!r}",
+            "Pass e.g. register_subtree_rule(MyModel, lambda p: nn.init.normal_(p, std=0.02)).",
+        )
+    _SUBTREE_RULES[parent] = rule
+
+
+def register_initializer(module_class: type[nn.Module], init: ModuleInitializer) -> None:
+    """Initialize every module of ``module_class`` (subclasses included) with ``init(module)``:
+    it must give the module's own parameters and buffers their values in place (its storage
+    exists, on the compute device or the CPU). Used by ``ResetParameters``, ``DeterministicInit``,
+    ``ShardFirstReset`` and by the loaders to compute non-persistent buffers. Registering a
+    class again replaces its initializer.
+
+    Example:
+        ```python
+        register_initializer(MyNorm, lambda m: torch.nn.init.ones_(m.weight))
+        ```
+    """
+    if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+        raise config_error(
+            "register_initializer",
+            "module_class",
+            f"expected an nn.Module subclass, got {module_class!r}",
+            "Pass the class whose instances `init` initializes, e.g. "
+            "register_initializer(MyNorm, lambda m: nn.init.ones_(m.weight)).",
+        )
+    if not callable(init):
+        raise config_error(
+            "register_initializer",
+            "init",
+            f"expected a callable taking the module, got {type(init).__name__} {init!r}",
+            "Pass e.g. `lambda m: nn.init.ones_(m.weight)`.",
+        )
+    _REGISTERED[module_class] = init
+
+
+def _registered(module: nn.Module) -> ModuleInitializer | None:
+    for cls in type(module).__mro__:
+        found = _REGISTERED.get(cls)
+        if found is not None:
+            return found
+    return None
+
+
+def library_initializer(module: nn.Module) -> ModuleInitializer | None:
+    """The model-level initializer ``module`` applies to each module below it, if it is a model
+    of a library with such a convention: a Hugging Face ``PreTrainedModel``
+    (``_init_weights(module)``, driven by ``module.config``). Detected without importing the
+    library."""
+    init = getattr(module, "_init_weights", None)
+    if callable(init) and hasattr(module, "config") and callable(getattr(module, "post_init", 0)):
+        return init  # type: ignore[no-any-return]
+    return None
+
+
+@frozen
+class Lineage:
+    """What a module's ancestors decide about its initialization: the model-level initializer
+    of the nearest enclosing library model (the module itself included), and the subtree rules
+    of registered parents, outermost first."""
+
+    library_init: ModuleInitializer | None = None
+    rules: tuple[SubtreeRule, ...] = ()
+
+
+NO_LINEAGE = Lineage()
+
+
+def lineages(model: nn.Module) -> dict[int, Lineage]:
+    """Module id → its :class:`Lineage`, for every module of ``model`` (one walk)."""
+    found: dict[int, Lineage] = {}
+    stack: list[tuple[nn.Module, Lineage]] = [(model, NO_LINEAGE)]
+    while stack:
+        module, inherited = stack.pop()
+        library = library_initializer(module) or inherited.library_init
+        lineage = Lineage(library, inherited.rules)
+        found[id(module)] = lineage
+        own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
+        below = Lineage(library, inherited.rules + own) if own else lineage
+        stack.extend((child, below) for child in module.children())
+    return found
+
+
+def torch_initializer(module: nn.Module) -> Callable[[], object] | None:
+    """PyTorch's convention: ``reset_parameters`` or a registered initializer of its class."""
+    registered = _registered(module)
+    if registered is not None:
+        return lambda: registered(module)
+    public = getattr(module, "reset_parameters", None)
+    return public if callable(public) else None
+
+
+def _direct(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in module._parameters.items() if t is not None] + [
+        (n, t) for n, t in module._buffers.items() if t is not None
+    ]
+
+
+def _unwritten(module: nn.Module, versions: dict[str, int]) -> list[str]:
+    # An in-place write bumps a tensor's version counter: "written" is decided without ever
+    # reading values, so fresh (uninitialized) storage cannot fool it.
+    return [n for n, t in _direct(module) if t._version == versions.get(n, -1)]
+
+
+def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> None:
+    """The library's initializer; states it leaves unwritten get what the module's constructor
+    gave them first (``reset_parameters``), after which the library's initializer runs again,
+    as in eager construction (constructor, then the model's ``post_init``)."""
+    for _, t in _direct(module):
+        if getattr(t, "_is_hf_initialized", False):
+            t._is_hf_initialized = False  # type: ignore[attr-defined]  # re-initialized now
+    versions = {n: t._version for n, t in _direct(module)}
+    library_init(module)
+    left = _unwritten(module, versions)
+    if not left:
+        return
+    fallback = torch_initializer(module)
+    if fallback is None:
+        owner = getattr(library_init, "__self__", None)
+        raise MaterializationError(
+            f"{type(owner).__name__ if owner is not None else 'The model'}._init_weights does not "
+            f"set {', '.join(left)} of {type(module).__name__}, which has no reset_parameters(). "
+            f"Register one: `register_initializer({type(module).__name__}, fn)`, or load the "
+            "values with FromCheckpoint(...)."
+        )
+    fallback()
+    library_init(module)
+
+
+def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable[[], Any] | None:
+    """The initializer of ``module`` by its model's convention (see the module docstring), or
+    None when there is none."""
+    registered = _registered(module)
+    if registered is not None:
+        return lambda: registered(module)
+    library = lineage.library_init
+    if library is not None:
+        return lambda: _library_then_torch(module, library)
+    return torch_initializer(module)
