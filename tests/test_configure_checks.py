@@ -406,7 +406,8 @@ def test_checkpointing_a_class_not_in_the_model_names_the_blocks(world1: None) -
         demo(),
         r"activation_checkpointing` got an invalid `policy`: it chooses no module of "
         r"DemoTransformer",
-        r"repeated blocks are Block \(x2\): pass one of those classes",
+        r"Classes of DemoTransformer that look like blocks: Block; pass those, e.g. "
+        r"`\.activation_checkpointing\(Block\)`",
     )
 
 

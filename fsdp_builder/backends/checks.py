@@ -19,7 +19,7 @@ from fsdp_builder.config import ShardingOptions
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.planning.ignored import clean_name, is_wrapped
 from fsdp_builder.planning.plan import Unit, UnitPlan
-from fsdp_builder.planning.wrap import unit_overrides
+from fsdp_builder.planning.wrap import block_like_classes, unit_overrides
 from fsdp_builder.runtime.context import ConfigureContext
 
 _SHOWN = 6
@@ -200,17 +200,18 @@ def check_checkpointing_chooses(
                 f"({type(module).__name__})",
                 "Make it return True or False for every module of the model.",
             ) from exc
-    blocks = looks_like_blocks(context.model)
+    blocks = block_like_classes(context.model)[:6]
     hint = (
-        f"The model's repeated blocks are {', '.join(blocks)}: pass one of those classes"
+        f"Classes of {type(context.model).__name__} that look like blocks: {', '.join(blocks)}; "
+        f"pass those, e.g. `.activation_checkpointing({blocks[0]})`"
         if blocks
-        else "Pass a module class the model contains"
+        else "Pass a module class the model contains, or a callable (module, fqn) -> bool"
     )
     raise config_error(
         f"{where}.activation_checkpointing",
         "policy",
         f"it chooses no module of {type(context.model).__name__}, so nothing would be checkpointed",
-        f"{hint}, or drop the activation_checkpointing(...) call.",
+        f"{hint}; or drop the activation_checkpointing(...) call.",
     )
 
 
@@ -227,20 +228,6 @@ def _modules_to_checkpoint(
                 stack.append((f"{fqn}.{name}" if fqn else name, child))
 
 
-def looks_like_blocks(model: nn.Module, shown: int = 4) -> list[str]:
-    """Class names that look like a model's blocks: classes of the model's own (not torch.nn's)
-    with parameters that occur more than once, most frequent first."""
-    counts: dict[type[nn.Module], int] = {}
-    for module in model.modules():
-        kind = type(module)
-        if kind.__module__.startswith("torch.") or module is model:
-            continue
-        if next(module.parameters(), None) is not None:
-            counts[kind] = counts.get(kind, 0) + 1
-    repeated = sorted(((n, kind) for kind, n in counts.items() if n > 1), key=lambda item: -item[0])
-    return [f"{kind.__name__} (x{n})" for n, kind in repeated[:shown]]
-
-
 __all__ = [
     "called_overrides",
     "check_composition",
@@ -248,6 +235,5 @@ __all__ = [
     "check_fsdp2_plan",
     "check_per_unit",
     "check_root_not_wrapped",
-    "looks_like_blocks",
     "unit_parameters",
 ]
