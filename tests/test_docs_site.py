@@ -44,3 +44,41 @@ def test_the_docs_site_is_built_by_the_test_command() -> None:
     command = next(line for line in readme.splitlines() if "pytest -q" in line)
     assert "mkdocs build --strict -q && pytest -q" in command
     assert command in (REPO / ".ci" / "run").read_text()
+
+
+# Names from other libraries, checked by those libraries' own documentation rather than ours.
+FOREIGN = {"torch", "transformers", "accelerate", "safetensors", "structlog", "attrs", "nn"}
+FOREIGN |= {"dist", "np", "os", "sys", "logging", "warnings", "pytest", "json"}
+FILE_SUFFIXES = (".py", ".md", ".json", ".safetensors", ".bin", ".pt", ".txt", ".sh", ".yml")
+FILE_SUFFIXES += (".cfg", ".toml", ".npz", ".metadata", ".whl", ".index")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+CODE_NAME = re.compile(r"^(?P<dotted>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?P<call>\(.*\))?$")
+
+
+def code_words() -> set[str]:
+    """Every identifier in the repository's Python code (library, harness, recipes, tests)."""
+    text = "\n".join(
+        path.read_text()
+        for folder in ("fsdp_builder", "benchmarks", "docs/recipes", "tests")
+        for path in (REPO / folder).rglob("*.py")
+    )
+    return set(re.findall(r"[A-Za-z_]\w*", text))
+
+
+def test_every_code_name_a_page_mentions_exists() -> None:
+    """A name in backticks with a dot or a call (``Builder.build``, ``run_build(...)``) must
+    name code that exists: pages may not describe functions that were renamed or removed."""
+    words = code_words()
+    stale: list[str] = []
+    for page in [*sorted(DOCS.rglob("*.md")), REPO / "README.md"]:
+        for span in CODE_SPAN.findall(page.read_text()):
+            found = CODE_NAME.match(span.strip())
+            if found is None or ("." not in found["dotted"] and not found["call"]):
+                continue
+            parts = found["dotted"].split(".")
+            if parts[0] in FOREIGN or found["dotted"].endswith(FILE_SUFFIXES):
+                continue
+            missing = [part for part in parts if part not in words]
+            if missing:
+                stale.append(f"{page.relative_to(REPO)}: `{span}` ({', '.join(missing)} not found)")
+    assert not stale, "pages name code that does not exist:\n" + "\n".join(stale)

@@ -87,14 +87,14 @@ def _by_module(owner: nn.Module, lineage: Lineage, names: list[str]) -> dict[str
     return out
 
 
-def _whole_model_kwargs(init: Callable[..., Any]) -> dict[str, Any]:
-    """``buffer_device`` for initializers that take it by name or through ``**kwargs``
-    (torchtitan's models declare both forms)."""
+def whole_model_kwargs(init: Callable[..., Any], device: torch.device) -> dict[str, Any]:
+    """``buffer_device=device`` for initializers that take it by name or through ``**kwargs``
+    (torchtitan's models declare both forms), else nothing."""
     params = inspect.signature(init).parameters.values()
     takes = any(
         p.name == "buffer_device" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params
     )
-    return {"buffer_device": torch.device("cpu")} if takes else {}
+    return {"buffer_device": device} if takes else {}
 
 
 def compute_buffers(model: nn.Module, wanted: list[tuple[nn.Module, str]]) -> Computed:
@@ -155,7 +155,7 @@ def _by_whole_model(
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # initializers on meta tensors may warn; nothing real
-            shadow_init(**_whole_model_kwargs(shadow_init))
+            shadow_init(**whole_model_kwargs(shadow_init, torch.device("cpu")))
     except Exception as exc:
         raise MaterializationError(
             f"Computing the non-persistent buffers {', '.join(names[:8])} with "

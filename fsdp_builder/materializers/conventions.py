@@ -42,10 +42,16 @@ def _xavier_matrices(param: torch.Tensor) -> None:
 
 _SUBTREE_RULES: dict[type[nn.Module], SubtreeRule] = {nn.Transformer: _xavier_matrices}
 
+
 # torch.nn modules that own parameters but whose initializer is private. Found by scanning every
 # nn.Module subclass in torch.nn for direct parameters without ``reset_parameters``.
+def _multihead_attention(module: nn.Module) -> None:
+    assert isinstance(module, nn.MultiheadAttention)
+    module._reset_parameters()
+
+
 _REGISTERED: dict[type[nn.Module], ModuleInitializer] = {
-    nn.MultiheadAttention: lambda m: m._reset_parameters(),
+    nn.MultiheadAttention: _multihead_attention,
 }
 
 
@@ -109,7 +115,7 @@ def library_initializer(module: nn.Module) -> ModuleInitializer | None:
     library."""
     init = getattr(module, "_init_weights", None)
     if callable(init) and hasattr(module, "config") and callable(getattr(module, "post_init", 0)):
-        return init  # type: ignore[no-any-return]
+        return init
     return None
 
 

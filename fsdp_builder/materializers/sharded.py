@@ -19,7 +19,6 @@ on the meta device, then calls the materializer. Two materializers work on such 
 
 from __future__ import annotations
 
-import inspect
 from typing import ClassVar
 
 import attrs
@@ -32,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from fsdp_builder.errors import MaterializationError, config_error
-from fsdp_builder.materializers.buffers import Computed, fill_buffers
+from fsdp_builder.materializers.buffers import Computed, fill_buffers, whole_model_kwargs
 from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, lineages
 from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
@@ -226,9 +225,7 @@ class _InitWeightsRun:
                     local.zero_()
         if unit.is_root:
             init = getattr(unit.module, self.method)
-            kwargs = {}
-            if "buffer_device" in inspect.signature(init).parameters:
-                kwargs["buffer_device"] = env.device
+            kwargs = whole_model_kwargs(init, env.device)
             with (
                 torch.no_grad(),
                 torch.random.fork_rng(devices=_fork_devices(env.device)),

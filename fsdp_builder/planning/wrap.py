@@ -139,18 +139,18 @@ class WrapPolicy:
                     f"{type(root).__name__}._no_split_modules names",
                     _wrap_fix(root),
                 )
-            chosen = WrapPolicy(classes=classes).select(root, ignored_modules)
+            picked = WrapPolicy(classes=classes).select(root, ignored_modules)
             # A block whose parameter is tied to one outside it (BERT's word embeddings and its
             # MLM decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
             # transformer-based wrap leaves tied modules to the root.
-            tied = _tied_outside(root, chosen)
+            tied = _tied_outside(root, picked)
             build_logger(__name__).info(
                 "wrap_no_split_modules",
                 classes=[c.__name__ for c in classes],
                 explicit=self.no_split,
                 left_to_parent=sorted(tied.values()),
             )
-            return chosen - set(tied)
+            return picked - set(tied)
         if self.torch_policy is not None:
             # torch's policies answer for a root; their target kwargs are FSDP1 overrides we
             # do not apply per unit, so only the selected modules matter here.
