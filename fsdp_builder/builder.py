@@ -25,10 +25,12 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     ShardingStrategy,
 )
+from typing_extensions import override
 
 from fsdp_builder.backends import Backend
-from fsdp_builder.backends.fsdp1 import FSDP1Backend, check_fsdp2_only_options
+from fsdp_builder.backends.fsdp1 import FSDP1Backend
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
+from fsdp_builder.backends.registry import backend_named
 from fsdp_builder.compiling import CompileSpec
 from fsdp_builder.config import (
     PerUnitFn,
@@ -49,6 +51,9 @@ from fsdp_builder.runtime.report import BuildReport
 from fsdp_builder.synchronizers import Chain, StateSynchronizer
 
 B = TypeVar("B", bound="ShardingBuilder")
+
+# About 31 years: far beyond any wait, far below what timedelta and the groups' milliseconds hold.
+_LONGEST_TIMEOUT = 1e9
 
 
 def _protocol_members(protocol: type) -> list[str]:
@@ -314,23 +319,13 @@ class ShardingBuilder:
                 "Pass either a policy object or the dtypes as keywords.",
             )
         if policy is None:
-            policy = self._keyword_mixed_precision(given)
+            policy = self._backend().keyword_mixed_precision(given)
         self._check_backend_options(mixed_precision=policy)
         return self._option(mixed_precision=policy)
 
-    def _keyword_mixed_precision(self, given: dict[str, Any]) -> Any:
-        if "output_dtype" in given:
-            raise config_error(
-                f"{type(self).__name__}.mixed_precision",
-                "output_dtype",
-                "FullyShardedDataParallel's MixedPrecision has no output dtype",
-                "Cast the model's output yourself, or use FullyShardBuilder.",
-            )
-        return MixedPrecision(**given)
-
     def _check_backend_options(self, **changes: Any) -> None:
         """Refuse at once, before recording them, options this builder's backend cannot take."""
-        check_fsdp2_only_options(ShardingOptions(**changes))
+        self._backend().check(ShardingOptions(**changes))
 
     def cpu_offload(self: B, offload: CPUOffload | OffloadPolicy | bool = True) -> B:
         """Keep sharded parameters on the CPU between uses (FSDP2 also takes an OffloadPolicy /
@@ -352,9 +347,13 @@ class ShardingBuilder:
         """Per-unit overrides: ``fn(module, fqn)`` returns the backend's own arguments for that
         unit (``FullyShardedDataParallel``'s or ``fully_shard``'s), or None for none.
 
+        ``fn`` is called for every unit in the configure stage, where its results are checked,
+        and again when the unit is sharded: keep it a pure function of its arguments.
+
         Raises:
-            ConfigurationError: ``fn`` is not callable; at shard time, an argument the backend
-                cannot set per unit (named, with the fix); set twice (use ``clone()``).
+            ConfigurationError: ``fn`` is not callable; set twice (use ``clone()``). At build,
+                before any collective: an argument the backend cannot set per unit, or a value
+                of the wrong type (named, with the fix); ``fn`` raising (named with the unit).
 
         Example:
             ```python
@@ -381,7 +380,8 @@ class ShardingBuilder:
 
         Raises:
             ConfigurationError: not module classes or a ``(module, fqn)`` predicate; set twice (use
-                ``clone()``).
+                ``clone()``). At build, before any collective: a policy that chooses no module
+                of the model (the classes that look like its blocks are named).
 
         Example:
             ```python
@@ -474,6 +474,16 @@ class ShardingBuilder:
                 f"expected a positive number of seconds, got {seconds!r}",
                 "Pass e.g. .timeout(120).",
             )
+        if not seconds <= _LONGEST_TIMEOUT:
+            # Process groups hold timeouts as integer milliseconds: infinity or a huge value
+            # would overflow on every rank at the first bounded wait.
+            raise config_error(
+                "ShardingBuilder.timeout",
+                "seconds",
+                f"{seconds!r} is not a bound (at most {_LONGEST_TIMEOUT:.0e} seconds)",
+                "For no bound, leave .timeout(...) out: the process groups' own timeouts then "
+                "apply. Otherwise pass a finite number of seconds, e.g. .timeout(3600).",
+            )
         return self._set("timeout", float(seconds))
 
     def clone(self: B) -> B:
@@ -559,6 +569,7 @@ class ShardingBuilder:
 class FSDPBuilder(ShardingBuilder):
     """Builds ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1) models."""
 
+    @override
     def _backend(self) -> Backend:
         return FSDP1Backend()
 
@@ -566,20 +577,6 @@ class FSDPBuilder(ShardingBuilder):
 class FullyShardBuilder(ShardingBuilder):
     """Builds ``torch.distributed.fsdp.fully_shard`` (FSDP2) models; see
     ``fsdp_builder.backends.fsdp2`` for how each option maps and which ones are refused."""
-
-    def _keyword_mixed_precision(self, given: dict[str, Any]) -> Any:
-        """Keywords are fully_shard's: MixedPrecisionPolicy with its defaults (inputs cast)."""
-        if "buffer_dtype" in given:
-            raise config_error(
-                "FullyShardBuilder.mixed_precision",
-                "buffer_dtype",
-                "FSDP2 keeps buffers in their own dtype and does not cast them",
-                "Drop buffer_dtype, or cast the buffers of the model yourself before build().",
-            )
-        return MixedPrecisionPolicy(**given)
-
-    def _check_backend_options(self, **changes: Any) -> None:
-        return None
 
     def reshard_after_forward(self: B, value: bool | int) -> B:
         """``fully_shard``'s ``reshard_after_forward`` for every unit, the root included: True,
@@ -611,5 +608,16 @@ class FullyShardBuilder(ShardingBuilder):
         """
         return self._option(shard_placement_fn=fn)
 
+    @override
     def _backend(self) -> Backend:
         return FullyShardBackend()
+
+
+def builder_for(backend: str) -> ShardingBuilder:
+    """A new builder for the backend called ``backend`` (``"fsdp1"``, ``"fsdp2"``)."""
+    return _BUILDERS[backend_named(backend, "builder_for").name]()
+
+
+_BUILDERS: dict[str, type[ShardingBuilder]] = {
+    cls()._backend().name: cls for cls in (FSDPBuilder, FullyShardBuilder)
+}

@@ -72,6 +72,10 @@ class CompileSpec:
                 "torch.compile takes either mode or options, not both",
                 "Drop one of them (mode presets are option sets).",
             )
+        # torch.compile refuses these only when the first unit is compiled, after the units
+        # before it were checkpointed and sharded: refuse them when they are set.
+        _check_backend(given.get("backend", "inductor"))
+        _check_mode(given.get("mode"))
 
     @property
     def compile_kwargs(self) -> dict[str, Any]:
@@ -87,6 +91,45 @@ class CompileSpec:
     def after_shard(self, is_root: bool) -> bool:
         """Whether a unit is compiled after it is sharded (the whole model: the root)."""
         return not self.per_unit and is_root
+
+
+def _check_backend(backend: Any) -> None:
+    if callable(backend):
+        return
+    if not isinstance(backend, str):
+        raise config_error(
+            _WHERE,
+            "backend",
+            f"expected a backend name or a callable, got {type(backend).__name__}",
+            "Pass e.g. backend='inductor' or backend='aot_eager'.",
+        )
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    try:
+        lookup_backend(backend)
+    except Exception as exc:
+        raise config_error(
+            _WHERE,
+            "backend",
+            f"torch.compile has no backend {backend!r}",
+            f"Pass one of {[n for n in list_backends(exclude_tags=()) if 'TESTING' not in n]}, "
+            "or a callable backend.",
+        ) from exc
+
+
+def _check_mode(mode: Any) -> None:
+    if mode is None:
+        return
+    import torch._inductor
+
+    modes = sorted(torch._inductor.list_mode_options())
+    if not isinstance(mode, str) or mode not in modes:
+        raise config_error(
+            _WHERE,
+            "mode",
+            f"{mode!r} is not a torch.compile mode",
+            f"Pass one of {modes}, or leave mode out.",
+        )
 
 
 def check_units(spec: CompileSpec, unit_count: int, where: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -23,6 +23,9 @@ from typing_extensions import override
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.runtime.hooks import DeclaredHooks
+
+if TYPE_CHECKING:
+    from fsdp_builder.runtime.context import ConfigureContext
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -527,6 +530,11 @@ class MeshGroups(BaseGroupFactory):
     def validate(self, strategy: ShardingStrategy) -> None:
         _require_initialized("MeshGroups")
         check_mesh(self.mesh, strategy, "MeshGroups")
+
+    def check_context(self, context: ConfigureContext) -> None:
+        """In the configure stage, with the model: a data-parallel slice needs the parameters
+        already placed on the mesh's other dims."""
+        check_placed_on_other_dims(self.mesh, context.model, "MeshGroups")
 
     @override
     def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:

@@ -3,8 +3,9 @@
     configure ─► agree ─► groups ─► environment ─► prepare ─► per unit, bottom-up ─► finish
 
 - **configure** (local, pure): validate the configuration, resolve ignored states, plan units,
-  resolve the device, let the materializer check the plan. Nothing in the model changes, so a
-  failure here leaves it untouched on every rank.
+  resolve the device, then hand every role one :class:`ConfigureContext` (model, plan, options,
+  the backend's capabilities) to check. Nothing in the model changes and no collective has run,
+  so a failure here leaves it untouched on every rank.
 - **agree**: one all-gather; every rank raises if any failed or planned a different model.
 - **groups**: the group factory's groups, the strategy's clamping rules, the backend's view
   (FSDP2: its mesh).
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
 
-from fsdp_builder.backends import Backend, check_model
+from fsdp_builder.backends import Backend, capabilities
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
     DeviceResolver,
@@ -37,7 +38,7 @@ from fsdp_builder.devices import (
     check_single_device,
 )
 from fsdp_builder.errors import ConfigurationError, FSDPBuilderError
-from fsdp_builder.groups import DefaultGroups, GroupFactory
+from fsdp_builder.groups import DefaultGroups, GroupFactory, check_placed_on_other_dims
 from fsdp_builder.materializers.initializers import Materializer, MaterializerRun, ResetParameters
 from fsdp_builder.planning.ignored import (
     IgnoredStates,
@@ -49,6 +50,7 @@ from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_unit
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
 from fsdp_builder.runtime.collectives import GroupTimeouts
+from fsdp_builder.runtime.context import ChecksContext, ConfigureContext
 from fsdp_builder.runtime.describe import describe_settings
 from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.logs import build_logger
@@ -214,13 +216,24 @@ class _Build:
             self.backend.check(cfg.options)
             ignored = resolve_ignored(model, cfg.ignored_modules, cfg.ignored_states)
             plan = plan_units(model, cfg.wrap or WrapPolicy(), ignored)
-            check_model(self.backend, plan, cfg.options)
             _check_ignored_real(model, ignored)
             managed = list(managed_params(model, ignored))
             check_single_device(managed, self.resolver.explicit)
             device = self.resolver.resolve(model, managed, self.rank)
             check_build(self.backend.name, cfg.options.strategy, device, ignored.params)
-            self.materializer.check(plan, ignored)
+            self.check_roles(
+                ConfigureContext(
+                    model=model,
+                    plan=plan,
+                    ignored=ignored,
+                    options=cfg.options,
+                    backend=capabilities(self.backend),
+                    device=device,
+                    rank=self.rank,
+                    world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                    timeout=cfg.timeout,
+                )
+            )
             description = {"config": self.settings(), "plan": plan.signature()}
             configured = _Configured(ignored, plan, device)
         except Exception as exc:
@@ -236,6 +249,20 @@ class _Build:
         assert configured is not None  # agree raised on every rank otherwise
         return configured
 
+    def check_roles(self, context: ConfigureContext) -> None:
+        """Every role's check of the whole configuration: the backend's first (what torch
+        would refuse), then the group factory's, the device resolver's, the synchronizer's
+        (those that define ``check_context``) and the materializer's (``check_context``, else
+        its ``check(plan, ignored)``). Local and pure: the model is untouched."""
+        self.backend.check_context(context)
+        for role in (self.factory, self.resolver, self.synchronizer):
+            if isinstance(role, ChecksContext):
+                role.check_context(context)
+        if isinstance(self.materializer, ChecksContext):
+            self.materializer.check_context(context)
+        else:
+            self.materializer.check(context.plan, context.ignored)
+
     def create_groups(self, configured: _Configured) -> tuple[ShardingOptions, Any]:
         """The factory's groups, clamped to what the world allows, as the backend sees them
         (one agreement: creating and preparing groups both communicate)."""
@@ -243,7 +270,13 @@ class _Build:
         def create() -> tuple[ShardingOptions, Any]:
             groups = self.factory.create(self.config.options.strategy, configured.device)
             options, groups = effective_strategy(self.config.options, groups)
-            return options, self.backend.prepare_groups(groups, options, configured.device)
+            groups = self.backend.prepare_groups(groups, options, configured.device)
+            # Meshes from MeshGroups are checked in configure; this covers a factory of one's
+            # own, before any unit changes (local, the same on every rank).
+            check_placed_on_other_dims(
+                groups.mesh, configured.plan.root.module, f"{self.backend.builder}.groups"
+            )
+            return options, groups
 
         return self.agreement.now("groups", create)
 

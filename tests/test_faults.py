@@ -507,6 +507,12 @@ def fully_sharded() -> nn.Module:
 
 REFUSED: list[tuple[str, Callable[[], nn.Module], Callable[[], ShardingBuilder], str]] = [
     (
+        "scalar parameter (FSDP1)",
+        WithScalar,
+        FSDPBuilder,
+        r"scalar \(0-dim\).*'scale'.*unit '<root>'.*1-D tensor of one element",
+    ),
+    (
         "scalar parameter (FSDP2)",
         WithScalar,
         FullyShardBuilder,
@@ -607,13 +613,13 @@ def test_what_torch_accepts_passes_the_plan_checks(world1: None) -> None:
     check_model(
         FullyShardBackend(), FullyShardBuilder().plan_for(model), FullyShardBuilder().config.options
     )
-    # Integer parameters are fully_shard's to keep; scalars and strides are FSDP1's.
+    # Integer parameters are fully_shard's to keep; strides are FSDP1's.
     check_model(
         FullyShardBackend(),
         FullyShardBuilder().plan_for(WithInteger()),
         FullyShardBuilder().config.options,
     )
-    check_model(FSDP1Backend(), FSDPBuilder().plan_for(WithScalar()), FSDPBuilder().config.options)
+    check_model(FSDP1Backend(), FSDPBuilder().plan_for(transposed()), FSDPBuilder().config.options)
 
 
 # -- multi-rank: sources and divergent ranks, one spawn ---------------------------------------

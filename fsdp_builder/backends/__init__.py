@@ -1,15 +1,24 @@
-"""Backends: the PyTorch engine that shards one unit."""
+"""Backends: the PyTorch engine that shards one unit, and everything the library knows about it.
+
+A backend owns its knowledge: its name and its builder's name, the options it refuses, the
+models it refuses (from the unit plan, in the configure stage), its memory layout for
+``plan``/``estimate``, and how it shards a unit. Code outside this package asks the backend
+object; it never compares backend names. ``registry.py`` lists the backends by name.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.runtime.context import BackendCapabilities, ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 
 
@@ -17,13 +26,17 @@ from fsdp_builder.runtime.environment import Environment
 class Backend(Protocol):
     """Shards one unit (children first, root last) with PyTorch's own engine.
 
-    ``supports_shard_first``: a unit may be sharded while still on meta (a shard-first
-    materializer then fills only the local shards). ``shard_communicates``: whether ``shard``
-    runs collectives (the pipeline then agrees on the local steps before it).
+    ``name``: the short name (``--backend`` of the CLI, reports). ``builder``: the builder class
+    that uses it, named in errors. ``supports_shard_first``: a unit may be sharded while still on
+    meta (a shard-first materializer then fills only the local shards). ``shard_communicates``:
+    whether ``shard`` runs collectives (the pipeline then agrees on the local steps before it).
     """
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def builder(self) -> str: ...
 
     @property
     def supports_shard_first(self) -> bool: ...
@@ -32,7 +45,29 @@ class Backend(Protocol):
     def shard_communicates(self) -> bool: ...
 
     def check(self, options: ShardingOptions) -> None:
-        """Refuse options this backend cannot honour; local, before any collective."""
+        """Refuse options this backend cannot honour; local, pure. Called when an option is
+        set (with that option alone) and in the configure stage (with all of them)."""
+        ...
+
+    def check_context(self, context: ConfigureContext) -> None:
+        """Refuse, in the configure stage, what this backend would refuse later for this model:
+        from the unit plan, the per-unit overrides, the composition options. Local, pure: the
+        model is untouched and no collective has run."""
+        ...
+
+    def keyword_mixed_precision(
+        self, given: dict[str, Any]
+    ) -> MixedPrecision | MixedPrecisionPolicy:
+        """The backend's mixed-precision object for ``mixed_precision(**keywords)``."""
+        ...
+
+    def kept_bytes(self, unit: Unit, shards: int) -> int:
+        """Parameter bytes of ``unit`` that one rank keeps when split over ``shards`` ranks."""
+        ...
+
+    def sharding_bytes(self, unit: Unit, shards: int) -> int:
+        """Bytes the backend allocates on top of the full unit while sharding it (its working
+        copies), for the build's peak estimate."""
         ...
 
     def prepare_groups(
@@ -42,33 +77,40 @@ class Backend(Protocol):
         every rank, before the first unit; may communicate."""
         ...
 
-    def check_plan(self, plan: UnitPlan, options: ShardingOptions) -> None:
-        """Refuse a model this backend would refuse at shard time, from the unit plan (local,
-        pure, in the configure stage: the model is untouched)."""
-        ...
-
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         """Shard ``unit.module``; return the module that takes its place in the parent."""
         ...
 
 
-def check_model(backend: Backend, plan: UnitPlan, options: ShardingOptions) -> None:
-    """Refuse, in the configure stage, a model the backend would refuse at shard time (local,
-    pure: nothing changes, no collective). Always: a model already sharded at its root. Then
-    the backend's own ``check_plan(plan, options)``: FSDP1 refuses non-floating parameters,
-    several dtypes in one unit and mixed ``requires_grad`` in one unit without
-    ``use_orig_params``; FSDP2 refuses scalar and non-contiguous parameters. Raises
-    ``ConfigurationError`` naming the parameter or module and the fix."""
-    from fsdp_builder.backends.checks import check_root_not_wrapped
-
-    check_root_not_wrapped(plan, _builder_name(backend))
-    backend.check_plan(plan, options)
-
-
-def _builder_name(backend: Backend) -> str:
-    return {"fsdp1": "FSDPBuilder", "fsdp2": "FullyShardBuilder"}.get(
-        backend.name, "ShardingBuilder"
+def capabilities(backend: Backend) -> BackendCapabilities:
+    """What the configure context tells roles about ``backend``."""
+    return BackendCapabilities(
+        name=backend.name,
+        builder=backend.builder,
+        supports_shard_first=backend.supports_shard_first,
+        shard_communicates=backend.shard_communicates,
     )
 
 
-__all__ = ["Backend", "check_model"]
+def check_model(
+    backend: Backend,
+    plan: UnitPlan,
+    options: ShardingOptions,
+    ignored: IgnoredStates | None = None,
+) -> None:
+    """``backend.check_context`` for ``plan`` alone (no process group, CPU device): what the
+    configure stage refuses about the model. Raises ``ConfigurationError`` naming the parameter
+    or module and the fix."""
+    backend.check_context(
+        ConfigureContext(
+            model=plan.root.module,
+            plan=plan,
+            ignored=ignored or IgnoredStates(),
+            options=options,
+            backend=capabilities(backend),
+            device=torch.device("cpu"),
+        )
+    )
+
+
+__all__ = ["Backend", "capabilities", "check_model"]

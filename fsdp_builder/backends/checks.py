@@ -8,15 +8,19 @@ Each check is local and pure (no collective, no mutation), so every rank raises 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from fsdp_builder.compiling import check_units
 from fsdp_builder.config import ShardingOptions
-from fsdp_builder.errors import ConfigurationError
+from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.planning.ignored import clean_name, is_wrapped
 from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.planning.wrap import block_like_classes, unit_overrides
+from fsdp_builder.runtime.context import ConfigureContext
 
 _SHOWN = 6
 
@@ -59,16 +63,20 @@ def check_root_not_wrapped(plan: UnitPlan, builder: str) -> None:
 
 
 def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
-    """What FullyShardedDataParallel's FlatParameter refuses: non-floating parameters, several
-    dtypes in one unit, and (without ``use_orig_params``) mixed ``requires_grad`` in one unit."""
+    """What FullyShardedDataParallel's FlatParameter refuses: non-floating and scalar
+    parameters, several dtypes in one unit, and (without ``use_orig_params``) mixed
+    ``requires_grad`` in one unit."""
     where = "FSDPBuilder"
     integers: list[str] = []
+    scalars: list[str] = []
     dtypes: dict[Unit, dict[torch.dtype, str]] = {}
     grads: dict[Unit, dict[bool, str]] = {}
     for unit, name, param in unit_parameters(plan):
         if not param.dtype.is_floating_point and not param.dtype.is_complex:
             integers.append(f"'{name}' ({param.dtype}, unit '{unit.label}')")
             continue
+        if param.dim() == 0:
+            scalars.append(f"'{name}' (unit '{unit.label}')")
         dtypes.setdefault(unit, {}).setdefault(param.dtype, name)
         grads.setdefault(unit, {}).setdefault(param.requires_grad, name)
     if integers:
@@ -77,6 +85,13 @@ def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
             f"floating-point FlatParameter and cannot shard non-floating parameters: "
             f"{_listed(integers)}. Register them as buffers (`module.register_buffer(...)`), "
             "ignore their modules with `.ignore([...])`, or use FullyShardBuilder."
+        )
+    if scalars:
+        # Torch finds these only when it wraps their unit, after the units below were wrapped.
+        raise ConfigurationError(
+            f"`{where}.build`: FullyShardedDataParallel refuses scalar (0-dim) parameters: "
+            f"{_listed(scalars)}. Make each a 1-D tensor of one element (e.g. "
+            "`nn.Parameter(torch.ones(1))`), or leave it out with `.ignore(states=[...])`."
         )
     for unit, by_dtype in dtypes.items():
         if len(by_dtype) > 1:
@@ -129,9 +144,96 @@ def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
         )
 
 
+def called_overrides(unit: Unit, options: ShardingOptions, where: str) -> dict[str, Any]:
+    """The unit's overrides (the wrap policy's and ``per_unit(module, fqn)``'s), with a failure
+    of the user's function named as ours: ``per_unit`` and the unit."""
+    try:
+        return unit_overrides(unit.module, unit.fqn, unit.overrides, options.per_unit, where)
+    except ConfigurationError:
+        raise
+    except Exception as exc:
+        raise config_error(
+            f"{where}.per_unit",
+            "fn",
+            f"the function raised {type(exc).__name__}: {exc} for unit '{unit.label}' "
+            f"({type(unit.module).__name__})",
+            "Make it return a dict of arguments, or None, for every unit of the plan (it is "
+            "called with each unit's module and its name, '' for the root).",
+        ) from exc
+
+
+def check_per_unit(
+    plan: UnitPlan, options: ShardingOptions, checked: Callable[[Unit], object]
+) -> None:
+    """Run the backend's per-unit argument check on every unit now, in the configure stage,
+    rather than when each unit is sharded after the units before it changed."""
+    if options.per_unit is None and not any(unit.overrides for unit in plan):
+        return
+    for unit in plan:
+        checked(unit)
+
+
+def check_composition(context: ConfigureContext) -> None:
+    """What both backends apply around sharding, checked before anything is applied:
+    ``compile(per_unit=True)`` needs units below the root; ``activation_checkpointing`` must
+    choose some module of the model."""
+    options = context.options
+    where = context.backend.builder
+    if options.compile is not None:
+        check_units(options.compile, len(context.plan), f"{where}.compile")
+    if options.activation_checkpointing is not None:
+        check_checkpointing_chooses(context, options.activation_checkpointing, where)
+
+
+def check_checkpointing_chooses(
+    context: ConfigureContext, chosen: Callable[[nn.Module, str], bool], where: str
+) -> None:
+    for fqn, module in _modules_to_checkpoint(context.model, context.ignored.modules):
+        try:
+            if chosen(module, fqn):
+                return
+        except Exception as exc:
+            raise config_error(
+                f"{where}.activation_checkpointing",
+                "policy",
+                f"the predicate raised {type(exc).__name__}: {exc} for '{fqn or '<root>'}' "
+                f"({type(module).__name__})",
+                "Make it return True or False for every module of the model.",
+            ) from exc
+    blocks = block_like_classes(context.model)[:6]
+    hint = (
+        f"Classes of {type(context.model).__name__} that look like blocks: {', '.join(blocks)}; "
+        f"pass those, e.g. `.activation_checkpointing({blocks[0]})`"
+        if blocks
+        else "Pass a module class the model contains, or a callable (module, fqn) -> bool"
+    )
+    raise config_error(
+        f"{where}.activation_checkpointing",
+        "policy",
+        f"it chooses no module of {type(context.model).__name__}, so nothing would be checkpointed",
+        f"{hint}; or drop the activation_checkpointing(...) call.",
+    )
+
+
+def _modules_to_checkpoint(
+    model: nn.Module, stop: frozenset[nn.Module]
+) -> Iterator[tuple[str, nn.Module]]:
+    """The modules ``checkpoint_unit`` may wrap: all but ignored subtrees and sharded ones."""
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        fqn, module = stack.pop()
+        yield clean_name(fqn), module
+        for name, child in module.named_children():
+            if child not in stop and not is_wrapped(child):
+                stack.append((f"{fqn}.{name}" if fqn else name, child))
+
+
 __all__ = [
+    "called_overrides",
+    "check_composition",
     "check_fsdp1_plan",
     "check_fsdp2_plan",
+    "check_per_unit",
     "check_root_not_wrapped",
     "unit_parameters",
 ]

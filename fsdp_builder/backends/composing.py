@@ -1,25 +1,21 @@
 """What both backends do to a unit around sharding it, in torchtitan's order: (tensor
 parallelism, applied by the user before the build) → activation checkpointing → compile →
-shard; with ``compile(per_unit=False)`` the sharded root is compiled last."""
+shard; with ``compile(per_unit=False)`` the sharded root is compiled last. What could refuse
+these is checked in the configure stage (``checks.check_composition``)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from fsdp_builder.compiling import check_units, compile_in_place
-from fsdp_builder.groups import check_placed_on_other_dims
+from fsdp_builder.compiling import compile_in_place
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.planning.wrap import checkpoint_unit
 from fsdp_builder.runtime.environment import Environment
 
 
-def before_shard(unit: Unit, env: Environment, where: str) -> nn.Module:
+def before_shard(unit: Unit, env: Environment) -> nn.Module:
     """The module to shard for ``unit``: checkpointed and compiled as configured (in place
-    where torch allows, so state-dict keys stay the model's). ``where`` names the builder in
-    errors."""
-    if unit is env.plan.units[0]:
-        # Before the first unit changes: a sub-mesh needs the model placed on its other dims.
-        check_placed_on_other_dims(env.groups.mesh, env.plan.root.module, f"{where}.groups")
+    where torch allows, so state-dict keys stay the model's)."""
     target = unit.module
     chosen = env.options.activation_checkpointing
     if chosen is not None:
@@ -29,8 +25,6 @@ def before_shard(unit: Unit, env: Environment, where: str) -> nn.Module:
     spec = env.options.compile
     if spec is not None and spec.before_shard(unit.is_root):
         target = compile_in_place(target, spec)
-    elif spec is not None and unit.is_root:
-        check_units(spec, len(env.plan), f"{where}.compile")
     return target
 
 

@@ -11,6 +11,7 @@ the same for every unit of a build (groups, device, ignored states, initializati
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, ClassVar
 
 import attrs
@@ -24,7 +25,13 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
 )
 
-from fsdp_builder.backends.checks import check_fsdp1_plan
+from fsdp_builder.backends.checks import (
+    called_overrides,
+    check_composition,
+    check_fsdp1_plan,
+    check_per_unit,
+    check_root_not_wrapped,
+)
 from fsdp_builder.backends.composing import after_shard, before_shard
 from fsdp_builder.config import (
     HYBRID_STRATEGIES,
@@ -33,13 +40,20 @@ from fsdp_builder.config import (
     to_cpu_offload,
     to_sharding_strategy,
 )
-from fsdp_builder.errors import config_error
+from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.groups import ProcessGroups
-from fsdp_builder.planning.plan import Unit, UnitPlan
-from fsdp_builder.planning.wrap import unit_overrides
+from fsdp_builder.planning.plan import Unit
+from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 
 _WHERE = "FSDPBuilder"
+
+
+def _strict_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"expected True or False, got {type(value).__name__}")
+    return value
+
 
 # What one unit may override, and how the value is normalized.
 _PER_UNIT: dict[str, Any] = {
@@ -47,8 +61,8 @@ _PER_UNIT: dict[str, Any] = {
     "cpu_offload": to_cpu_offload,
     "backward_prefetch": to_backward_prefetch,
     "mixed_precision": lambda v: v,
-    "forward_prefetch": bool,
-    "limit_all_gathers": bool,
+    "forward_prefetch": _strict_bool,
+    "limit_all_gathers": _strict_bool,
 }
 # Arguments that are the same for every unit of a build, and where they are set.
 _BUILD_WIDE = {
@@ -97,7 +111,7 @@ def check_fsdp2_only_options(options: ShardingOptions) -> None:
 
 def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]:
     """The checked ``FullyShardedDataParallel`` arguments this unit overrides."""
-    overrides = unit_overrides(unit.module, unit.fqn, unit.overrides, options.per_unit, _WHERE)
+    overrides = called_overrides(unit, options, _WHERE)
     checked: dict[str, Any] = {}
     for name, value in overrides.items():
         if name in _BUILD_WIDE:
@@ -109,12 +123,13 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
                 f"Set it for the whole model with {_BUILD_WIDE[name]}.",
             )
         if name not in _PER_UNIT:
+            close = difflib.get_close_matches(name, _PER_UNIT, n=1)
             raise config_error(
                 f"{_WHERE}.per_unit",
                 name,
                 f"'{name}' is not an argument FullyShardedDataParallel takes per unit "
                 f"(unit '{unit.label}')",
-                f"Use one of {sorted(_PER_UNIT)}.",
+                f"Did you mean '{close[0]}'?" if close else f"Use one of {sorted(_PER_UNIT)}.",
             )
         if name == "mixed_precision" and not (value is None or isinstance(value, MixedPrecision)):
             raise config_error(
@@ -124,7 +139,23 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
                 f"got {type(value).__name__}",
                 "Pass torch.distributed.fsdp.MixedPrecision(...).",
             )
-        checked[name] = _PER_UNIT[name](value)
+        try:
+            checked[name] = _PER_UNIT[name](value)
+        except ConfigurationError as exc:
+            raise config_error(
+                f"{_WHERE}.per_unit",
+                name,
+                f"{value!r} for unit '{unit.label}' is not valid: {exc}",
+                f"Return what FullyShardedDataParallel's {name} takes.",
+            ) from exc
+    if isinstance(checked.get("cpu_offload"), OffloadPolicy):
+        raise config_error(
+            f"{_WHERE}.per_unit",
+            "cpu_offload",
+            f"{type(checked['cpu_offload']).__name__} for unit '{unit.label}' is fully_shard's "
+            "(FSDP2)",
+            "Return CPUOffload(offload_params=True) or a bool.",
+        )
     strategy = checked.get("sharding_strategy")
     if strategy is not None and (strategy in HYBRID_STRATEGIES) != options.is_hybrid:
         raise config_error(
@@ -172,11 +203,16 @@ def fsdp1_kwargs(env: Environment, unit: Unit | None = None) -> dict[str, Any]:
     return kwargs
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @frozen
 class FSDP1Backend:
     """Wraps each unit with torch's FullyShardedDataParallel."""
 
     name: str = attrs.field(default="fsdp1", init=False)
+    builder: str = attrs.field(default=_WHERE, init=False)
     # FullyShardedDataParallel flattens a whole unit: it cannot shard a unit still on meta.
     supports_shard_first: ClassVar[bool] = False
     # FullyShardedDataParallel's constructor runs no collectives once states are in place.
@@ -185,10 +221,41 @@ class FSDP1Backend:
     def check(self, options: ShardingOptions) -> None:
         check_fsdp2_only_options(options)
 
-    def check_plan(self, plan: UnitPlan, options: ShardingOptions) -> None:
-        """Refuse what FullyShardedDataParallel would refuse at shard time (see
-        ``fsdp_builder.backends.check_model``); local, model untouched."""
-        check_fsdp1_plan(plan, options)
+    def check_context(self, context: ConfigureContext) -> None:
+        """Refuse what FullyShardedDataParallel would refuse at shard time: a model sharded at
+        its root, what ``check_fsdp1_plan`` lists, per-unit arguments, and the composition
+        options; local, model untouched."""
+        check_root_not_wrapped(context.plan, _WHERE)
+        check_fsdp1_plan(context.plan, context.options)
+        check_per_unit(
+            context.plan, context.options, lambda u: fsdp1_unit_overrides(u, context.options)
+        )
+        check_composition(context)
+
+    def keyword_mixed_precision(self, given: dict[str, Any]) -> MixedPrecision:
+        """FullyShardedDataParallel's MixedPrecision, with its defaults."""
+        if "output_dtype" in given:
+            raise config_error(
+                f"{_WHERE}.mixed_precision",
+                "output_dtype",
+                "FullyShardedDataParallel's MixedPrecision has no output dtype",
+                "Cast the model's output yourself, or use FullyShardBuilder.",
+            )
+        return MixedPrecision(**given)
+
+    def kept_bytes(self, unit: Unit, shards: int) -> int:
+        """One flat parameter per unit (per dtype), padded to a multiple of the shard count."""
+        if shards <= 1:
+            return unit.param_bytes
+        by_dtype: dict[torch.dtype, int] = {}
+        for p in unit.params:
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel
+        return sum(_ceil_div(n, shards) * d.itemsize for d, n in by_dtype.items())
+
+    def sharding_bytes(self, unit: Unit, shards: int) -> int:
+        """The flat tensor (a second full copy of the unit), then the shard copied out of it
+        before the flat tensor is freed."""
+        return unit.param_bytes + (self.kept_bytes(unit, shards) if shards > 1 else 0)
 
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
@@ -197,5 +264,5 @@ class FSDP1Backend:
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         kwargs = fsdp1_kwargs(env, unit)
-        target = before_shard(unit, env, _WHERE)
+        target = before_shard(unit, env)
         return after_shard(unit, env, FullyShardedDataParallel(target, **kwargs))

@@ -60,6 +60,7 @@ than the one asked for.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -80,7 +81,13 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from fsdp_builder.backends.checks import check_fsdp2_plan
+from fsdp_builder.backends.checks import (
+    called_overrides,
+    check_composition,
+    check_fsdp2_plan,
+    check_per_unit,
+    check_root_not_wrapped,
+)
 from fsdp_builder.backends.composing import after_shard, before_shard
 from fsdp_builder.config import (
     NO_RESHARD_AFTER_FORWARD,
@@ -89,15 +96,14 @@ from fsdp_builder.config import (
 )
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups, check_mesh
-from fsdp_builder.planning.plan import Unit, UnitPlan
-from fsdp_builder.planning.wrap import unit_overrides
+from fsdp_builder.planning.plan import Unit
+from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
 
-def _where() -> str:
-    return "FullyShardBuilder"
+_WHERE = "FullyShardBuilder"
 
 
 def check_fsdp1_only_options(options: ShardingOptions) -> None:
@@ -105,14 +111,14 @@ def check_fsdp1_only_options(options: ShardingOptions) -> None:
     explicit = options.explicit
     if "limit_all_gathers" in explicit and not options.limit_all_gathers:
         raise config_error(
-            f"{_where()}.limit_all_gathers",
+            f"{_WHERE}.limit_all_gathers",
             "enabled",
             "FSDP2 always limits in-flight all-gathers and cannot turn that off",
             "Drop the limit_all_gathers(False) call.",
         )
     if "use_orig_params" in explicit and not options.use_orig_params:
         raise config_error(
-            f"{_where()}.use_orig_params",
+            f"{_WHERE}.use_orig_params",
             "enabled",
             "FSDP2 always keeps the original parameters (as DTensors); it has no flat parameters",
             "Drop the use_orig_params(False) call.",
@@ -123,7 +129,7 @@ def check_fsdp1_only_options(options: ShardingOptions) -> None:
     ):
         mode = "None" if options.backward_prefetch is None else options.backward_prefetch.name
         raise config_error(
-            f"{_where()}.prefetch",
+            f"{_WHERE}.prefetch",
             "backward",
             f"FSDP2 always prefetches like BACKWARD_PRE and has no {mode} mode",
             "Use prefetch(backward=BACKWARD_PRE), or call "
@@ -131,7 +137,7 @@ def check_fsdp1_only_options(options: ShardingOptions) -> None:
         )
     if "forward_prefetch" in explicit and options.forward_prefetch:
         raise config_error(
-            f"{_where()}.prefetch",
+            f"{_WHERE}.prefetch",
             "forward",
             "FSDP2 needs the forward prefetch order given explicitly",
             "Use prefetch(forward=False) and call FSDPModule.set_modules_to_forward_prefetch(...) "
@@ -151,13 +157,29 @@ def check_reshard_option(options: ShardingOptions) -> None:
     keeps = strategy in NO_RESHARD_AFTER_FORWARD
     if keeps != (value is False):
         raise config_error(
-            f"{_where()}.reshard_after_forward",
+            f"{_WHERE}.reshard_after_forward",
             "reshard_after_forward",
             f"{value!r} contradicts sharding({strategy.name}), which "
             f"{'keeps' if keeps else 'frees'} the parameters after forward",
             "Set only one of them: reshard_after_forward(...) with the default or a hybrid "
             "strategy, or sharding(...) alone.",
         )
+
+
+def check_reshard_divides(value: bool | int | None, shard_size: int, what: str, where: str) -> None:
+    """An int ``reshard_after_forward`` is the size of the group parameters are resharded to:
+    ``fully_shard`` needs it to divide the shard group (``what`` says which group size is
+    known)."""
+    if value is None or isinstance(value, bool) or shard_size % value == 0:
+        return
+    divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+    raise config_error(
+        where,
+        "reshard_after_forward",
+        f"{value} does not divide {what} of {shard_size} rank(s), so fully_shard cannot "
+        "reshard parameters to groups of that size after forward",
+        f"Pass True, False, or one of {divisors[:8]}.",
+    )
 
 
 def mixed_precision_policy(
@@ -171,14 +193,14 @@ def mixed_precision_policy(
         return policy
     if policy.buffer_dtype is not None:
         raise config_error(
-            f"{_where()}.mixed_precision",
+            f"{_WHERE}.mixed_precision",
             "buffer_dtype",
             "FSDP2 keeps buffers in their own dtype and does not cast them",
             "Drop buffer_dtype, or cast the buffers of the model yourself before build().",
         )
     if policy.keep_low_precision_grads:
         raise config_error(
-            f"{_where()}.mixed_precision",
+            f"{_WHERE}.mixed_precision",
             "keep_low_precision_grads",
             "FSDP2 always hands gradients back in the parameters' own dtype",
             "Drop keep_low_precision_grads, or set reduce_dtype to the dtype you want reduced.",
@@ -191,20 +213,25 @@ def mixed_precision_policy(
     )
 
 
+def check_offload(options: ShardingOptions) -> None:
+    """Pinned host memory needs an accelerator: refused before anything is built."""
+    offload = options.cpu_offload
+    if (
+        isinstance(offload, CPUOffloadPolicy)
+        and offload.pin_memory
+        and not torch.accelerator.is_available()
+    ):
+        raise config_error(
+            f"{_WHERE}.cpu_offload",
+            "pin_memory",
+            "pinned memory needs an accelerator and this machine has none",
+            "Pass CPUOffloadPolicy(pin_memory=False).",
+        )
+
+
 def offload_policy(options: ShardingOptions, device: torch.device) -> OffloadPolicy:
     offload = options.cpu_offload
     if isinstance(offload, OffloadPolicy):
-        if (
-            isinstance(offload, CPUOffloadPolicy)
-            and offload.pin_memory
-            and not torch.accelerator.is_available()
-        ):
-            raise config_error(
-                f"{_where()}.cpu_offload",
-                "pin_memory",
-                "pinned memory needs an accelerator and this machine has none",
-                "Pass CPUOffloadPolicy(pin_memory=False).",
-            )
         return offload
     if offload is None or not offload.offload_params or device.type == "cpu":
         # Computing on the CPU: sharded parameters already live there.
@@ -229,7 +256,7 @@ def ignored_params_kwargs(
         return {}
     if not supports_ignored_params(fn):
         raise config_error(
-            f"{_where()}.ignore",
+            f"{_WHERE}.ignore",
             "states",
             f"this torch ({torch.__version__}) has no fully_shard(ignored_params=...)",
             "Upgrade torch to 2.7 or later, or use FSDPBuilder to ignore modules or parameters.",
@@ -238,10 +265,10 @@ def ignored_params_kwargs(
 
 
 def _check_mesh(mesh: DeviceMesh, groups: ProcessGroups, strategy: ShardingStrategy) -> None:
-    check_mesh(mesh, strategy, f"{_where()}.groups")
+    check_mesh(mesh, strategy, f"{_WHERE}.groups")
     if mesh.size() != groups.data_parallel_size:
         raise config_error(
-            f"{_where()}.groups",
+            f"{_WHERE}.groups",
             "mesh",
             f"the mesh spans {mesh.size()} ranks but its groups span {groups.data_parallel_size}",
             "Return the mesh's own groups from the group factory.",
@@ -257,7 +284,7 @@ def _hybrid_layout(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> to
     column = layout[:, shard.rank()].tolist()
     if column != dist.get_process_group_ranks(replicate):
         raise config_error(
-            f"{_where()}.groups",
+            f"{_WHERE}.groups",
             "groups",
             f"the shard groups {layout.tolist()} and the replicate group "
             f"{dist.get_process_group_ranks(replicate)} do not form a grid",
@@ -297,7 +324,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
         _check_mesh(mesh, groups, strategy)
         if mesh.device_type != device_type:
             raise config_error(
-                f"{_where()}.groups",
+                f"{_WHERE}.groups",
                 "mesh",
                 f"the mesh is for '{mesh.device_type}' devices but this rank computes on "
                 f"'{device_type}'",
@@ -315,7 +342,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
     if hybrid:
         if groups.replicate_group is None:
             raise config_error(
-                f"{_where()}.groups",
+                f"{_WHERE}.groups",
                 "groups",
                 f"{strategy.name} needs a replicate group, but the group factory gave none",
                 "Use AutoHybridGroups, HybridGroups or a 2-D mesh.",
@@ -330,6 +357,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
     return DeviceMesh.from_group(groups.shard_group, device_type)
 
 
+_PER_UNIT_NAMES = ("reshard_after_forward", "mp_policy", "offload_policy", "shard_placement_fn")
 # FSDP1 argument names a per-unit override may use by habit, and what fully_shard calls them.
 _FSDP1_NAMES = {
     "mixed_precision": "mp_policy=MixedPrecisionPolicy(...)",
@@ -339,10 +367,12 @@ _FSDP1_NAMES = {
 
 
 def _check_override(name: str, value: Any, label: str) -> None:
-    where = f"{_where()}.per_unit"
+    where = f"{_WHERE}.per_unit"
     if name == "reshard_after_forward":
         check_reshard_after_forward(value, "per_unit")
         return
+    if name == "offload_policy" and isinstance(value, OffloadPolicy):
+        check_offload(ShardingOptions(cpu_offload=value))
     expected: dict[str, tuple[type, ...]] = {
         "mp_policy": (MixedPrecisionPolicy,),
         "offload_policy": (OffloadPolicy,),
@@ -373,19 +403,20 @@ def _check_override(name: str, value: Any, label: str) -> None:
             f"Set it for the whole model with {fix}.",
         )
     hint = _FSDP1_NAMES.get(name)
+    close = difflib.get_close_matches(name, _PER_UNIT_NAMES, n=1)
+    if hint is None and close:
+        hint = f"'{close[0]}'"
     raise config_error(
         where,
         name,
         f"'{name}' is not an argument fully_shard takes per unit (unit '{label}')",
-        f"Use {hint}."
-        if hint
-        else "Use reshard_after_forward, mp_policy, offload_policy or shard_placement_fn.",
+        f"Use {hint}." if hint else f"Use one of {', '.join(_PER_UNIT_NAMES)}.",
     )
 
 
 def unit_fully_shard_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]:
     """The checked ``fully_shard`` arguments this unit overrides (CustomPolicy, per_unit)."""
-    overrides = unit_overrides(unit.module, unit.fqn, unit.overrides, options.per_unit, _where())
+    overrides = called_overrides(unit, options, _WHERE)
     for name, value in overrides.items():
         _check_override(name, value, unit.label)
     return overrides
@@ -420,6 +451,7 @@ class FullyShardBackend:
     so a shard-first materializer allocates and initializes only the local shards."""
 
     name: str = attrs.field(default="fsdp2", init=False)
+    builder: str = attrs.field(default=_WHERE, init=False)
     supports_shard_first: ClassVar[bool] = True
     # fully_shard only lays out shards; its collectives start with the first forward.
     shard_communicates: ClassVar[bool] = False
@@ -427,24 +459,81 @@ class FullyShardBackend:
     def check(self, options: ShardingOptions) -> None:
         check_fsdp1_only_options(options)
         check_reshard_option(options)
+        check_offload(options)
         # Both the root and the other units take the same dtype fields: check them once here,
         # before any collective.
         mixed_precision_policy(options.mixed_precision, is_root=True)
 
-    def check_plan(self, plan: UnitPlan, options: ShardingOptions) -> None:
-        """Refuse what fully_shard would refuse at shard time (see
-        ``fsdp_builder.backends.check_model``); local, model untouched."""
-        check_fsdp2_plan(plan, options)
+    def check_context(self, context: ConfigureContext) -> None:
+        """Refuse what fully_shard would refuse at shard time: a model sharded at its root,
+        what ``check_fsdp2_plan`` lists, per-unit arguments, a ``reshard_after_forward`` int
+        that does not divide the world, and the composition options; local, model untouched."""
+        options = context.options
+        check_root_not_wrapped(context.plan, _WHERE)
+        check_fsdp2_plan(context.plan, options)
+        if context.ignored.params and not supports_ignored_params():
+            ignored_params_kwargs(context.model, context.ignored.params)  # raises, naming why
+        # The shard group spans the world or a divisor of it: a size that does not divide the
+        # world cannot divide the group (the exact group is checked once it exists).
+        world = "the world size"
+        check_reshard_divides(
+            options.reshard_after_forward,
+            context.world_size,
+            world,
+            f"{_WHERE}.reshard_after_forward",
+        )
+
+        def per_unit(unit: Unit) -> None:
+            value = unit_fully_shard_overrides(unit, options).get("reshard_after_forward")
+            check_reshard_divides(value, context.world_size, world, f"{_WHERE}.per_unit")
+
+        check_per_unit(context.plan, options, per_unit)
+        check_composition(context)
+
+    def keyword_mixed_precision(self, given: dict[str, Any]) -> MixedPrecisionPolicy:
+        """Keywords are fully_shard's: MixedPrecisionPolicy with its defaults (inputs cast)."""
+        if "buffer_dtype" in given:
+            raise config_error(
+                f"{_WHERE}.mixed_precision",
+                "buffer_dtype",
+                "FSDP2 keeps buffers in their own dtype and does not cast them",
+                "Drop buffer_dtype, or cast the buffers of the model yourself before build().",
+            )
+        return MixedPrecisionPolicy(**given)
+
+    def kept_bytes(self, unit: Unit, shards: int) -> int:
+        """Every parameter split along dim 0, that dim padded to a multiple of the shards."""
+        if shards <= 1:
+            return unit.param_bytes
+        total = 0
+        for p in unit.params:
+            rows = p.shape[0] if p.shape else 1
+            per_row = p.numel // rows if rows else 0
+            total += -(-rows // shards) * per_row * p.dtype.itemsize
+        return total
+
+    def sharding_bytes(self, unit: Unit, shards: int) -> int:
+        """Only the local shard of each state is copied out."""
+        return self.kept_bytes(unit, shards) + unit.buffer_bytes if shards > 1 else 0
 
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
     ) -> ProcessGroups:
         """The groups with the mesh ``fully_shard`` runs on (collective: every rank calls it)."""
-        return attrs.evolve(groups, mesh=build_mesh(groups, options, device.type))
+        mesh = build_mesh(groups, options, device.type)
+        if "reshard_after_forward" in options.explicit:
+            # The same on every rank, before any unit changes.
+            check_reshard_divides(
+                options.reshard_after_forward,
+                mesh.shape[-1],
+                "the shard group",
+                f"{_WHERE}.reshard_after_forward",
+            )
+        return attrs.evolve(groups, mesh=mesh)
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         kwargs = fully_shard_kwargs(unit, env)
-        target = before_shard(unit, env, _where())
+        target = before_shard(unit, env)
         fully_shard(target, **kwargs)
         target = after_shard(unit, env, target)
         env.logger.debug(
@@ -462,6 +551,8 @@ __all__ = [
     "FullyShardBackend",
     "build_mesh",
     "check_fsdp1_only_options",
+    "check_offload",
+    "check_reshard_divides",
     "check_reshard_option",
     "fully_shard_kwargs",
     "ignored_params_kwargs",

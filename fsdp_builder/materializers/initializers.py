@@ -39,6 +39,7 @@ from fsdp_builder.materializers.conventions import (
 )
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.hashing import digest63
 from fsdp_builder.runtime.hooks import DeclaredHooks
@@ -219,6 +220,12 @@ class BaseMaterializer(DeclaredHooks):
 
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
         return None
+
+    def check_context(self, context: ConfigureContext) -> None:
+        """The configure stage's check, with the whole context (the model, the plan, the
+        options, the backend's capabilities); the default calls ``check(plan, ignored)``.
+        Override it to refuse what depends on more than the plan, e.g. the backend."""
+        self.check(context.plan, context.ignored)
 
     def prepare(self, env: Environment) -> MaterializerRun:
         return _PerUnit(self, env, buffers_to_compute(env.plan.root.module, env.ignored))

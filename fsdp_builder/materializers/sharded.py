@@ -47,6 +47,7 @@ from fsdp_builder.materializers.initializers import (
 from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.collectives import collective_device
+from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.hashing import digest63
 from fsdp_builder.runtime.tree import (
@@ -265,7 +266,8 @@ class InitWeights(BaseMaterializer):
 
     Raises:
         MaterializationError: in the configure stage, when the model has no ``method``.
-        ConfigurationError: with a backend that cannot shard on meta (``FSDPBuilder``).
+        ConfigurationError: in the configure stage, with a backend that cannot shard on meta
+            (``FSDPBuilder``).
 
     Example:
         ```python
@@ -291,15 +293,20 @@ class InitWeights(BaseMaterializer):
             )
 
     @override
-    def prepare(self, env: Environment) -> MaterializerRun:
-        if not env.shards_first:
+    def check_context(self, context: ConfigureContext) -> None:
+        if not context.backend.supports_shard_first:
             raise config_error(
                 "InitWeights",
                 "materializer",
-                f"the {env.backend} backend cannot shard a unit on meta, so the model's "
-                "initializer would write FSDP1's flattened parameters",
-                "Use FullyShardBuilder, or DeterministicInit(seed) / InitFn(fn) with FSDPBuilder",
+                f"{context.backend.builder} cannot shard a unit on meta, so the model's "
+                "initializer would write its flattened parameters",
+                "Use FullyShardBuilder, or DeterministicInit(seed) / InitFn(fn) with "
+                f"{context.backend.builder}.",
             )
+        self.check(context.plan, context.ignored)
+
+    @override
+    def prepare(self, env: Environment) -> MaterializerRun:
         return _InitWeightsRun(env, agree_on_seed(env, self.seed), self.method)
 
 

@@ -22,13 +22,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from fsdp_builder import (
-    AutoHybridGroups,
-    DeterministicInit,
-    FSDPBuilder,
-    FullyShardBuilder,
-    ShardingBuilder,
-)
+from fsdp_builder import AutoHybridGroups, DeterministicInit, ShardingBuilder
+from fsdp_builder.builder import builder_for
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
 from fsdp_builder.tools.estimate import BACKENDS, OPTIMIZER_STATES, PARAM_DTYPES, local_node_size
 
@@ -116,7 +111,7 @@ def build_demo(
     per-name seed, so the weights are the same whatever the world size. Optionally each block
     is checkpointed (``activation_checkpointing``) and compiled (``compile``: a torch.compile
     backend, or ``default``), in torchtitan's order: checkpoint, compile, shard."""
-    builder: ShardingBuilder = FullyShardBuilder() if backend == "fsdp2" else FSDPBuilder()
+    builder = builder_for(backend)
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     builder.device(device).wrap(Block).sharding(strategy)

@@ -1,6 +1,7 @@
 """Per-rank memory estimates from a unit plan, without any process group.
 
-The numbers follow each backend's shard layout: FSDP1 flattens a unit's parameters into one
+The numbers follow each backend's shard layout, which the backend object gives
+(``Backend.kept_bytes``, ``Backend.sharding_bytes``): FSDP1 flattens a unit's parameters into one
 tensor padded to a multiple of the shard group size; FSDP2 shards every parameter along dim 0,
 padding that dim. Buffers are replicated on every rank. Build peaks are the states held at the
 worst moment of a build, not counting allocator slack or communication buffers.
@@ -17,11 +18,13 @@ from __future__ import annotations
 import torch
 from attrs import asdict, frozen
 
+from fsdp_builder.backends.registry import BACKENDS as REGISTERED
+from fsdp_builder.backends.registry import backend_named
 from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.groups import AutoHybridGroups
 from fsdp_builder.planning.plan import Unit, UnitPlan
 
-BACKENDS = ("fsdp1", "fsdp2")
+BACKENDS = tuple(REGISTERED)
 STRATEGIES = ("full", "grad_op", "hybrid", "none")
 
 
@@ -51,26 +54,9 @@ def shard_size(world_size: int, strategy: str, devices_per_node: int | None = No
     return world_size
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def unit_shard_bytes(unit: Unit, shards: int, backend: str) -> int:
-    """Parameter bytes of one unit that a rank keeps."""
-    if shards <= 1:
-        return unit.param_bytes
-    if backend == "fsdp1":
-        # One flat parameter per unit (per dtype), padded to a multiple of the shard count.
-        by_dtype: dict[torch.dtype, int] = {}
-        for p in unit.params:
-            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel
-        return sum(_ceil_div(n, shards) * d.itemsize for d, n in by_dtype.items())
-    total = 0
-    for p in unit.params:
-        rows = p.shape[0] if p.shape else 1
-        per_row = p.numel // rows if rows else 0
-        total += _ceil_div(rows, shards) * per_row * p.dtype.itemsize
-    return total
+    """Parameter bytes of one unit that a rank keeps (the backend's own layout)."""
+    return backend_named(backend).kept_bytes(unit, shards)
 
 
 @frozen
@@ -81,7 +67,7 @@ class Estimate:
     after_build: int
     # Per-unit build (materialize a full unit, then shard it): the worst unit's moment.
     per_unit_peak: int
-    # Shard on meta first, then give only the local shards storage (FSDP2 only).
+    # Shard on meta first, then give only the local shards storage (backends that support it).
     shard_first_peak: int | None
     # The whole model materialized on every rank before sharding.
     full_model_peak: int
@@ -95,20 +81,14 @@ def estimate(
     devices_per_node: int | None = None,
 ) -> Estimate:
     shards = shard_size(world_size, strategy, devices_per_node)
-    kept = [unit_shard_bytes(u, shards, backend) + u.buffer_bytes for u in plan]
+    layout = backend_named(backend)
+    kept = [layout.kept_bytes(u, shards) + u.buffer_bytes for u in plan]
     after = sum(kept)
     # While unit k is sharded the rank holds the shards of units before it, unit k in full and
-    # the backend's working copies: FSDP1 concatenates the unit into a flat tensor (a second full
-    # copy), then copies out its shard before freeing the flat tensor; FSDP2 copies out only the
-    # local shard of each parameter.
+    # the backend's working copies (``Backend.sharding_bytes``).
     peak = 0
     done = 0
-    extras = [
-        (u.param_bytes + (unit_shard_bytes(u, shards, backend) if shards > 1 else 0))
-        if backend == "fsdp1"
-        else (k if shards > 1 else 0)
-        for u, k in zip(plan, kept, strict=True)
-    ]
+    extras = [layout.sharding_bytes(u, shards) for u in plan]
     for unit, own, extra in zip(plan, kept, extras, strict=True):
         peak = max(peak, done + unit.nbytes + extra)
         done += own
@@ -119,7 +99,8 @@ def estimate(
         shard_size=shards,
         after_build=after,
         per_unit_peak=peak,
-        shard_first_peak=after if backend == "fsdp2" else None,
+        # Shard on meta first, then give only the local shards storage.
+        shard_first_peak=after if layout.supports_shard_first else None,
         full_model_peak=max(full_peak, peak),
     )
 
@@ -234,7 +215,8 @@ def training_estimate(
             f"unknown param dtype {param_dtype!r}; expected one of {', '.join(PARAM_DTYPES)}"
         )
     shards = shard_size(world_size, strategy, devices_per_node)
-    params = sum(unit_shard_bytes(u, shards, backend) for u in plan)
+    layout = backend_named(backend)
+    params = sum(layout.kept_bytes(u, shards) for u in plan)
     buffers = sum(u.buffer_bytes for u in plan)
     dtype = PARAM_DTYPES[param_dtype] if param_dtype is not None else None
     mixed = dtype is not None and any(
