@@ -57,7 +57,6 @@ from fsdp_builder.runtime.logs import build_logger
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
-from fsdp_builder.versions import check_build
 
 # The per-unit steps, in the order they run.
 UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
@@ -220,7 +219,6 @@ class _Build:
             managed = list(managed_params(model, ignored))
             check_single_device(managed, self.resolver.explicit)
             device = self.resolver.resolve(model, managed, self.rank)
-            check_build(self.backend.name, cfg.options.strategy, device, ignored.params)
             self.check_roles(
                 ConfigureContext(
                     model=model,

@@ -139,18 +139,15 @@ _REPLICATING: Final = frozenset(
 )
 
 
-def check_build(
-    backend: str,
+def check_fully_shard(
     strategy: ShardingStrategy,
     device: torch.device,
     ignored_params: Iterable[object] = (),
 ) -> None:
-    """The version gates of one build, run in the configure stage once the compute device is
-    known: ``backend`` is ``"fsdp1"`` or ``"fsdp2"``, ``strategy`` the configured one (before
-    clamping to the world size). Raises ``ConfigurationError`` for the first feature this torch
-    cannot do. FSDP1 needs nothing beyond the declared floor."""
-    if backend != "fsdp2":
-        return
+    """The version gates of a ``fully_shard`` build, run by its backend in the configure stage
+    once the compute device is known: ``strategy`` is the configured one (before clamping to the
+    world size). Raises ``ConfigurationError`` for the first feature this torch cannot do.
+    (FSDP1 needs nothing beyond the declared floor.)"""
     where = "FullyShardBuilder"
     if any(True for _ in ignored_params):
         require(FSDP2_IGNORED_PARAMS, f"{where}.ignore", "states")
@@ -172,7 +169,7 @@ __all__ = [
     "FSDP2_IGNORED_PARAMS",
     "FSDP2_REPLICATE_GLOO",
     "Feature",
-    "check_build",
+    "check_fully_shard",
     "parse_release",
     "require",
     "supports",

@@ -131,9 +131,9 @@ def test_fsdp2_full_shard_on_gloo_is_not_refused_for_replication(
     from torch.distributed.fsdp import ShardingStrategy
 
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-        versions.check_build("fsdp2", strategy, torch.device("cpu"))
+        versions.check_fully_shard(strategy, torch.device("cpu"))
     with pytest.raises(ConfigurationError, match=_refusal(versions.FSDP2_REPLICATE_GLOO)):
-        versions.check_build("fsdp2", ShardingStrategy.NO_SHARD, torch.device("cpu"))
+        versions.check_fully_shard(ShardingStrategy.NO_SHARD, torch.device("cpu"))
 
 
 def test_fsdp2_ignored_params_are_refused_in_configure(

@@ -99,6 +99,7 @@ from fsdp_builder.groups import ProcessGroups, check_mesh
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.versions import check_fully_shard
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
@@ -469,6 +470,7 @@ class FullyShardBackend:
         what ``check_fsdp2_plan`` lists, per-unit arguments, a ``reshard_after_forward`` int
         that does not divide the world, and the composition options; local, model untouched."""
         options = context.options
+        check_fully_shard(options.strategy, context.device, context.ignored.params)
         check_root_not_wrapped(context.plan, _WHERE)
         check_fsdp2_plan(context.plan, options)
         if context.ignored.params and not supports_ignored_params():
