@@ -203,3 +203,29 @@ def test_hugging_face_fine_tune_exports_what_from_pretrained_loads(tmp_path: Pat
     assert len(written.files) == 1 and (tmp_path / "one" / "config.json").is_file()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "one")
     assert torch.equal(hf.eval_logits(again, torch.device("cpu")), reloaded)
+
+
+@pytest.mark.timeout(120)
+def test_an_fsdp1_export_of_a_transformers_model_loads_with_from_pretrained(
+    tmp_path: Path, world1: None
+) -> None:
+    # FSDP1 wraps the model: its config is found through the wrapper, as FSDP hands attributes on.
+    pytest.importorskip("transformers", reason="transformers is part of the test extra")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_builder import FromCheckpoint, FSDPBuilder, save_hf_checkpoint
+
+    hf = recipe_module("hugging_face")
+    torch.manual_seed(0)
+    reference = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=hf.VOCAB, hidden_size=32,
+                                                   intermediate_size=48, num_hidden_layers=2,
+                                                   num_attention_heads=2))  # fmt: skip
+    reference.save_pretrained(tmp_path / "base")
+    sharded = FSDPBuilder().materialize(FromCheckpoint(tmp_path / "base"))
+    model = sharded.build(hf.meta_model(tmp_path / "base"))
+    written = save_hf_checkpoint(model, tmp_path / "export", max_shard_bytes=20_000)
+    assert len(written.files) > 1 and (tmp_path / "export" / "config.json").is_file()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    cpu = torch.device("cpu")
+    assert torch.equal(hf.eval_logits(again, cpu), hf.eval_logits(reference, cpu))
