@@ -9,6 +9,7 @@ by the argument's name.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -510,3 +511,332 @@ def test_grad_op_is_reshard_after_forward_false() -> None:
     from fsdp_builder.tools.launch import run_ranks
 
     assert run_ranks(_grad_op_on_two_ranks, 2, timeout=100) == [True, True]
+
+
+# -- Accelerate's FullyShardedDataParallelPlugin -----------------------------------------------
+#
+# Accelerate applies its plugin only on an accelerator (CUDA, XPU, ...), so the checks run its
+# own FSDP2 code (fsdp2_prepare_model, fsdp2_apply_ac) with the plugin on a one-rank gloo world,
+# and for the options it hands unchanged to FullyShardedDataParallel (FSDP1), check that the
+# plugin's value is the FSDP argument of the same name, whose builder call the FSDP1 table
+# checks.
+
+LLAMA: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
+
+
+def _plugin(**options: Any) -> Any:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(**options)
+
+
+def llama(meta: bool = False) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+
+
+def _layer_class() -> type[nn.Module]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def by_accelerate(plugin: Any, model: nn.Module) -> nn.Module:
+    """What ``accelerator.prepare`` does with an FSDP2 plugin: activation checkpointing, then
+    Accelerate's own ``fsdp2_prepare_model``."""
+    from types import SimpleNamespace
+
+    from accelerate.utils.fsdp_utils import (
+        fsdp2_apply_ac,
+        fsdp2_prepare_model,
+    )
+
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=plugin),
+        torch_device_mesh=None,
+        device=CPU,
+        mixed_precision="no",
+        is_main_process=True,
+    )
+    plugin.set_auto_wrap_policy(model)
+    if plugin.activation_checkpointing:
+        model = fsdp2_apply_ac(accelerator, model)
+    return cast(nn.Module, fsdp2_prepare_model(accelerator, model))
+
+
+def layer_units(root: nn.Module) -> dict[str, Any]:
+    """The decoder layers' fully_shard settings, by clean name (both build these units)."""
+    from fsdp_builder.planning.ignored import clean_name
+
+    out = {}
+    for name, unit in fsdp_units(root):
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is None or "layers." not in name:
+            continue  # a checkpoint wrapper around a sharded layer holds no parameter of its own
+        out[clean_name(name)] = {
+            "mp_policy": group.mp_policy,
+            "reshard_after_forward": group.post_forward_mesh_info is not None,
+            "offload_policy": group.offload_policy,
+            "params": sorted(
+                clean_name(f"{n}")
+                for n, p in cast(nn.Module, unit).named_parameters()
+                if isinstance(p, DTensor)
+            ),
+        }
+    return out
+
+
+def both_accelerate(
+    options: dict[str, Any],
+    configure: Callable[[FullyShardBuilder], FullyShardBuilder],
+    forward: bool = True,
+) -> tuple[dict[str, Any], nn.Module, nn.Module]:
+    """The Llama prepared by Accelerate with an FSDP2 plugin of ``options`` and built by the
+    builder; their decoder-layer units must match, and so must their logits."""
+    wrap = {"auto_wrap_policy": "transformer_based_wrap"}  # what `accelerate config` writes
+    theirs = by_accelerate(_plugin(fsdp_version=2, **(wrap | options)), llama())
+    built = configure(FullyShardBuilder().device(CPU)).build(llama())
+    mine = layer_units(built)
+    assert sorted(mine) == ["model.layers.0", "model.layers.1"]
+    assert mine == layer_units(theirs)
+    if forward:
+        ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(built(input_ids=ids).logits, theirs(input_ids=ids).logits)
+    return mine, built, theirs
+
+
+def checka_fsdp_version() -> None:
+    _, built, theirs = both_accelerate({}, lambda b: b)
+    assert isinstance(built, FSDPModule) and isinstance(theirs, FSDPModule)
+    assert _plugin().fsdp_version == 1  # FSDP1 is FSDPBuilder: the FSDP1 table's `module`
+    check1_module()
+
+
+def checka_sharding_strategy() -> None:
+    assert _plugin(sharding_strategy="SHARD_GRAD_OP").sharding_strategy is (
+        ShardingStrategy.SHARD_GRAD_OP
+    )
+    check1_sharding_strategy()
+
+
+def _reshard_every_unit(value: bool) -> Callable[[FullyShardBuilder], FullyShardBuilder]:
+    return lambda b: b.reshard_after_forward(value)
+
+
+def checka_reshard_after_forward() -> None:
+    for value in (True, False):
+        mine, _, _ = both_accelerate({"reshard_after_forward": value}, _reshard_every_unit(value))
+        assert [s["reshard_after_forward"] for s in mine.values()] == [value, value]
+
+
+def checka_backward_prefetch() -> None:
+    assert _plugin(backward_prefetch="BACKWARD_POST").backward_prefetch is (
+        BackwardPrefetch.BACKWARD_POST
+    )
+    check1_backward_prefetch()
+
+
+def checka_mixed_precision_policy() -> None:
+    dtypes: dict[str, Any] = {
+        "param_dtype": torch.bfloat16,
+        "reduce_dtype": torch.float32,
+        "output_dtype": torch.float32,
+    }
+    policy = _plugin(fsdp_version=2, mixed_precision_policy=dtypes).mixed_precision_policy
+    assert policy == MixedPrecisionPolicy(**dtypes)
+    mine, _, _ = both_accelerate(
+        {"mixed_precision_policy": dict(dtypes)}, lambda b: b.mixed_precision(**dtypes), False
+    )
+    assert all(s["mp_policy"] == policy for s in mine.values())
+    # With an output_dtype the layers hand float32 to the head: a unit of its own (as Accelerate
+    # makes it) casts its input to param_dtype, and the logits are Accelerate's.
+    layer = _layer_class()
+    both_accelerate(
+        {"mixed_precision_policy": dict(dtypes)},
+        lambda b: b.wrap(lambda m, fqn: isinstance(m, layer) or fqn == "lm_head").mixed_precision(
+            **dtypes
+        ),
+    )
+
+
+def checka_auto_wrap_policy() -> None:
+    # transformer_based_wrap: the model's _no_split_modules, the builder's default.
+    both_accelerate({"auto_wrap_policy": "transformer_based_wrap"}, lambda b: b)
+
+
+def checka_cpu_offload() -> None:
+    assert _plugin(cpu_offload=True).cpu_offload == CPUOffload(offload_params=True)
+    check1_cpu_offload()
+
+
+def checka_ignored_modules() -> None:
+    assert _plugin(ignored_modules="2").ignored_modules == "2"  # handed to FSDP as given
+    check1_ignored_modules()
+
+
+def checka_limit_all_gathers() -> None:
+    assert _plugin(limit_all_gathers=False).limit_all_gathers is False
+    check1_limit_all_gathers()
+
+
+def checka_use_orig_params() -> None:
+    assert _plugin(use_orig_params=True).use_orig_params is True
+    check1_use_orig_params()
+
+
+def checka_param_init_fn() -> None:
+    assert _plugin(param_init_fn=_fill).param_init_fn is _fill
+    check1_param_init_fn()
+
+
+def checka_sync_module_states() -> None:
+    # Accelerate needs an accelerator for it; the builder's broadcast runs on gloo.
+    with pytest.raises(RuntimeError, match="no available devices"):
+        _plugin(sync_module_states=True)
+    check1_sync_module_states()
+
+
+def checka_forward_prefetch() -> None:
+    assert _plugin(forward_prefetch=True).forward_prefetch is True
+    check1_forward_prefetch()
+
+
+def checka_activation_checkpointing() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from fsdp_builder.planning.ignored import clean_name
+
+    layer = _layer_class()
+    _, built, theirs = both_accelerate(
+        {"activation_checkpointing": True, "auto_wrap_policy": "transformer_based_wrap"},
+        lambda b: b.activation_checkpointing(layer),
+    )
+    for model in (built, theirs):
+        wrapped = [
+            clean_name(n) for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)
+        ]
+        assert wrapped == ["model.layers.0", "model.layers.1"]
+
+
+def checka_cpu_ram_efficient_loading(tmp_path: Path) -> None:
+    import transformers
+
+    from fsdp_builder import FromCheckpoint
+    from fsdp_builder.tools.demo import full_state_dict
+
+    torch.manual_seed(3)
+    cast(Any, llama()).save_pretrained(tmp_path, max_shard_size="40KB")
+    theirs = by_accelerate(
+        _plugin(
+            fsdp_version=2,
+            cpu_ram_efficient_loading=True,
+            auto_wrap_policy="transformer_based_wrap",
+        ),
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path),
+    )
+    built = FullyShardBuilder().device(CPU).materialize(FromCheckpoint(tmp_path)).build(llama(True))
+    want, got = full_state_dict(theirs), full_state_dict(built)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    assert layer_units(built) == layer_units(theirs)
+
+
+def checka_transformer_cls_names_to_wrap() -> None:
+    layer = _layer_class()
+    both_accelerate(
+        {
+            "auto_wrap_policy": "transformer_based_wrap",
+            "transformer_cls_names_to_wrap": [layer.__name__],
+        },
+        lambda b: b.wrap(layer),
+    )
+
+
+def checka_min_num_params() -> None:
+    from functools import partial
+
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    plugin = _plugin(auto_wrap_policy="size_based_wrap", min_num_params=100)
+    plugin.set_auto_wrap_policy(model())
+    assert plugin.auto_wrap_policy.func is size_based_auto_wrap_policy
+    assert plugin.auto_wrap_policy.keywords == {"min_num_params": 100}
+    policy = partial(size_based_auto_wrap_policy, min_num_params=100)
+    by_hand = FullyShardedDataParallel(
+        model(), device_id=CPU, auto_wrap_policy=plugin.auto_wrap_policy
+    )
+    built = FSDPBuilder().device(CPU).wrap(policy).build(model())
+    units = list(settings1(built))
+    assert units == list(settings1(by_hand)) and len(units) > 1
+    assert settings1(built) == settings1(by_hand)
+
+
+ACCELERATE_CHECKS: dict[str, Callable[..., None]] = {
+    "fsdp_version": checka_fsdp_version,
+    "sharding_strategy": checka_sharding_strategy,
+    "reshard_after_forward": checka_reshard_after_forward,
+    "backward_prefetch": checka_backward_prefetch,
+    "mixed_precision_policy": checka_mixed_precision_policy,
+    "auto_wrap_policy": checka_auto_wrap_policy,
+    "cpu_offload": checka_cpu_offload,
+    "ignored_modules": checka_ignored_modules,
+    "limit_all_gathers": checka_limit_all_gathers,
+    "use_orig_params": checka_use_orig_params,
+    "param_init_fn": checka_param_init_fn,
+    "sync_module_states": checka_sync_module_states,
+    "forward_prefetch": checka_forward_prefetch,
+    "activation_checkpointing": checka_activation_checkpointing,
+    "cpu_ram_efficient_loading": checka_cpu_ram_efficient_loading,
+    "transformer_cls_names_to_wrap": checka_transformer_cls_names_to_wrap,
+    "min_num_params": checka_min_num_params,
+}
+
+
+def test_accelerate_table_lists_exactly_the_plugins_fields() -> None:
+    pytest.importorskip("accelerate", reason="accelerate is part of the test extra")
+    import dataclasses
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    fields = [f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)]
+    assert list(table("accelerate")) == fields
+    assert all(hasattr(FullyShardedDataParallelPlugin(), name) for name in fields)
+    claimed = sorted(arg for arg, call in table("accelerate").items() if call)
+    assert claimed == sorted(ACCELERATE_CHECKS)
+
+
+@pytest.fixture
+def accelerate_env() -> Iterator[None]:
+    """The plugin writes some options to the environment (FSDP_CPU_RAM_EFFICIENT_LOADING, read
+    by later plugins and by transformers): each check starts and ends with the test's own."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+@pytest.mark.parametrize("option", sorted(ACCELERATE_CHECKS))
+def test_builder_call_builds_what_accelerates_option_builds(
+    option: str, world1: None, accelerate_env: None, tmp_path: Path
+) -> None:
+    pytest.importorskip("accelerate", reason="accelerate is part of the test extra")
+    pytest.importorskip("transformers", reason="transformers is part of the test extra")
+    check = ACCELERATE_CHECKS[option]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if "tmp_path" in inspect.signature(check).parameters:
+            check(tmp_path)
+        else:
+            check()

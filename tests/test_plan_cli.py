@@ -313,3 +313,101 @@ def test_plan_names_an_unimportable_module(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit, match="run the command from the folder that holds it"):
         main(["plan", "no_such_module_here:make"])
+
+
+# -- a transformers folder -------------------------------------------------------------------
+
+TINY_LLAMA: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+}
+
+FACTORY = """
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def make():
+    return LlamaForCausalLM(LlamaConfig(**{config!r}))
+"""
+
+
+@pytest.fixture
+def llama_folder(tmp_path: Path) -> Path:
+    """What ``save_pretrained`` writes next to the weights: the planner reads only config.json."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(**TINY_LLAMA).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def test_plan_of_a_transformers_folder_matches_the_model_and_a_factorys_plan(
+    llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    import transformers
+
+    assert main(["plan", str(llama_folder), "--world-size", "4"]) == 0
+    from_folder = capsys.readouterr().out
+    rows = _plan_rows(from_folder)
+    # The units are the decoder layers (the model's _no_split_modules) and the root.
+    assert list(rows) == ["model.layers.0", "model.layers.1", "<root>", "total"]
+    eager = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    layer = _numel(eager.model.layers[0])
+    assert rows["model.layers.0"] == (layer, layer * 4)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in eager.buffers())  # RoPE
+    assert buffer_bytes > 0
+    assert rows["total"] == (_numel(eager), _numel(eager) * 4 + buffer_bytes)
+    # The same model from a Python factory: the same plan and estimates, line for line.
+    (tmp_path / "tiny_llama_factory.py").write_text(FACTORY.format(config=TINY_LLAMA))
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "tiny_llama_factory:make", "--world-size", "4"]) == 0
+    assert capsys.readouterr().out == from_folder
+    # config.json itself names the same model.
+    assert main(["plan", str(llama_folder / "config.json"), "--world-size", "4"]) == 0
+    assert capsys.readouterr().out == from_folder
+
+
+def test_plan_of_a_transformers_folder_as_json(llama_folder: Path, capsys: Any) -> None:
+    assert main(["plan", str(llama_folder), "--json", "--wrap", "LlamaDecoderLayer"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [u["name"] for u in out["units"]] == ["model.layers.0", "model.layers.1", "<root>"]
+    # Two RoPE buffers (inv_freq, original_inv_freq), both owned by the root.
+    assert [u["buffers"] for u in out["units"]] == [0, 0, 2]
+
+
+def test_a_config_without_architectures_is_a_causal_lm(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from fsdp_builder.tools.hf_plan import meta_model_from_config
+
+    config = {k: v for k, v in TINY_LLAMA.items() if k != "architectures"}
+    transformers.LlamaConfig(**config).save_pretrained(tmp_path)
+    assert "architectures" not in json.loads((tmp_path / "config.json").read_text())
+    model = meta_model_from_config(tmp_path)
+    assert type(model) is transformers.LlamaForCausalLM
+    assert all(p.is_meta for p in model.parameters())
+    bert = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2)
+    bert.architectures = ["BertForMaskedLM"]
+    bert.save_pretrained(tmp_path / "bert")
+    assert type(meta_model_from_config(tmp_path / "bert")) is transformers.BertForMaskedLM
+
+
+def test_plan_of_a_folder_without_config_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_builder.errors import ConfigurationError
+    from fsdp_builder.tools.hf_plan import meta_model_from_config
+
+    with pytest.raises(ConfigurationError, match=r"has no config\.json\. Pass a folder written"):
+        meta_model_from_config(tmp_path)
+    with pytest.raises(SystemExit, match=r"`fsdp-builder plan` got an invalid `FOLDER`"):
+        main(["plan", str(tmp_path)])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["plan", str(tmp_path / "typo")])
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    with pytest.raises(ConfigurationError, match=r"needs transformers.*pip install transformers"):
+        meta_model_from_config(tmp_path)

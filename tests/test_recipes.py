@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ TESTED = {
     "custom_strategies.py",
     "composition.py",
     "resume.py",
+    "hugging_face.py",
 }
 
 
@@ -159,3 +161,71 @@ def test_tensor_parallel_checkpointing_and_compile() -> None:
     assert sorted(losses) == [0, 1, 2, 3], out
     # The ranks of one TP group (0-1, 2-3) train on the same batch.
     assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]
+
+
+@pytest.mark.timeout(300)
+def test_hugging_face_fine_tune_exports_what_from_pretrained_loads(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="transformers is part of the test extra")
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_builder import save_hf_checkpoint
+
+    hf = recipe_module("hugging_face")
+    per_rank = run_ranks(hf.train, 2, str(tmp_path), timeout=200)
+    # The base checkpoint had several shards; so has the export, with an index and config.json.
+    assert len(list((tmp_path / "base").glob("model-*.safetensors"))) > 1
+    export = tmp_path / "export"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in export.glob("*.safetensors"))
+    assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+    config = json.loads((export / "config.json").read_text())
+    assert config == json.loads((tmp_path / "base" / "config.json").read_text())
+    # from_pretrained in a new process, as the page's second command runs it.
+    proc = subprocess.run(
+        [sys.executable, "docs/recipes/hugging_face.py", "--folder", str(tmp_path), "--phase",
+         "check"],
+        capture_output=True, text=True, timeout=150, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reloaded = torch.load(tmp_path / "reloaded.pt")
+    for rank, (losses, logits) in enumerate(per_rank):
+        assert len(losses) == hf.STEPS and all(math.isfinite(x) for x in losses)
+        assert torch.equal(logits, reloaded), f"rank {rank}: the sharded model's logits differ"
+    # Fine-tuning changed the model: the base checkpoint's logits are not the export's.
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    assert not torch.allclose(hf.eval_logits(base, torch.device("cpu")), reloaded)
+    # One file: a model under max_shard_bytes round-trips through from_pretrained too.
+    tuned = AutoModelForCausalLM.from_pretrained(export)
+    written = save_hf_checkpoint(tuned, tmp_path / "one")
+    assert len(written.files) == 1 and (tmp_path / "one" / "config.json").is_file()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "one")
+    assert torch.equal(hf.eval_logits(again, torch.device("cpu")), reloaded)
+
+
+@pytest.mark.timeout(120)
+def test_an_fsdp1_export_of_a_transformers_model_loads_with_from_pretrained(
+    tmp_path: Path, world1: None
+) -> None:
+    # FSDP1 wraps the model: its config is found through the wrapper, as FSDP hands attributes on.
+    pytest.importorskip("transformers", reason="transformers is part of the test extra")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_builder import FromCheckpoint, FSDPBuilder, save_hf_checkpoint
+
+    hf = recipe_module("hugging_face")
+    torch.manual_seed(0)
+    reference = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=hf.VOCAB, hidden_size=32,
+                                                   intermediate_size=48, num_hidden_layers=2,
+                                                   num_attention_heads=2))  # fmt: skip
+    reference.save_pretrained(tmp_path / "base")
+    sharded = FSDPBuilder().materialize(FromCheckpoint(tmp_path / "base"))
+    model = sharded.build(hf.meta_model(tmp_path / "base"))
+    written = save_hf_checkpoint(model, tmp_path / "export", max_shard_bytes=20_000)
+    assert len(written.files) > 1 and (tmp_path / "export" / "config.json").is_file()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    cpu = torch.device("cpu")
+    assert torch.equal(hf.eval_logits(again, cpu), hf.eval_logits(reference, cpu))

@@ -256,6 +256,7 @@ def load_factory(spec: str) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from fsdp_builder.errors import ConfigurationError
     from fsdp_builder.planning.ignored import IgnoredStates
     from fsdp_builder.planning.plan import plan_units
     from fsdp_builder.planning.wrap import WrapPolicy
@@ -266,10 +267,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         hybrid_shard_size,
         training_estimate,
     )
+    from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
 
-    factory = load_factory(args.factory)
-    with torch.device("meta"):
-        model = factory()
+    if is_config_path(args.factory):  # a transformers folder or config.json
+        try:
+            model = meta_model_from_config(args.factory)
+        except ConfigurationError as exc:
+            raise SystemExit(str(exc)) from exc
+    else:
+        factory = load_factory(args.factory)
+        with torch.device("meta"):
+            model = factory()
     if not isinstance(model, torch.nn.Module):
         raise SystemExit(f"{args.factory} returned {type(model).__name__}, not an nn.Module")
     classes: list[type[torch.nn.Module]] = []
@@ -437,9 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "factory",
-        metavar="MODULE:FACTORY",
+        metavar="MODULE:FACTORY|FOLDER",
         help="a callable returning an nn.Module, e.g. mymodel:make (called under "
-        "torch.device('meta'))",
+        "torch.device('meta')), or a transformers folder (or its config.json), whose model is "
+        "created on meta from its config",
     )
     plan.add_argument(
         "--wrap",

@@ -297,7 +297,8 @@ def save_hf_checkpoint(
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``
     (``metadata.total_size``, ``weight_map``) into ``folder`` (created if needed; shard files of
     an earlier export that the new one does not name are removed). ``FromCheckpoint(folder)``
-    loads it back.
+    loads it back; for a transformers model (one with a ``config``) rank 0 also writes its
+    ``config.json``, so ``from_pretrained(folder)`` loads it too.
 
     No rank holds the whole model. With FSDP2 each DTensor of the sharded state dict is gathered
     on its own (``full_tensor()``); with FSDP1 one unit is unsharded at a time with
@@ -367,6 +368,7 @@ def save_hf_checkpoint(
     if rank == 0 and writer.error is None:
         try:
             files = writer.finish()
+            _save_config(model, target)
         except (Exception, CheckpointException) as exc:
             writer.error = exc
     failure: tuple[str, str, BaseException | None] | None = None
@@ -470,6 +472,19 @@ def _portable(error: BaseException) -> BaseException:
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
     return error
+
+
+def _save_config(model: nn.Module, folder: Path) -> None:
+    """A transformers model's ``config.json`` next to its weights, so that
+    ``from_pretrained(folder)`` loads the export (an FSDP1 root hands ``config`` on from the
+    model it wraps)."""
+    save = getattr(getattr(model, "config", None), "save_pretrained", None)
+    if callable(save):
+        save(folder)
+
+
+def _describe(error: BaseException) -> tuple[str, str]:
+    return type(error).__name__, str(error)
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "HFExport", "save_hf_checkpoint"]
