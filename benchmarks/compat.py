@@ -269,7 +269,7 @@ def render(results: dict[str, Any]) -> str:
         "(gloo). The latest run of each release; its records are in "
         "`benchmarks/results/compat.json`.",
         "",
-        "Subset: `pytest " + " ".join(_quoted(results.get("subset", SUBSET))) + "`.",
+        "Subset: `pytest " + " ".join(_quoted(SUBSET)) + "`.",
         "",
         "| torch | result | passed | failed | errors | skipped | time (s) | run on |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -283,6 +283,12 @@ def render(results: dict[str, Any]) -> str:
             f"{rec['errors']} | {rec['skipped']} | {rec['seconds']:.0f} | {rec.get('date', '')} |"
         )
     notes = [(r, rec["note"]) for r, rec in releases if rec.get("note")]
+    subset = list(SUBSET)
+    notes += [
+        (r, "ran another selection: `pytest " + " ".join(_quoted(rec["tests"])) + "`")
+        for r, rec in releases
+        if rec.get("tests") and rec["tests"] != subset
+    ]
     if notes:
         lines += [""] + [f"- torch {release}: {note}" for release, note in notes]
     failing = [(r, rec) for r, rec in releases if rec.get("groups") or rec.get("install_error")]

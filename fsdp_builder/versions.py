@@ -51,6 +51,7 @@ class Feature:
 
 FSDP2_CPU: Final = "fsdp2_cpu"
 FSDP2_REPLICATE_GLOO: Final = "fsdp2_replicate_gloo"
+FSDP2_SHARDED_GLOO: Final = "fsdp2_sharded_gloo"
 FSDP2_IGNORED_PARAMS: Final = "fsdp2_ignored_params"
 DCP_NO_DIST: Final = "dcp_no_dist"
 
@@ -69,6 +70,15 @@ FEATURES: Final[dict[str, Feature]] = {
         "which gloo refuses before torch 2.8 ('Cannot use ReduceOp.AVG with Gloo')",
         "Use FSDPBuilder (FSDP1) for NO_SHARD or hybrid sharding on the CPU, or a FULL_SHARD / "
         "SHARD_GRAD_OP strategy.",
+    ),
+    FSDP2_SHARDED_GLOO: Feature(
+        "FullyShardBuilder sharding over several ranks on gloo (FULL_SHARD, SHARD_GRAD_OP, "
+        "hybrid sharding)",
+        (2, 11),
+        "on torch 2.7 and 2.8 the model trains but its losses leave the single-process "
+        "reference after the first step, and tied parameters come apart (the compatibility "
+        "matrix); 2.9 and 2.10 are not measured yet",
+        "Use FSDPBuilder (FSDP1) on the CPU, or compute on CUDA devices.",
     ),
     FSDP2_IGNORED_PARAMS: Feature(
         "FullyShardBuilder.ignore (fully_shard(ignored_params=...))",
@@ -155,6 +165,8 @@ def check_fully_shard(
         require(FSDP2_CPU, f"{where}.device", "device")
         if strategy in _REPLICATING and _world_size() > 1:
             require(FSDP2_REPLICATE_GLOO, f"{where}.sharding", "strategy")
+        if strategy != ShardingStrategy.NO_SHARD and _world_size() > 1:
+            require(FSDP2_SHARDED_GLOO, f"{where}.sharding", "strategy")
 
 
 def _world_size() -> int:
@@ -168,6 +180,7 @@ __all__ = [
     "FSDP2_CPU",
     "FSDP2_IGNORED_PARAMS",
     "FSDP2_REPLICATE_GLOO",
+    "FSDP2_SHARDED_GLOO",
     "Feature",
     "check_fully_shard",
     "parse_release",

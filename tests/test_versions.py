@@ -123,17 +123,38 @@ def test_fsdp2_replicating_on_gloo_is_refused_in_configure(
     assert "FullyShardBuilder.sharding" in str(info.value)
 
 
-def test_fsdp2_full_shard_on_gloo_is_not_refused_for_replication(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    _pretend(monkeypatch, _below(versions.FSDP2_REPLICATE_GLOO))
-    monkeypatch.setattr(versions, "_world_size", lambda: 2)
+def test_each_gloo_gate_refuses_only_its_strategies(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.fsdp import ShardingStrategy
 
-    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-        versions.check_fully_shard(strategy, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    sharded = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+    monkeypatch.setattr(versions, "_world_size", lambda: 2)
+    # Below the sharding gate only: NO_SHARD (no reduce-scatter) builds, sharding is refused.
+    _pretend(monkeypatch, _below(versions.FSDP2_SHARDED_GLOO))
+    versions.check_fully_shard(ShardingStrategy.NO_SHARD, cpu)
+    for strategy in sharded:
+        with pytest.raises(ConfigurationError, match=_refusal(versions.FSDP2_SHARDED_GLOO)):
+            versions.check_fully_shard(strategy, cpu)
+    # Below the replication gate: NO_SHARD is refused for its all-reduce.
+    _pretend(monkeypatch, _below(versions.FSDP2_REPLICATE_GLOO))
     with pytest.raises(ConfigurationError, match=_refusal(versions.FSDP2_REPLICATE_GLOO)):
-        versions.check_fully_shard(ShardingStrategy.NO_SHARD, torch.device("cpu"))
+        versions.check_fully_shard(ShardingStrategy.NO_SHARD, cpu)
+    # Neither gate applies to CUDA devices or to one rank (FSDP1 has no gate: its backend never calls them).
+    versions.check_fully_shard(ShardingStrategy.FULL_SHARD, torch.device("cuda", 0))
+    monkeypatch.setattr(versions, "_world_size", lambda: 1)
+    versions.check_fully_shard(ShardingStrategy.FULL_SHARD, cpu)
+
+
+def test_fsdp2_sharding_on_gloo_is_refused_in_configure(
+    monkeypatch: pytest.MonkeyPatch, world1: None
+) -> None:
+    feature = versions.FSDP2_SHARDED_GLOO
+    _pretend(monkeypatch, _below(feature))
+    monkeypatch.setattr(versions, "_world_size", lambda: 2)
+    builder = FullyShardBuilder().device(CPUDevice()).sharding("grad_op").wrap(Block)
+    with pytest.raises(ConfigurationError, match=_refusal(feature)) as info:
+        builder.build(make_model(CFG))
+    assert "FullyShardBuilder.sharding" in str(info.value)
 
 
 def test_fsdp2_ignored_params_are_refused_in_configure(
