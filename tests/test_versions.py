@@ -139,7 +139,7 @@ def test_each_gloo_gate_refuses_only_its_strategies(monkeypatch: pytest.MonkeyPa
     _pretend(monkeypatch, _below(versions.FSDP2_REPLICATE_GLOO))
     with pytest.raises(ConfigurationError, match=_refusal(versions.FSDP2_REPLICATE_GLOO)):
         versions.check_fully_shard(ShardingStrategy.NO_SHARD, cpu)
-    # Neither gate applies to CUDA devices or to one rank (FSDP1 has no gate: its backend never calls them).
+    # Neither gate applies to CUDA devices or to one rank (FSDP1 never calls them).
     versions.check_fully_shard(ShardingStrategy.FULL_SHARD, torch.device("cuda", 0))
     monkeypatch.setattr(versions, "_world_size", lambda: 1)
     versions.check_fully_shard(ShardingStrategy.FULL_SHARD, cpu)
