@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
+from benchmarks import scaling
 from benchmarks.baselines import BASELINES
 from benchmarks.common import Job, Outcome, Recipe
 from benchmarks.models import BenchConfig, largest_unit_bytes, model_bytes
@@ -523,6 +524,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep glibc's adaptive mmap threshold (peak RSS then depends on allocation history)",
     )
     p.add_argument("--no-warmup", action="store_true", help="time the first build of each rank")
+    p.add_argument(
+        "--units",
+        help="unit counts of the many-small-units case, comma-separated (default 400; "
+        f"--full: {','.join(map(str, scaling.FULL_UNITS))} at world sizes "
+        f"{','.join(map(str, scaling.FULL_WORLDS))})",
+    )
+    p.add_argument("--no-units", action="store_true", help="skip the many-small-units case")
+    p.add_argument("--units-only", action="store_true", help="only the many-small-units case")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="log every measurement")
     return p
@@ -548,6 +557,17 @@ class _AboveTheBar(io.StringIO):
         if text.strip():
             tqdm.write(text.rstrip("\n"), file=sys.stderr)
         return len(text)
+
+
+def _units_plan(args: argparse.Namespace, repeats: int) -> list[tuple[int, int, int, str]]:
+    if args.units:
+        units = [int(u) for u in args.units.split(",") if u.strip()]
+    elif args.smoke:
+        units = [8]
+    else:
+        units = list(scaling.FULL_UNITS if args.full else scaling.DEFAULT_UNITS)
+    worlds = args.world_size or (list(scaling.FULL_WORLDS) if args.full else [2])
+    return scaling.plan(units, worlds, repeats, list(scaling.RECIPES))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -577,7 +597,9 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
         recipes = [available[n] for n in wanted if n in available]
     else:
         recipes = list(available.values())
-    if not recipes:
+    if args.units_only:
+        recipes = []
+    if not recipes and not args.units_only:
         print("no recipe to run", file=sys.stderr)
         return 2
 
@@ -627,10 +649,11 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
                 checkpoints[measured], dcps[measured] = path, folder
             del weights
     labels = {size: label for size, label in zip(sizes, sizes_text.split(","), strict=True)}
-    order = _plan(recipes, sizes, worlds, repeats)
+    order = _plan(recipes, sizes, worlds, repeats) if recipes else []
+    units_order = [] if args.no_units else _units_plan(args, repeats)
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
-    progress = Progress(len(order), quiet=args.quiet)
+    progress = Progress(len(order) + len(units_order), quiet=args.quiet)
     for index, (repeat, size, world, recipe) in enumerate(order):
         cfg = configs[size]
         label = f"{recipe.name} {labels[size].strip()} w{world}"
@@ -696,6 +719,13 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
             log.warning("measurement_failed", recipe=recipe.name, size=record["size"], error=exc)
         records.append(record)
         progress.done(label, record["seconds"], record["error"])
+    units_records = scaling.run_units(
+        units_order,
+        lambda fn, world, *a: launch(
+            fn, world, *a, timeout=args.timeout, backend=backend, method=args.launcher
+        ),
+        progress.done,
+    )
     progress.close()
     scratch.cleanup()
 
@@ -721,6 +751,12 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
         "notes": notes,
         "records": records,
         "warnings": warning_counts(records, caught),
+        "units": {
+            "records": units_records,
+            "ratios": scaling.ratios(units_records),
+            "dim": 32,
+            "block": "Linear(d, d) + LayerNorm(d), one wrap unit per block",
+        },
     }
     from benchmarks.report import console_summary, render_markdown, render_plot
 
@@ -730,7 +766,10 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "bench.md").write_text(render_markdown(result))
     if not args.no_plot:
-        render_plot(result, args.out / "bench.png")
+        if records:
+            render_plot(result, args.out / "bench.png")
+        if units_records:
+            scaling.render_plots(units_records, args.out / "units.png")
     failed = [r for r in records if r["error"]]
     print(console_summary(result))
     print(f"wrote {json_path}, {args.out / 'bench.md'}" + ("" if args.no_plot else ", bench.png"))

@@ -384,6 +384,15 @@ def warnings_list(result: dict[str, Any], shown: int = 12) -> list[str]:
     return lines
 
 
+UNITS_TARGET = 1.10
+
+
+def units_section(result: dict[str, Any]) -> str:
+    from benchmarks.scaling import ratios_table
+
+    return ratios_table(result["units"]["records"])
+
+
 def console_summary(result: dict[str, Any]) -> str:
     """What the command prints after the progress bar: the targets, then the warnings the
     ranks and the harness raised during the run."""
@@ -394,6 +403,11 @@ def console_summary(result: dict[str, Any]) -> str:
         "",
         compact_targets_table(result),
     ]
+    if not result["records"]:
+        parts = [""]  # only the many-small-units case ran
+    if result.get("units", {}).get("records"):
+        title = "Many small units, builder ÷ plain torch (medians):"
+        parts += ["", title, "", units_section(result)]
     found = warnings_list(result)
     if found:
         parts += ["", "Warnings during the run (held back from the progress bar):", *found]
@@ -434,6 +448,20 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         recipes_list(result),
     ]
+    if result.get("units", {}).get("records"):
+        parts += [
+            "",
+            "## Many small units",
+            "",
+            f"A stack of {result['units']['block']} (d={result['units']['dim']}), default "
+            "builder path (no `.materialize`, report on) against plain torch: `fully_shard` per "
+            "block on meta + `to_empty` + `reset_parameters` (FSDP2), `FullyShardedDataParallel` "
+            "with auto-wrap and `param_init_fn` (FSDP1). Wall: slowest rank's build time; CPU: "
+            "slowest rank's process CPU time, which other load on the machine distorts less. "
+            f"Target: builder ÷ plain ≤ {UNITS_TARGET:g}.",
+            "",
+            units_section(result),
+        ]
     if result["notes"]:
         parts += ["", "## Notes", "", *(f"- {n}" for n in result["notes"])]
     if result.get("warnings"):

@@ -27,7 +27,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
     return rc, json.loads((tmp / "records.json").read_text()), tmp / "out"
 
 
-@pytest.mark.timeout(180)
+# The smoke run includes the many-small-units case (4 more measurements).
+@pytest.mark.timeout(360)
 def test_smoke_run_writes_records(smoke: tuple[int, dict, Path]) -> None:
     rc, result, _ = smoke
     failed = [(r["recipe"], r["error"]) for r in result["records"] if r["error"]]
@@ -121,3 +122,84 @@ def test_warnings_and_stderr_are_captured(capfd: pytest.CaptureFixture[str]) -> 
         os.write(2, b"[W1130 03:42:27.123456 99 file.cpp:1] from c++\n")
     assert lines == ["UserWarning: from python", "from c++"]
     assert capfd.readouterr().err == ""
+
+
+@pytest.mark.timeout(30)
+def test_smoke_run_measures_many_small_units(smoke: tuple[int, dict, Path]) -> None:
+    _, result, out = smoke
+    records = result["units"]["records"]
+    assert {r["recipe"] for r in records} == {
+        "plain_fsdp2", "builder_fsdp2", "plain_fsdp1", "builder_fsdp1"
+    }  # fmt: skip
+    for r in records:
+        assert r["error"] is None, r["error"]
+        assert r["seconds"] > 0 and r["cpu_seconds"] > 0
+        assert [x["rank"] for x in r["ranks"]] == [0, 1]
+    ratios = {r["backend"]: r for r in result["units"]["ratios"]}
+    assert set(ratios) == {"fsdp1", "fsdp2"}
+    for r in ratios.values():
+        assert r["wall_ratio"] == pytest.approx(r["builder_seconds"] / r["plain_seconds"])
+    assert "## Many small units" in (out / "bench.md").read_text()
+    assert (out / "units.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(30)
+def test_memory_split_is_recorded_per_rank(smoke: tuple[int, dict, Path]) -> None:
+    _, result, _ = smoke
+    for r in result["records"]:
+        if r["error"]:
+            continue
+        for x in r["ranks"]:
+            assert x["peak_anon_bytes"] is not None and x["peak_anon_bytes"] >= 0
+            assert x["peak_file_bytes"] is not None
+        assert r["peak_anon_bytes"] == max(x["peak_anon_bytes"] for x in r["ranks"])
+
+
+def test_progress_prints_a_line_per_measurement_off_a_terminal() -> None:
+    import io
+
+    from benchmarks.progress import Progress
+
+    stream = io.StringIO()  # not a TTY
+    progress = Progress(3, quiet=False, stream=stream)
+    for i, label in enumerate(("a", "b", "c")):
+        progress.start(label)
+        progress.done(label, 0.5 * (i + 1), "boom\nlast line" if label == "c" else None)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines == ["[1/3] a: 0.500 s", "[2/3] b: 1.000 s", "[3/3] c: FAILED: last line"]
+    assert "\r" not in stream.getvalue()
+
+
+def test_quiet_progress_prints_nothing() -> None:
+    import io
+
+    from benchmarks.progress import Progress
+
+    stream = io.StringIO()
+    progress = Progress(1, quiet=True, stream=stream)
+    progress.done("a", 1.0)
+    assert stream.getvalue() == ""
+
+
+def test_rss_split_tells_heap_from_mapped_file(tmp_path: Path) -> None:
+    import mmap
+
+    from benchmarks.harness import RssSplit
+
+    size = 64 * 1024 * 1024
+    path = tmp_path / "blob"
+    path.write_bytes(b"\1" * size)
+    split = RssSplit(interval=0.001)
+    split.start()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert sum(mapped[i] for i in range(0, size, 4096)) == size // 4096  # touch every page
+        split._take()
+    anon_after_map = split.peak[0]
+    heap = bytearray(b"\1" * size)  # anonymous pages, written
+    split._take()
+    anon, file = split.stop()
+    del heap
+    assert file >= size * 0.9  # the mapping's pages are file-backed
+    assert anon >= size * 0.9  # the bytearray's are anonymous
+    assert anon_after_map - split.baseline[0] < size * 0.5  # mapping did not count as heap
