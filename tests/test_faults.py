@@ -72,6 +72,9 @@ BOUND = 3.0
 # bound did not end would last this long, so an error that comes sooner shows the bound worked,
 # however slowly the loaded machine ran the rest of the build.
 GROUP_TIMEOUT = 600.0
+# The build's bound where a rank dies or sleeps: long enough that no honest step of a loaded
+# machine (a rank arriving late at the configure agreement) runs past it.
+DEATH_BOUND = 15.0
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -1157,9 +1160,10 @@ def dying_ranks(folder: str) -> None:
         FSDPBuilder()
         .device(CPUDevice())
         .wrap(Block)
-        .timeout(BOUND)
+        .timeout(DEATH_BOUND)
         .materialize(Faulty(die=2, fail=0))
     )
+    dist.barrier()  # start the build together: a late start is not what this tests
     result = attempt(meta_model, builder.build)
     torch.save(result, Path(folder) / f"rank{rank}.pt")
 
@@ -1170,9 +1174,10 @@ def slow_ranks() -> dict[str, Any]:
         FSDPBuilder()
         .device(CPUDevice())
         .wrap(Block)
-        .timeout(BOUND)
-        .materialize(Faulty(sleep=1, seconds=BOUND + 5))
+        .timeout(DEATH_BOUND)
+        .materialize(Faulty(sleep=1, seconds=DEATH_BOUND + 5))
     )
+    dist.barrier()  # start the build together: a late start is not what this tests
     return attempt(meta_model, builder.build)
 
 
