@@ -13,12 +13,14 @@ from fsdp_builder.devices import (
 from fsdp_builder.errors import (
     CommunicationError,
     ConfigurationError,
+    ExportError,
     FSDPBuilderError,
     MaterializationError,
     PlanError,
     RankDisagreementError,
     StateMismatchError,
 )
+from fsdp_builder.export import save_hf_checkpoint
 from fsdp_builder.groups import (
     AutoHybridGroups,
     BaseGroupFactory,
@@ -42,6 +44,7 @@ from fsdp_builder.materializers.initializers import (
 )
 from fsdp_builder.materializers.loading import FromStateDict
 from fsdp_builder.materializers.sharded import InitWeights, ShardFirstReset
+from fsdp_builder.materializers.streams import StreamInit
 from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
 from fsdp_builder.planning.plan import Unit, UnitPlan, plan_units
 from fsdp_builder.planning.wrap import NoSplitModules, WrapPolicy
@@ -56,7 +59,6 @@ from fsdp_builder.synchronizers import (
     StateSynchronizer,
     VerifyReplicas,
 )
-from fsdp_builder.tools.export import save_hf_checkpoint
 
 __all__ = [
     "AutoHybridGroups",
@@ -71,6 +73,7 @@ __all__ = [
     "CheckpointSource",
     "CommunicationError",
     "ConfigurationError",
+    "ExportError",
     "DefaultGroups",
     "DeviceResolver",
     "Environment",
@@ -95,6 +98,7 @@ __all__ = [
     "RankDisagreementError",
     "ResetParameters",
     "ShardFirstReset",
+    "StreamInit",
     "ShardingBuilder",
     "ShardingOptions",
     "StageRecord",

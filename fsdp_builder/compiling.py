@@ -24,8 +24,8 @@ import torch
 from attrs import frozen
 from torch import nn
 
+from fsdp_builder.common.describe import describe
 from fsdp_builder.errors import config_error
-from fsdp_builder.runtime.describe import describe
 
 _WHERE = "ShardingBuilder.compile"
 

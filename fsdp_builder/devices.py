@@ -17,9 +17,9 @@ from attrs import frozen
 from torch import nn
 from typing_extensions import override
 
+from fsdp_builder.common.hooks import DeclaredHooks
+from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import ConfigurationError, config_error
-from fsdp_builder.runtime.hooks import DeclaredHooks
-from fsdp_builder.runtime.logs import warn_user
 
 CPU = torch.device("cpu")
 

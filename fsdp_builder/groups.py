@@ -20,9 +20,9 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from fsdp_builder.common.hooks import DeclaredHooks
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
-from fsdp_builder.runtime.hooks import DeclaredHooks
 
 if TYPE_CHECKING:
     from fsdp_builder.runtime.context import ConfigureContext

@@ -30,6 +30,8 @@ from attrs import define, frozen
 from torch import nn
 
 from fsdp_builder.backends import Backend, capabilities
+from fsdp_builder.common.describe import describe_settings
+from fsdp_builder.common.logs import build_logger
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
     DeviceResolver,
@@ -51,9 +53,7 @@ from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
 from fsdp_builder.runtime.collectives import GroupTimeouts
 from fsdp_builder.runtime.context import ChecksContext, ConfigureContext
-from fsdp_builder.runtime.describe import describe_settings
 from fsdp_builder.runtime.environment import Environment, effective_strategy
-from fsdp_builder.runtime.logs import build_logger
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
@@ -185,7 +185,7 @@ class _Build:
         return BuildResult(environment=env, report=report, module=result)
 
     def settings(self) -> list[tuple[str, str]]:
-        """The whole configuration as ranks compare it (``fsdp_builder.runtime.describe``)."""
+        """The whole configuration as ranks compare it (``fsdp_builder.common.describe``)."""
         cfg = self.config
         items: dict[str, Any] = {"backend": self.backend.name}
         for field in attrs.fields(BuilderConfig):

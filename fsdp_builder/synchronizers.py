@@ -23,6 +23,8 @@ from attrs import define, frozen
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
+from fsdp_builder.common.hashing import digest63
+from fsdp_builder.common.hooks import DeclaredHooks
 from fsdp_builder.errors import FSDPBuilderError, StateMismatchError
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
@@ -34,8 +36,6 @@ from fsdp_builder.runtime.collectives import (
     sync_stages,
 )
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.hashing import digest63
-from fsdp_builder.runtime.hooks import DeclaredHooks
 from fsdp_builder.runtime.tree import module_names, qualified, unit_modules
 
 

@@ -183,7 +183,7 @@ def test_launcher_turns_a_hang_into_an_error() -> None:
 def test_descriptions_do_not_depend_on_order_or_identity() -> None:
     from pathlib import Path
 
-    from fsdp_builder.runtime.describe import describe, describe_settings
+    from fsdp_builder.common.describe import describe, describe_settings
 
     assert describe({"b": 1, "a": 2}) == describe({"a": 2, "b": 1})
     assert describe({nn.Linear, nn.ReLU}) == describe({nn.ReLU, nn.Linear})

@@ -222,7 +222,7 @@ def failure_case(root: str, source: str) -> dict[str, dict[str, Any]]:
     files left behind."""
     from unittest import mock
 
-    import fsdp_builder.tools.export as export
+    import fsdp_builder.export as export
 
     model = build("fsdp2", source)
     out: dict[str, dict[str, Any]] = {}

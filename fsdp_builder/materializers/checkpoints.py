@@ -42,6 +42,8 @@ from attrs import define, frozen
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import override
 
+from fsdp_builder.common.describe import describe as describe_value
+from fsdp_builder.common.hashing import digest63
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
 from fsdp_builder.materializers.initializers import (
@@ -66,9 +68,7 @@ from fsdp_builder.materializers.nonfinite import (
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
-from fsdp_builder.runtime.describe import describe as describe_value
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.hashing import digest63
 from fsdp_builder.runtime.tree import allocate_empty, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
 

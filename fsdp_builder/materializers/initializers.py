@@ -22,6 +22,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
+from fsdp_builder.common.hashing import digest63
+from fsdp_builder.common.hooks import DeclaredHooks
+from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import MaterializationError, checked, config_error
 from fsdp_builder.materializers.buffers import (
     Computed,
@@ -41,9 +44,6 @@ from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.hashing import digest63
-from fsdp_builder.runtime.hooks import DeclaredHooks
-from fsdp_builder.runtime.logs import warn_user
 from fsdp_builder.runtime.tree import (
     allocate_empty,
     direct_states,

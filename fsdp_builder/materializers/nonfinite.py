@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.runtime.collectives import collective_device
-from fsdp_builder.runtime.logs import warn_user
 
 NONFINITE_MODES: Final = ("warn", "error", "ignore")
 _SHOWN = 8

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from fsdp_builder.common.hashing import digest63
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers, whole_model_kwargs
 from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, lineages
@@ -49,7 +50,6 @@ from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.collectives import collective_device
 from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.hashing import digest63
 from fsdp_builder.runtime.tree import (
     allocate_empty,
     has_meta_states,

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from typing_extensions import override
 
+from fsdp_builder.common.hashing import digest63
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
 from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, lineages
 from fsdp_builder.materializers.initializers import (
@@ -51,7 +52,6 @@ from fsdp_builder.materializers.sharded import shard_index, shard_seed
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.hashing import digest63
 from fsdp_builder.runtime.tree import (
     allocate_empty,
     has_meta_states,

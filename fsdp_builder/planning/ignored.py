@@ -16,8 +16,8 @@ from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import config_error
-from fsdp_builder.runtime.logs import warn_user
 
 # The attribute names under which wrappers hold the module they wrap: FSDP1, activation
 # checkpointing (checkpoint_wrapper) and torch.compile's OptimizedModule.

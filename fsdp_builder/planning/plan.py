@@ -14,10 +14,10 @@ import torch
 from attrs import frozen
 from torch import nn
 
+from fsdp_builder.common.hashing import digest63
 from fsdp_builder.errors import PlanError
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name, is_wrapped
 from fsdp_builder.planning.wrap import WrapPolicy
-from fsdp_builder.runtime.hashing import digest63
 
 
 @frozen

@@ -17,10 +17,10 @@ from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
 
+from fsdp_builder.common.logs import build_logger
 from fsdp_builder.config import CheckpointPredicate, PerUnitFn
 from fsdp_builder.errors import config_error
 from fsdp_builder.planning.ignored import is_wrapped
-from fsdp_builder.runtime.logs import build_logger
 
 WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
 

@@ -10,11 +10,11 @@ import torch.distributed as dist
 from attrs import frozen
 from torch.distributed.fsdp import ShardingStrategy
 
+from fsdp_builder.common.logs import build_logger, warn_user
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import UnitPlan
-from fsdp_builder.runtime.logs import build_logger, warn_user
 
 
 @frozen(eq=False)
@@ -41,7 +41,7 @@ class Environment:
     # True when the synchronizer gives every rank global rank 0's values after each unit is
     # materialized (BroadcastFromRank0): values materialized on other ranks are never used.
     values_from_rank0: bool = False
-    # The build's event logger, bound to rank and world_size (see fsdp_builder.runtime.logs).
+    # The build's event logger, bound to rank and world_size (see fsdp_builder.common.logs).
     logger: Any = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
