@@ -93,6 +93,10 @@ CHECKPOINT_SPEC = LoaderSpec(
         "Check the path for a typo. If the checkpoint is on rank 0's disk only (no shared "
         "filesystem), pass shared_filesystem=False: rank 0 then reads it and sends the weights"
     ),
+    mismatch_fix=(
+        "Pass a checkpoint saved from a model of the same architecture and config, and map "
+        "names that differ with key_map"
+    ),
 )
 
 

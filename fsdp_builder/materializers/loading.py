@@ -79,6 +79,8 @@ class LoaderSpec:
     fix: str
     check_kinds: bool
     missing_fix: str
+    # The fix when the source does not fit the model (its names, shapes or dtypes).
+    mismatch_fix: str
 
     def error(self, problem: str, fix: str | None = None) -> ConfigurationError:
         return config_error(self.name, self.argument, problem, fix or self.fix)
@@ -94,6 +96,7 @@ STATE_DICT_SPEC = LoaderSpec(
     fix=_FIX_SOURCE,
     check_kinds=False,
     missing_fix="Pass the path of a torch.save or .safetensors file that rank 0 can read",
+    mismatch_fix=f"{_FIX_SOURCE}, with the same architecture and config",
 )
 
 
@@ -255,9 +258,12 @@ def match_source(
         problems.append(f"{len(dtypes)} integer/float mismatch(es): {listed(dtypes, sep='; ')}")
     if not problems:
         return found
-    raise spec.error(
+    raise config_error(
+        spec.name,
+        spec.argument,
         f"{describe} does not match the model: {'; '.join(problems)}"
-        f"{_hint(found, matched, shapes, tensors, plan, ignored, strict, unfillable, every_state)}"
+        f"{_hint(found, matched, shapes, tensors, plan, ignored, strict, unfillable, every_state)}",
+        spec.mismatch_fix,
     )
 
 

@@ -48,13 +48,19 @@ def check_state_dict(value: Any, what: str) -> Mapping[str, torch.Tensor]:
     return value
 
 
+def _meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(tensor.shape), tensor.dtype)
+
+
 class StateDictSource:
     """Tensors held in a mapping; reads are views of them (copied by the loader)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], describe: str) -> None:
         self.describe = describe
         self._tensors = tensors
-        self._meta = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in tensors.items()}
+        # Through __getitem__, as every later read: a mapping that loads lazily is asked the
+        # same way for its listing and its values.
+        self._meta = {k: _meta(tensors[k]) for k in tensors}
 
     def tensors(self) -> Mapping[str, TensorMeta]:
         return self._meta
