@@ -3,7 +3,8 @@
 For each release asked for, a virtual environment ``<venvs>/torch-<release>`` is created (or reused
 when it already holds that release), torch is installed into it (``pip install
 "torch==<release>.*"``, or a wheel given with ``--wheel``), then this checkout
-(``pip install -e .``) with what the subset needs from the test extra (pytest, pytest-timeout,
+(``pip install --no-deps -e .``, so a release below the declared floor stays; then the
+library's other requirements) with what the subset needs from the test extra (pytest, pytest-timeout,
 safetensors; with ``--full-extras`` the whole ``.[test]``, minutes more). The subset
 (:data:`SUBSET`: every backend, every role and the compositions at least once) then runs there
 with pytest, and the results are merged into ``benchmarks/results/compat.json`` (one record per
@@ -149,12 +150,28 @@ def prepare_venv(
         # torch is already there and satisfies the library's own requirement, so pip keeps it.
         # The library itself (its console script runs in the subset) and what the subset
         # imports; full_extras: the whole test extra (transformers, mkdocs, ... : minutes more).
-        target = [f"{ROOT}[test]"] if full_extras else [str(ROOT), *SUBSET_NEEDS]
-        _run([str(python), "-m", "pip", "install", "-q", "-e", *target], log)
+        if full_extras:
+            _run([str(python), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]"], log)
+        else:
+            # --no-deps: a release below the declared floor must not be upgraded by the
+            # library's own requirement (what images that pin torch do); the rest by name.
+            _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)], log)
+            _run([str(python), "-m", "pip", "install", "-q", *library_needs(), *SUBSET_NEEDS], log)
     after = installed_torch(python)
     if after != version:
         raise RuntimeError(f"installing the test extras changed torch {version} to {after}")
     return python, version
+
+
+def library_needs() -> list[str]:
+    """The library's requirements from setup.cfg, torch left out (the release under test)."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    lines = config["options"]["install_requires"].splitlines()
+    needs = [line.split("#")[0].strip() for line in lines]
+    return [n for n in needs if n and not re.match(r"torch\b", n)]
 
 
 def run_subset(python: Path, tests: Sequence[str], timeout: float, log: Path) -> dict[str, Any]:

@@ -179,22 +179,3 @@ def test_dcp_folders_need_no_dist_loads(monkeypatch: pytest.MonkeyPatch, tmp_pat
         open_checkpoint(tmp_path)
     assert str(info.value).startswith("`FromCheckpoint` got an invalid `path`")
     assert "safetensors" in str(info.value)
-
-
-def test_the_declared_floor_is_the_oldest_green_release_of_the_committed_matrix() -> None:
-    """setup.cfg declares what a committed compatibility run proves: the oldest release whose
-    subset passed, with every release above it that was run green as well."""
-    import json
-
-    text = (ROOT / "setup.cfg").read_text()
-    floor = versions.parse_release(re.search(r"torch>=([\d.]+)", text).group(1))  # type: ignore[union-attr]
-    records = json.loads((ROOT / "benchmarks/results/compat.json").read_text())["releases"]
-    green = sorted(
-        versions.parse_release(release)
-        for release, record in records.items()
-        if record["exit_code"] == 0 and record["failed"] == 0 and record["errors"] == 0
-    )
-    assert green, "the matrix has no green release"
-    assert floor == green[0], f"setup.cfg declares {floor}, the oldest green release is {green[0]}"
-    ran_above = [versions.parse_release(r) for r in records if versions.parse_release(r) >= floor]
-    assert sorted(ran_above) == [g for g in green if g >= floor], "a release above the floor is red"
