@@ -4,8 +4,8 @@ For each release asked for, a virtual environment ``<venvs>/torch-<release>`` is
 when it already holds that release), torch is installed into it (``pip install
 "torch==<release>.*"``, or a wheel given with ``--wheel``), then this checkout
 (``pip install --no-deps -e .``, so a release below the declared floor stays; then the
-library's other requirements) with what the subset needs from the test extra (pytest, pytest-timeout,
-safetensors; with ``--full-extras`` the whole ``.[test]``, minutes more). The subset
+library's other requirements) with what the subset needs from the test extra (pytest,
+pytest-timeout, safetensors; with ``--full-extras`` the whole ``.[test]``, minutes more). The subset
 (:data:`SUBSET`: every backend, every role and the compositions at least once) then runs there
 with pytest, and the results are merged into ``benchmarks/results/compat.json`` (one record per
 release, the latest run of each) and written as the table ``benchmarks/results/compat.md``:
