@@ -284,6 +284,7 @@ def test_the_suggested_fix_for_a_module_without_an_initializer_works(
     from fsdp_builder.materializers import conventions
 
     monkeypatch.setattr(conventions, "_REGISTERED", dict(conventions._REGISTERED))
+    monkeypatch.setattr(conventions, "_REGISTERED_BY_TYPE", {})
     register_initializer(NoInit, lambda m: nn.init.constant_(m.get_parameter("w"), 0.5))
     model = ResetParameters().materialize_model(on_meta(TwoStrangers))
     assert all(

@@ -53,6 +53,8 @@ def _multihead_attention(module: nn.Module) -> None:
 _REGISTERED: dict[type[nn.Module], ModuleInitializer] = {
     nn.MultiheadAttention: _multihead_attention,
 }
+# What _REGISTERED answers for each concrete module type; emptied by every registration.
+_REGISTERED_BY_TYPE: dict[type[nn.Module], ModuleInitializer | None] = {}
 
 
 def register_subtree_rule(parent: type[nn.Module], rule: SubtreeRule) -> None:
@@ -98,14 +100,16 @@ def register_initializer(module_class: type[nn.Module], init: ModuleInitializer)
             "Pass e.g. `lambda m: nn.init.ones_(m.weight)`.",
         )
     _REGISTERED[module_class] = init
+    _REGISTERED_BY_TYPE.clear()
 
 
 def _registered(module: nn.Module) -> ModuleInitializer | None:
-    for cls in type(module).__mro__:
-        found = _REGISTERED.get(cls)
-        if found is not None:
-            return found
-    return None
+    cls = type(module)
+    if cls not in _REGISTERED_BY_TYPE:  # asked once per module of every unit: resolved per type
+        _REGISTERED_BY_TYPE[cls] = next(
+            (_REGISTERED[base] for base in cls.__mro__ if base in _REGISTERED), None
+        )
+    return _REGISTERED_BY_TYPE[cls]
 
 
 def library_initializer(module: nn.Module) -> ModuleInitializer | None:
@@ -113,10 +117,15 @@ def library_initializer(module: nn.Module) -> ModuleInitializer | None:
     of a library with such a convention: a Hugging Face ``PreTrainedModel``
     (``_init_weights(module)``, driven by ``module.config``). Detected without importing the
     library."""
+    # Looked up on the class first: a missing attribute on an nn.Module instance goes through
+    # Module.__getattr__ and an exception, once per module of every unit.
+    cls = type(module)
+    if not callable(getattr(cls, "_init_weights", None)) or not callable(
+        getattr(cls, "post_init", None)
+    ):
+        return None
     init = getattr(module, "_init_weights", None)
-    if callable(init) and hasattr(module, "config") and callable(getattr(module, "post_init", 0)):
-        return init
-    return None
+    return init if callable(init) and hasattr(module, "config") else None
 
 
 @frozen
@@ -146,7 +155,8 @@ def lineages(model: nn.Module) -> dict[int, Lineage]:
 def _step(module: nn.Module, inherited: Lineage) -> tuple[Lineage, Lineage]:
     """A module's own lineage and the one its children inherit."""
     library = library_initializer(module) or inherited.library_init
-    lineage = Lineage(library, inherited.rules)
+    # Most modules inherit their parent's lineage unchanged: share it rather than copy it.
+    lineage = inherited if library is inherited.library_init else Lineage(library, inherited.rules)
     own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
     return lineage, (Lineage(library, inherited.rules + own) if own else lineage)
 

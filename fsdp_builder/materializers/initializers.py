@@ -271,9 +271,9 @@ class BaseMaterializer(DeclaredHooks):
             return 0
         kept = [
             (m, name, p.detach().clone())
-            for m in modules
-            for name, p in m.named_parameters(recurse=False)
-            if p in ignored.params and not p.is_meta
+            for m in (modules if ignored.params else ())
+            for name, p in m._parameters.items()
+            if p is not None and p in ignored.params and not p.is_meta
         ]
         allocated = allocate_empty(
             modules, self.storage_device or device, only_meta=not self.reinitialize
@@ -328,28 +328,27 @@ class BaseMaterializer(DeclaredHooks):
 
 
 def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) -> list[str]:
+    # One walk of the model: every unit's own modules are below the root, each reached once
+    # (a module shared by two units is named once).
+    model = plan.root.module
+    found = lineages(model)
+    names = module_names(model)
     missing: list[str] = []
-    found = lineages(plan.root.module)
-    for unit in plan:
-        names = module_names(unit.module)
-        for m in unit_modules(unit.module, ignored.modules):
-            own = direct_states(m)
-            if not own or (meta_only and not any(t.is_meta for t in own)):
-                continue
-            if _only_nonpersistent_buffers(m):
-                continue  # computed for the build (fsdp_builder.materializers.buffers)
-            if initializer_of(m, found.get(id(m), NO_LINEAGE)) is None:
-                missing.append(
-                    f"{clean_name(qualified(unit.fqn, names.get(id(m), ''))) or '<root>'} "
-                    f"({type(m).__name__})"
-                )
-    return list(dict.fromkeys(missing))  # a module shared by two units is named once
+    for m in unit_modules(model, ignored.modules):
+        own = direct_states(m)
+        if not own or (meta_only and not any(t.is_meta for t in own)):
+            continue
+        if _only_nonpersistent_buffers(m):
+            continue  # computed for the build (fsdp_builder.materializers.buffers)
+        if initializer_of(m, found.get(id(m), NO_LINEAGE)) is None:
+            missing.append(f"{clean_name(names.get(id(m), '')) or '<root>'} ({type(m).__name__})")
+    return missing
 
 
 def _only_nonpersistent_buffers(module: nn.Module) -> bool:
     """The module owns nothing but non-persistent buffers (which the build computes)."""
-    names = [n for n, _ in module.named_parameters(recurse=False)]
-    names += [n for n, _ in module.named_buffers(recurse=False)]
+    names = [n for n, t in module._parameters.items() if t is not None]
+    names += [n for n, t in module._buffers.items() if t is not None]
     return bool(names) and all(n in module._non_persistent_buffers_set for n in names)
 
 

@@ -16,6 +16,13 @@ from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+
+    _SHARDED: tuple[type, ...] = (FullyShardedDataParallel, FSDPModule)
+except ImportError:  # torch without FSDP2
+    _SHARDED = (FullyShardedDataParallel,)
+
 from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import config_error
 
@@ -28,18 +35,14 @@ def clean_name(name: str) -> str:
     """A module or state name without the parts wrappers insert (as FSDP's
     ``clean_tensor_name``, and also torch.compile's ``_orig_mod``): the name the unwrapped model
     gives it, so seeds and state-dict keys do not change when wrappers are added."""
+    if not any(wrapper in name for wrapper in WRAPPER_NAMES):
+        return name  # the common case, called per state and module: no split and join
     return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
 def is_wrapped(module: nn.Module) -> bool:
     """True for a module some sharding wrapper already manages (FSDP1 instance or fully_shard)."""
-    if isinstance(module, FullyShardedDataParallel):
-        return True
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
+    return isinstance(module, _SHARDED)
 
 
 def is_replicated(module: nn.Module) -> bool:
