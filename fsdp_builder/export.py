@@ -1,9 +1,9 @@
 """Export of a sharded model to Hugging Face safetensors, one unit at a time.
 
 ``save_hf_checkpoint`` is the reverse of :class:`~fsdp_builder.FromCheckpoint`: it writes the
-folder ``FromCheckpoint`` reads (``model-0000k-of-0000n.safetensors`` and
-``model.safetensors.index.json``) from a model built by either backend, without any rank ever
-holding the whole model.
+folder ``FromCheckpoint`` reads, named as ``save_pretrained`` names it (``model.safetensors``
+for one file; ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` for
+several) from a model built by either backend, without any rank ever holding the whole model.
 
 How the states are gathered:
 
