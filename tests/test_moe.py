@@ -22,6 +22,8 @@ import transformers
 from fsdp_builder import (
     ConfigurationError,
     FromCheckpoint,
+    FromStateDict,
+    FSDPBuilder,
     FullyShardBuilder,
     MergeExperts,
     Rename,
@@ -141,6 +143,23 @@ def test_a_slice_of_a_merged_tensor_reads_only_its_experts(saved: dict[str, Path
     assert source.read(key, (slice(4, 4),)).shape == (0, 80, 32)
     assert counting.reads == []
     source.close()
+
+
+@pytest.mark.parametrize("loader", ["FromStateDict", "FromCheckpoint(shared_filesystem=False)"])
+def test_the_rank0_loaders_merge_the_experts_too(
+    world1: None, saved: dict[str, Path], loader: str
+) -> None:
+    folder = saved["qwen3_moe"]
+    want = transformers.Qwen3MoeForCausalLM.from_pretrained(folder).state_dict()
+    materializer = (
+        FromStateDict(str(folder))
+        if loader == "FromStateDict"
+        else FromCheckpoint(folder, shared_filesystem=False)
+    )
+    state = full_state_dict(FSDPBuilder().materialize(materializer).build(meta_model("qwen3_moe")))
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(state[key], value), key
 
 
 def _rewrite(folder: Path, out: Path, change: Any) -> Path:
