@@ -50,7 +50,14 @@ from fsdp_builder.planning.plan import Unit, UnitPlan, plan_units
 from fsdp_builder.planning.wrap import NoSplitModules, WrapPolicy
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.report import BuildReport, StageRecord
-from fsdp_builder.sources import CheckpointSource, TensorMeta, register_format
+from fsdp_builder.sources import (
+    CheckpointSource,
+    MergeExperts,
+    Rename,
+    TensorMeta,
+    register_checkpoint_rules,
+    register_format,
+)
 from fsdp_builder.synchronizers import (
     BaseSynchronizer,
     BroadcastFromRank0,
@@ -112,6 +119,9 @@ __all__ = [
     "register_initializer",
     "register_subtree_rule",
     "register_format",
+    "register_checkpoint_rules",
+    "Rename",
+    "MergeExperts",
     "resolve_ignored",
     "save_hf_checkpoint",
     "BroadcastFromRank0",

@@ -1,9 +1,9 @@
 """Export of a sharded model to Hugging Face safetensors, one unit at a time.
 
 ``save_hf_checkpoint`` is the reverse of :class:`~fsdp_builder.FromCheckpoint`: it writes the
-folder ``FromCheckpoint`` reads (``model-0000k-of-0000n.safetensors`` and
-``model.safetensors.index.json``) from a model built by either backend, without any rank ever
-holding the whole model.
+folder ``FromCheckpoint`` reads, named as ``save_pretrained`` names it (``model.safetensors``
+for one file; ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` for
+several) from a model built by either backend, without any rank ever holding the whole model.
 
 How the states are gathered:
 
@@ -53,6 +53,7 @@ from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.runtime.agreement import agree
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"  # a model that fits one file: no index, as transformers writes
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _FLAT_PARAM = "_flat_param"
@@ -63,7 +64,7 @@ class HFExport:
     """What ``save_hf_checkpoint`` wrote (the same on every rank).
 
     Attributes:
-        files: the shard files' names, in order.
+        files: the weight files' names, in order (``model.safetensors`` alone for one file).
         total_size: the bytes of all tensors (the index's ``metadata.total_size``).
         peak_bytes: the most bytes of gathered and buffered tensors rank 0 held at once
             (0 on other ranks, which keep nothing).
@@ -147,23 +148,35 @@ class _Writer:
         self.buffered = 0
 
     def finish(self) -> tuple[str, ...]:
+        """Name the files as transformers' ``save_pretrained`` does: one file is
+        ``model.safetensors`` with no index; several are ``model-0000k-of-0000n.safetensors``
+        with ``model.safetensors.index.json``. Then remove what an earlier export left that the
+        new one does not name (its shards, its index or its single file)."""
         self.flush()
         count = len(self.parts)
-        names = [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+        single = count == 1
+        names = (
+            [SINGLE_NAME]
+            if single
+            else [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+        )
         weight_map: dict[str, str] = {}
         for (path, keys), name in zip(self.parts, names, strict=True):
             self.written.append(self.folder / name)
             os.replace(path, self.folder / name)
             weight_map.update(dict.fromkeys(keys, name))
-        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        staged = self.folder / f"{INDEX_NAME}.tmp"
-        self.written.append(staged)
-        _write_index(staged, index)
-        self.written.append(self.folder / INDEX_NAME)
-        os.replace(staged, self.folder / INDEX_NAME)
+        if not single:
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            staged = self.folder / f"{INDEX_NAME}.tmp"
+            self.written.append(staged)
+            _write_index(staged, index)
+            self.written.append(self.folder / INDEX_NAME)
+            os.replace(staged, self.folder / INDEX_NAME)
         # Only a complete export replaces an earlier one's files.
+        keep = {*names} if single else {*names, INDEX_NAME}
         for stale in self.folder.iterdir():
-            if _SHARD.match(stale.name) and stale.name not in names:
+            ours = _SHARD.match(stale.name) or stale.name in (SINGLE_NAME, INDEX_NAME)
+            if ours and stale.name not in keep:
                 stale.unlink()
         return tuple(names)
 
@@ -293,12 +306,16 @@ def save_hf_checkpoint(
 ) -> HFExport:
     """Write a sharded model as a Hugging Face safetensors folder, unit by unit.
 
-    Collective: every rank calls it with the same arguments; rank 0 writes
+    Collective: every rank calls it with the same arguments; rank 0 writes into ``folder``
+    (created if needed) what transformers' ``save_pretrained`` writes: ``model.safetensors``
+    alone when the model fits one file of ``max_shard_bytes``, else
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``
-    (``metadata.total_size``, ``weight_map``) into ``folder`` (created if needed; shard files of
-    an earlier export that the new one does not name are removed). ``FromCheckpoint(folder)``
-    loads it back; for a transformers model (one with a ``config``) rank 0 also writes its
-    ``config.json``, so ``from_pretrained(folder)`` loads it too.
+    (``metadata.total_size``, ``weight_map``). Files of an earlier export that the new one does
+    not name (shards, index, single file) are removed. ``FromCheckpoint(folder)`` loads it back;
+    for a transformers model (one with a ``config``) rank 0 also writes its ``config.json``, so
+    ``from_pretrained(folder)`` loads it too. A mixture-of-experts model is written with its
+    fused expert tensors (``mlp.experts.gate_up_proj``), which ``from_pretrained`` and
+    ``FromCheckpoint`` both read.
 
     No rank holds the whole model. With FSDP2 each DTensor of the sharded state dict is gathered
     on its own (``full_tensor()``); with FSDP1 one unit is unsharded at a time with

@@ -306,6 +306,11 @@ def read_folder(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], 
     """The index, every tensor, and each file's tensor bytes."""
     from safetensors.torch import load_file
 
+    if (folder / "model.safetensors").exists():  # one file, no index (as save_pretrained)
+        assert not (folder / "model.safetensors.index.json").exists()
+        single = load_file(str(folder / "model.safetensors"))
+        size = sum(t.numel() * t.element_size() for t in single.values())
+        return {}, single, {"model.safetensors": size}
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     tensors: dict[str, torch.Tensor] = {}
     sizes: dict[str, int] = {}
@@ -383,7 +388,7 @@ def test_two_names_mapped_to_one_fail_on_every_rank_and_leave_no_file(root: Path
 def test_key_map_none_leaves_a_state_out(root: Path) -> None:
     (files,) = set(map(tuple, scenario(root, "dropped")))
     _, tensors, _ = read_folder(root / "dropped")
-    assert files == ("model-00001-of-00001.safetensors",)
+    assert files == ("model.safetensors",)
     assert "output.weight" not in tensors and "tok_embeddings.weight" in tensors
 
 
@@ -402,7 +407,24 @@ def test_a_plain_module_without_a_process_group(tmp_path: Path) -> None:
     _, tensors, _ = read_folder(tmp_path)
     want = {("first.weight" if k == "0.weight" else k): v for k, v in model.state_dict().items()}
     assert_same(tensors, want, "plain")
-    assert out.files == ("model-00001-of-00001.safetensors",)
+    assert out.files == ("model.safetensors",)
+    assert {p.name for p in tmp_path.iterdir()} == {"model.safetensors"}
+
+
+def test_one_file_or_several_replaces_what_an_earlier_export_wrote(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    want = model.state_dict()
+    several = save_hf_checkpoint(model, tmp_path, max_shard_bytes=300).files
+    assert len(several) > 1 and "model.safetensors" not in several
+    assert {p.name for p in tmp_path.iterdir()} == {*several, "model.safetensors.index.json"}
+    assert_same(read_folder(tmp_path)[1], want, "several")
+    # One file now: the earlier shards and index go (an index left behind would be read first).
+    assert save_hf_checkpoint(model, tmp_path).files == ("model.safetensors",)
+    assert {p.name for p in tmp_path.iterdir()} == {"model.safetensors"}
+    assert_same(read_folder(tmp_path)[1], want, "one")
+    # And back: the single file goes.
+    assert save_hf_checkpoint(model, tmp_path, max_shard_bytes=300).files == several
+    assert {p.name for p in tmp_path.iterdir()} == {*several, "model.safetensors.index.json"}
 
 
 @pytest.mark.timeout(600)

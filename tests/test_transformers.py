@@ -8,9 +8,11 @@ what transformers gives in the test process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Hashable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +31,7 @@ from fsdp_builder import (
     FSDPBuilder,
     FullyShardBuilder,
     ShardingBuilder,
+    save_hf_checkpoint,
 )
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.tools.demo import full_state_dict
@@ -69,6 +72,12 @@ def _configs() -> dict[str, tuple[Any, type[nn.Module]]]:
             t.MixtralConfig(**SMALL, **ATTN, num_local_experts=4, num_experts_per_tok=2),
             t.MixtralForCausalLM,
         ),
+        "qwen3_moe": (
+            t.Qwen3MoeConfig(
+                **SMALL, **ATTN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48
+            ),
+            t.Qwen3MoeForCausalLM,
+        ),
         "bert": (
             t.BertConfig(
                 vocab_size=96,
@@ -98,7 +107,13 @@ def _configs() -> dict[str, tuple[Any, type[nn.Module]]]:
     }
 
 
-FAMILIES = list(_configs())
+# Loaded only (see LOADED): its init is transformers' as for the families above.
+LOAD_ONLY = {"qwen3_moe"}
+FAMILIES = [f for f in _configs() if f not in LOAD_ONLY]
+# Mixture-of-experts models: save_pretrained writes their experts one by one, the model fuses
+# them; a load of these is also exported (one file with FSDP1, several with FSDP2).
+MOE = ["mixtral", "qwen3_moe"]
+EXPORT_SHARD_BYTES = {"fsdp1": 5 * 10**9, "fsdp2": 60_000}
 BACKENDS: dict[str, Callable[[], ShardingBuilder]] = {
     "fsdp1": FSDPBuilder,
     "fsdp2": FullyShardBuilder,
@@ -174,10 +189,19 @@ def load_case(family: str, backend: str, folder: str) -> dict[str, Any]:
 
     sharded = load()
     out = {"logits": logits(sharded, family), "buffers": buffers(sharded)}
+    if family in MOE:
+        export = save_hf_checkpoint(
+            sharded, exported(folder, backend), max_shard_bytes=EXPORT_SHARD_BYTES[backend]
+        )
+        out["files"] = export.files
     # A fresh build for training: after a forward under no_grad, fully_shard keeps the root's
     # parameters gathered and the next steps train on stale values (plain torch does the same).
     out["losses"] = train(load(), family)
     return out
+
+
+def exported(folder: str, backend: str) -> str:
+    return f"{folder}-export-{backend}"
 
 
 def empty_weights_case(backend: str) -> dict[str, Any] | None:
@@ -221,9 +245,7 @@ def scenarios(folders: dict[str, str]) -> Results:
 
 
 SPAWNS = Spawns(scenarios, timeout=400)
-# Mixtral is not among them: transformers saves its experts one by one and fuses them on load
-# (a conversion of its own, not a renaming), which the loaders do not read yet.
-LOADED = ["llama_tied", "llama", "gpt2", "bert", "t5"]
+LOADED = ["llama_tied", "llama", "gpt2", "bert", "t5", *MOE]
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +267,18 @@ def ranks(folders: dict[str, str], key: Hashable) -> list[Any]:
 
 
 # -- the checks --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Compute as the ranks do: ``run_ranks`` gives each rank one thread, and the sums of a
+    mixture-of-experts forward (its grouped matmuls) depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @functools.cache
@@ -313,9 +347,10 @@ def test_a_save_pretrained_folder_loads_like_from_pretrained_and_trains_like_eag
 ) -> None:
     _, cls = _configs()[family]
     reference = cls.from_pretrained(folders[family])  # type: ignore[attr-defined]
-    want_logits = logits(reference, family)
-    want_buffers = {n: b.clone() for n, b in reference.named_buffers()}
-    want_losses = train(reference, family)
+    with one_thread():
+        want_logits = logits(reference, family)
+        want_buffers = {n: b.clone() for n, b in reference.named_buffers()}
+        want_losses = train(reference, family)
     for rank, got in enumerate(ranks(folders, ("load", family, backend))):
         assert torch.equal(got["logits"], want_logits), f"rank {rank}: logits differ"
         for name, value in want_buffers.items():
@@ -365,3 +400,31 @@ def test_several_classes_in_one_wrap_call(world1: None) -> None:
     assert builder.plan is not None
     labels = [u.label for u in builder.plan]
     assert labels == ["model.embed_tokens", "model.layers.0", "model.layers.1", "<root>"]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("family", MOE)
+def test_a_moe_export_loads_bit_exact_in_from_pretrained_and_from_checkpoint(
+    world1: None, folders: dict[str, str], family: str, backend: str
+) -> None:
+    _, cls = _configs()[family]
+    want = cls.from_pretrained(folders[family]).state_dict()  # type: ignore[attr-defined]
+    files = {tuple(got["files"]) for got in ranks(folders, ("load", family, backend))}
+    folder = Path(exported(folders[family], backend))
+    names = {p.name for p in folder.iterdir()} - {"config.json"}
+    if backend == "fsdp1":  # the default size: one file, no index, as save_pretrained writes
+        assert files == {("model.safetensors",)} and names == {"model.safetensors"}
+    else:
+        (several,) = files
+        assert len(several) > 1 and names == {*several, "model.safetensors.index.json"}
+    again = cls.from_pretrained(folder).state_dict()  # type: ignore[attr-defined]
+    assert again.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(again[name], value), f"{family} {name}: from_pretrained differs"
+    # The library's own loader reads the export back (fused names, one file or several).
+    ours = full_state_dict(
+        FullyShardBuilder().materialize(FromCheckpoint(folder)).build(make(family))
+    )
+    assert ours.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(ours[name], value), f"{family} {name}: FromCheckpoint differs"

@@ -52,6 +52,8 @@ from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, module_names, qualified, unit_modules
 from fsdp_builder.sources import CheckpointSource, MissingPath, SourceError, TensorMeta, open_source
 from fsdp_builder.sources.base import listed
+from fsdp_builder.sources.derived import derive
+from fsdp_builder.sources.model_rules import checkpoint_rules
 
 log = structlog.get_logger(__name__)
 
@@ -298,6 +300,16 @@ def _hint(
     return ""
 
 
+def _derived(opened: CheckpointSource, env: Environment, spec: LoaderSpec) -> CheckpointSource:
+    """``opened`` seen through the rules of the model's checkpoint layout (e.g. per-expert
+    tensors merged into a mixture-of-experts model's fused ones); see
+    ``fsdp_builder.sources.derived``."""
+    try:
+        return derive(opened, checkpoint_rules(env.plan.root.module))
+    except SourceError as exc:
+        raise spec.error(f"{opened.describe} {exc.problem}", exc.fix) from exc
+
+
 def open_matched(
     source: Mapping[str, Any] | str | os.PathLike[str],
     env: Environment,
@@ -308,7 +320,9 @@ def open_matched(
     every_state: bool = True,
 ) -> tuple[CheckpointSource, Match]:
     """The prepare step of every load, on one rank: open ``source`` and match it against the
-    plan. Raises a ConfigurationError in ``spec``'s words; nothing stays open if it does."""
+    plan. The model's checkpoint rules apply between the two (``sources.model_rules``: a
+    transformers mixture-of-experts model reads its per-expert checkpoint tensors as its fused
+    ones). Raises a ConfigurationError in ``spec``'s words; nothing stays open if it does."""
     try:
         opened = open_source(source)
     except MissingPath as exc:
@@ -321,6 +335,7 @@ def open_matched(
         what = f"'{os.fspath(source)}'" if not isinstance(source, Mapping) else "the state dict"
         raise spec.error(f"{what} could not be read ({type(exc).__name__}: {exc})") from exc
     try:
+        opened = _derived(opened, env, spec)
         found = match_source(
             opened.tensors(),
             mapper,

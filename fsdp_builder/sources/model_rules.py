@@ -1,0 +1,154 @@
+"""Which derived-tensor rules (:mod:`fsdp_builder.sources.derived`) a model's checkpoints get.
+
+The rules of a model are looked up by its ``config.model_type`` (models without a config get
+none), in this order:
+
+1. rules registered with :func:`register_checkpoint_rules` (a user's own, or an override);
+2. transformers' own conversion mapping for the model (the one ``from_pretrained`` applies),
+   read when every transform in it is a plain rename or an expert merge this library can
+   express (``WeightRenaming``; ``WeightConverter`` with ``MergeModulelist(dim=0)``, then
+   ``Concatenate``). A mapping with anything else is not half-applied: step 3 decides;
+3. the rules written here for Mixtral and Qwen2-MoE / Qwen3-MoE (the layouts of their
+   ``save_pretrained`` folders), used when transformers is older or its mapping unreadable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from fsdp_builder.errors import config_error
+from fsdp_builder.sources.derived import MergeExperts, Rename, Rule
+
+log = structlog.get_logger(__name__)
+
+_MIXTRAL: tuple[Rule, ...] = (
+    Rename(r"\.block_sparse_moe\.", ".mlp."),
+    MergeExperts((".experts.*.w1.weight", ".experts.*.w3.weight"), ".experts.gate_up_proj", 1),
+    MergeExperts((".experts.*.w2.weight",), ".experts.down_proj"),
+)
+_QWEN_MOE: tuple[Rule, ...] = (
+    MergeExperts(
+        ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
+        "mlp.experts.gate_up_proj",
+        1,
+    ),
+    MergeExperts(("mlp.experts.*.down_proj.weight",), "mlp.experts.down_proj"),
+)
+_BUILT_IN: dict[str, tuple[Rule, ...]] = {
+    "mixtral": _MIXTRAL,
+    "qwen2_moe": _QWEN_MOE,
+    "qwen3_moe": _QWEN_MOE,
+}
+_USER: dict[str, tuple[Rule, ...]] = {}
+
+
+def register_checkpoint_rules(model_type: str, rules: Sequence[Rule]) -> None:
+    """Read the checkpoints of models whose ``config.model_type`` is ``model_type`` through
+    ``rules`` (:class:`~fsdp_builder.sources.derived.Rename` and
+    :class:`~fsdp_builder.sources.derived.MergeExperts`, applied renames first); they replace
+    what transformers' mapping or the built-in rules would give. An empty sequence turns
+    derivation off for that model type. Register on every rank before the build.
+
+    Raises:
+        ConfigurationError: ``model_type`` is not a non-empty string, or a rule is neither a
+            ``Rename`` nor a ``MergeExperts``.
+
+    Example:
+        ```python
+        register_checkpoint_rules("my_moe", [
+            Rename(r"\\.moe\\.", ".mlp."),
+            MergeExperts((".experts.*.w_in.weight",), ".experts.up_proj"),
+        ])
+        ```
+    """
+    if not isinstance(model_type, str) or not model_type:
+        raise config_error(
+            "register_checkpoint_rules",
+            "model_type",
+            f"expected a model type such as 'mixtral', got {model_type!r}",
+            "Pass the model's config.model_type",
+        )
+    bad = [r for r in rules if not isinstance(r, Rename | MergeExperts)]
+    if bad or isinstance(rules, str):
+        raise config_error(
+            "register_checkpoint_rules",
+            "rules",
+            f"expected Rename and MergeExperts rules, got {bad[0]!r}" if bad else "got a string",
+            "Pass a list such as [Rename(r'\\.moe\\.', '.mlp.')]",
+        )
+    _USER[model_type] = tuple(rules)
+    log.debug("checkpoint_rules_registered", model_type=model_type, rules=len(rules))
+
+
+def unregister_checkpoint_rules(model_type: str) -> None:
+    """Forget the rules registered for ``model_type`` (the other sources of rules stay)."""
+    _USER.pop(model_type, None)
+
+
+def _from_transformers(model: Any) -> tuple[Rule, ...] | None:
+    """transformers' conversion mapping for ``model`` as rules, or None if some transform in it
+    cannot be expressed (or transformers has no such mapping)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            Concatenate,
+            MergeModulelist,
+            WeightConverter,
+            WeightRenaming,
+        )
+
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # an older transformers, or a model it does not know
+        return None
+    rules: list[Rule] = []
+    for t in transforms:
+        sources, targets = list(t.source_patterns), list(t.target_patterns)
+        if getattr(t, "scope_prefix", None) or len(targets) != 1:
+            return None
+        if type(t) is WeightRenaming and len(sources) == 1:
+            rules.append(Rename(sources[0], targets[0]))
+            continue
+        if type(t) is not WeightConverter:
+            return None
+        ops = list(t.operations)
+        originals = list(getattr(t, "_original_source_patterns", sources))
+        if any(s.count("*") != 1 for s in originals):
+            return None
+        if (
+            len(originals) == 1
+            and len(ops) == 1
+            and type(ops[0]) is MergeModulelist
+            and ops[0].dim == 0
+        ):
+            rules.append(MergeExperts((originals[0],), targets[0]))
+        elif (
+            len(originals) > 1
+            and len(ops) == 2
+            and type(ops[0]) is MergeModulelist
+            and ops[0].dim == 0
+            and type(ops[1]) is Concatenate
+            and ops[1].dim >= 1
+        ):
+            rules.append(MergeExperts(tuple(originals), targets[0], ops[1].dim))
+        else:
+            return None
+    return tuple(rules)
+
+
+def checkpoint_rules(model: Any) -> tuple[Rule, ...]:
+    """The rules ``model``'s checkpoints are read through (empty: read as they are)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model_type, str):
+        return ()
+    if model_type in _USER:
+        return _USER[model_type]
+    found = _from_transformers(model)
+    if found is not None:
+        return found
+    return _BUILT_IN.get(model_type, ())
+
+
+__all__ = ["checkpoint_rules", "register_checkpoint_rules", "unregister_checkpoint_rules"]
