@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -23,9 +23,7 @@ from typing_extensions import override
 from fsdp_builder.common.hooks import DeclaredHooks
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
-
-if TYPE_CHECKING:
-    from fsdp_builder.runtime.context import ConfigureContext
+from fsdp_builder.planning.context import ConfigureContext
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:

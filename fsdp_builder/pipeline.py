@@ -42,6 +42,7 @@ from fsdp_builder.devices import (
 from fsdp_builder.errors import ConfigurationError, FSDPBuilderError
 from fsdp_builder.groups import DefaultGroups, GroupFactory, check_placed_on_other_dims
 from fsdp_builder.materializers.initializers import Materializer, MaterializerRun, ResetParameters
+from fsdp_builder.planning.context import ChecksContext, ConfigureContext
 from fsdp_builder.planning.ignored import (
     IgnoredStates,
     buffer_dtypes,
@@ -52,7 +53,6 @@ from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_unit
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
 from fsdp_builder.runtime.collectives import GroupTimeouts
-from fsdp_builder.runtime.context import ChecksContext, ConfigureContext
 from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport

@@ -33,11 +33,11 @@ from fsdp_builder import (
 )
 from fsdp_builder.backends.registry import BACKENDS
 from fsdp_builder.builder import builder_for
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
-from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 
 ROOT = Path(__file__).resolve().parents[1]

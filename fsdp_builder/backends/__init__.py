@@ -16,9 +16,9 @@ from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.planning.context import BackendCapabilities, ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import Unit, UnitPlan
-from fsdp_builder.runtime.context import BackendCapabilities, ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 
 

@@ -17,10 +17,10 @@ from torch import nn
 from fsdp_builder.compiling import check_units
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.errors import ConfigurationError, config_error
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.ignored import clean_name, is_wrapped
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.planning.wrap import block_like_classes, unit_overrides
-from fsdp_builder.runtime.context import ConfigureContext
 
 _SHOWN = 6
 

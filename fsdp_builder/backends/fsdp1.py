@@ -42,8 +42,8 @@ from fsdp_builder.config import (
 )
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit
-from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 
 _WHERE = "FSDPBuilder"

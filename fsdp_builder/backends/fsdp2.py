@@ -96,8 +96,8 @@ from fsdp_builder.config import (
 )
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups, check_mesh
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit
-from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.versions import check_fully_shard
 

@@ -40,9 +40,9 @@ from fsdp_builder.materializers.conventions import (
     lineages,
     unit_lineages,
 )
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
-from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import (
     allocate_empty,

@@ -45,10 +45,10 @@ from fsdp_builder.materializers.initializers import (
     run_initializer,
     seed_generators,
 )
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.collectives import collective_device
-from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import (
     allocate_empty,

@@ -17,8 +17,11 @@ import structlog
 import torch.distributed as dist
 from attrs import frozen
 
+import fsdp_builder.sources.dcp_folder as dcp_folder
+import fsdp_builder.sources.hf_safetensors as hf_safetensors
+import fsdp_builder.sources.memory as memory
+import fsdp_builder.sources.torch_files as torch_files
 from fsdp_builder.errors import ConfigurationError, config_error
-from fsdp_builder.sources import dcp_folder, hf_safetensors, memory, torch_files
 from fsdp_builder.sources.base import CheckpointSource, MissingPath, SourceError
 
 log = structlog.get_logger(__name__)
