@@ -45,11 +45,17 @@ from fsdp_builder.materializers.initializers import Materializer, MaterializerRu
 from fsdp_builder.planning.context import ChecksContext, ConfigureContext
 from fsdp_builder.planning.ignored import (
     IgnoredStates,
-    buffer_dtypes,
     managed_params,
     resolve_ignored,
 )
-from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_units
+from fsdp_builder.planning.plan import (
+    PlannedModel,
+    Unit,
+    UnitPlan,
+    fingerprint_of,
+    plan_model,
+    plan_units,
+)
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
 from fsdp_builder.runtime.collectives import GroupTimeouts
@@ -94,9 +100,16 @@ class BuildResult:
 class _Configured:
     """What the configure stage resolved, locally and without touching the model."""
 
-    ignored: IgnoredStates
-    plan: UnitPlan
+    planned: PlannedModel
     device: Any
+
+    @property
+    def ignored(self) -> IgnoredStates:
+        return self.planned.ignored
+
+    @property
+    def plan(self) -> UnitPlan:
+        return self.planned.plan
 
 
 @define
@@ -213,12 +226,12 @@ class _Build:
         try:
             self.factory.validate(cfg.options.strategy)
             self.backend.check(cfg.options)
-            ignored = resolve_ignored(model, cfg.ignored_modules, cfg.ignored_states)
-            plan = plan_units(model, cfg.wrap or WrapPolicy(), ignored)
-            _check_ignored_real(model, ignored)
-            managed = list(managed_params(model, ignored))
-            check_single_device(managed, self.resolver.explicit)
-            device = self.resolver.resolve(model, managed, self.rank)
+            planned = plan_model(
+                model, cfg.wrap or WrapPolicy(), cfg.ignored_modules, cfg.ignored_states
+            )
+            plan, ignored = planned.plan, planned.ignored
+            check_single_device(list(planned.managed), self.resolver.explicit)
+            device = self.resolver.resolve(model, list(planned.managed), self.rank)
             self.check_roles(
                 ConfigureContext(
                     model=model,
@@ -233,7 +246,7 @@ class _Build:
                 )
             )
             description = {"config": self.settings(), "plan": plan.signature()}
-            configured = _Configured(ignored, plan, device)
+            configured = _Configured(planned, device)
         except Exception as exc:
             error = exc
         self.agreement = Agreement(self.factory.agreement_group(), cfg.timeout)
@@ -292,7 +305,7 @@ class _Build:
             plan=configured.plan,
             backend=self.backend.name,
             agreement_group=self.agreement.group,
-            buffer_dtypes=buffer_dtypes(model),
+            buffer_dtypes=configured.planned.buffer_dtypes,
             shards_first=self.materializer.shard_first and self.backend.supports_shard_first,
             values_from_rank0=overwrites(self.synchronizer),
             logger=build_logger(__name__, rank=self.rank, world_size=world_size),
@@ -394,20 +407,6 @@ def _parent_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
         for name, child in parent.named_children():
             slots.setdefault(id(child), []).append((parent, name))
     return slots
-
-
-def _check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
-    """Ignored states are never materialized: on meta they would be left so; say it now, while
-    the model is untouched."""
-    buffers = {id(b) for b in ignored.buffers}
-    left = [n for n, p in model.named_parameters() if p in ignored.params and p.is_meta]
-    left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
-    if left:
-        raise ConfigurationError(
-            f"Ignored states are on the meta device: {', '.join(left[:8])}"
-            f"{' ...' if len(left) > 8 else ''}. The builder leaves ignored states as they are: "
-            "give them real values before build(), or stop ignoring them."
-        )
 
 
 def _check_no_meta(model: nn.Module) -> None:

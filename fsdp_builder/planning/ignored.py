@@ -24,7 +24,7 @@ except ImportError:  # torch without FSDP2
     _SHARDED = (FullyShardedDataParallel,)
 
 from fsdp_builder.common.logs import warn_user
-from fsdp_builder.errors import config_error
+from fsdp_builder.errors import ConfigurationError, config_error
 
 # The attribute names under which wrappers hold the module they wrap: FSDP1, activation
 # checkpointing (checkpoint_wrapper) and torch.compile's OptimizedModule.
@@ -223,3 +223,17 @@ def managed_params(module: nn.Module, ignored: IgnoredStates) -> Iterator[nn.Par
     for p in module.parameters():
         if p not in ignored.params and not _is_flattened(p):
             yield p
+
+
+def check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
+    """Ignored states are never materialized: on meta they would be left so; say it now, while
+    the model is untouched."""
+    buffers = {id(b) for b in ignored.buffers}
+    left = [n for n, p in model.named_parameters() if p in ignored.params and p.is_meta]
+    left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
+    if left:
+        raise ConfigurationError(
+            f"Ignored states are on the meta device: {', '.join(left[:8])}"
+            f"{' ...' if len(left) > 8 else ''}. The builder leaves ignored states as they are: "
+            "give them real values before build(), or stop ignoring them."
+        )

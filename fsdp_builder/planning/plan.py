@@ -6,7 +6,7 @@ so it can be printed and checked on a laptop for a model built on the meta devic
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -16,7 +16,15 @@ from torch import nn
 
 from fsdp_builder.common.hashing import digest63
 from fsdp_builder.errors import PlanError
-from fsdp_builder.planning.ignored import IgnoredStates, clean_name, is_wrapped
+from fsdp_builder.planning.ignored import (
+    IgnoredStates,
+    buffer_dtypes,
+    check_ignored_real,
+    clean_name,
+    is_wrapped,
+    managed_params,
+    resolve_ignored,
+)
 from fsdp_builder.planning.wrap import WrapPolicy
 
 
@@ -198,3 +206,34 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
         for fqn, module in unit_modules
     )
     return UnitPlan(units)
+
+
+@frozen
+class PlannedModel:
+    """Everything the build needs to know of the model before it changes: what is ignored, the
+    unit plan, the parameters the sharding manages, and each buffer's dtype."""
+
+    ignored: IgnoredStates
+    plan: UnitPlan
+    managed: tuple[nn.Parameter, ...]
+    buffer_dtypes: dict[str, torch.dtype]
+
+
+def plan_model(
+    model: nn.Module,
+    wrap: WrapPolicy,
+    ignored_modules: Iterable[nn.Module] | None = None,
+    ignored_states: Iterable[Any] | None = None,
+) -> PlannedModel:
+    """Resolve what is ignored, plan the units and check the ignored states are real, in one
+    pass of the builder over the model (local, the model untouched). Raises the
+    ``ConfigurationError``/``PlanError`` of the first problem."""
+    ignored = resolve_ignored(model, ignored_modules, ignored_states)
+    plan = plan_units(model, wrap, ignored)
+    check_ignored_real(model, ignored)
+    return PlannedModel(
+        ignored=ignored,
+        plan=plan,
+        managed=tuple(managed_params(model, ignored)),
+        buffer_dtypes=buffer_dtypes(model),
+    )
