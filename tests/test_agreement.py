@@ -1,22 +1,29 @@
 """A failure on some ranks, or ranks with different models, stop every rank with one clear error;
-nothing hangs (every spawn has a deadline) and failed builds leave the model untouched."""
+nothing hangs (every spawn has a deadline) and failed builds leave the model untouched.
+
+One spawn of 2 ranks runs every scenario, each on its own (see ``isolated``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
+from isolated import Results, Spawns, run_each, values
+from models import meta_demo
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from typing_extensions import override
 
 from fsdp_builder import (
     BaseMaterializer,
+    BaseSynchronizer,
     CPUDevice,
     FSDPBuilder,
     KeepAsIs,
+    RankDisagreementError,
     ResetParameters,
 )
 from fsdp_builder.planning.plan import Unit
@@ -60,55 +67,105 @@ def attempt(builder: FSDPBuilder, model: nn.Module) -> dict[str, Any]:
     return {"type": None}
 
 
-def scenarios() -> dict[str, dict[str, Any]]:
-    rank = dist.get_rank()
-    out: dict[str, dict[str, Any]] = {}
-    # Rank 1 built a wider MLP: detected before anything is sharded.
-    cfg = CFG if rank == 0 else DemoConfig(layers=2, mlp_ratio=2)
-    out["different_model"] = attempt(FSDPBuilder().device(CPUDevice()).wrap(Block), make_model(cfg))
-    # Rank 1 wraps differently: a different unit plan.
-    policy: Any = Block if rank == 0 else nn.Linear
-    out["different_plan"] = attempt(FSDPBuilder().device(CPUDevice()).wrap(policy), make_model(CFG))
-    # A local failure on rank 1 half-way through the units.
-    out["materialize_fails_on_one_rank"] = attempt(
-        FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(FailOnRank1()), make_model(CFG)
+def different_model() -> dict[str, Any]:
+    """Rank 1 built a wider MLP: detected before anything is sharded."""
+    cfg = CFG if dist.get_rank() == 0 else DemoConfig(layers=2, mlp_ratio=2)
+    return attempt(FSDPBuilder().device(CPUDevice()).wrap(Block), make_model(cfg))
+
+
+def different_plan() -> dict[str, Any]:
+    """Rank 1 wraps differently: a different unit plan."""
+    policy: Any = Block if dist.get_rank() == 0 else nn.Linear
+    return attempt(FSDPBuilder().device(CPUDevice()).wrap(policy), make_model(CFG))
+
+
+def bad_input_everywhere() -> dict[str, Any]:
+    """The same bad input on every rank: each raises the original, specific error."""
+    return attempt(
+        FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(KeepAsIs()), meta_demo(CFG)
     )
-    out["resolver_fails_on_one_rank"] = attempt(
-        FSDPBuilder().device(BrokenResolverOnRank1()).wrap(Block), make_model(CFG)
-    )
-    # The same bad input on every rank: each raises the original, specific error.
-    with torch.device("meta"):
-        meta = DemoTransformer(CFG)
-    out["bad_input_everywhere"] = attempt(
-        FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(KeepAsIs()), meta
-    )
-    # Hybrid groups that do not cover the world: refused on every rank before any collective.
+
+
+def partial_hybrid_groups() -> dict[str, Any]:
+    """Hybrid groups that do not cover the world: refused on every rank before any
+    collective."""
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    mine = singles[rank]
-    out["partial_hybrid_groups"] = attempt(
+    mine = singles[dist.get_rank()]
+    return attempt(
         FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("hybrid").groups((mine, mine)),
         make_model(CFG),
     )
-    # Ignoring nothing on one rank is not ignoring: the same program, built on every rank.
+
+
+def ignore_nothing_on_one_rank() -> dict[str, Any]:
+    """Ignoring nothing on one rank is not ignoring: the same program, built on every rank."""
     quiet = FSDPBuilder().device(CPUDevice()).wrap(Block)
-    out["ignore_nothing_on_one_rank"] = attempt(
-        quiet.ignore([]) if rank == 1 else quiet, make_model(CFG)
-    )
-    # After all that the group still works: a good build succeeds.
+    return attempt(quiet.ignore([]) if dist.get_rank() == 1 else quiet, make_model(CFG))
+
+
+def local_step_fails_on_one_rank() -> dict[str, Any]:
+    """A step that does not communicate (a synchronizer here) fails on rank 1 only."""
+
+    class FailOnRank1(BaseSynchronizer):
+        communicates = False
+
+        def synchronize(self, unit: Any, env: Any) -> int:
+            if dist.get_rank() == 1 and unit.is_root:
+                raise RuntimeError("rank 1 fails")
+            return 0
+
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).synchronize(FailOnRank1())
+    try:
+        builder.build(DemoTransformer(CFG))
+    except RankDisagreementError as exc:
+        return {"stage": exc.stage, "failures": sorted(exc.failures)}
+    return {"stage": None, "failures": []}
+
+
+def good_after_failures() -> dict[str, Any]:
+    """After all the failures above the group still works: a good build succeeds."""
     good = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(ResetParameters())
     good.build(make_model(CFG))
-    out["good_after_failures"] = {"units": len(good.plan)}
-    return out
+    return {"units": len(good.plan)}
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, dict[str, Any]]]:
-    return run_ranks(scenarios, 2, timeout=180)
+def cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    yield "different_model", different_model
+    yield "different_plan", different_plan
+    # A local failure on rank 1 half-way through the units.
+    yield (
+        "materialize_fails_on_one_rank",
+        lambda: attempt(
+            FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(FailOnRank1()),
+            make_model(CFG),
+        ),
+    )
+    yield (
+        "resolver_fails_on_one_rank",
+        lambda: attempt(FSDPBuilder().device(BrokenResolverOnRank1()).wrap(Block), make_model(CFG)),
+    )
+    yield "bad_input_everywhere", bad_input_everywhere
+    yield "partial_hybrid_groups", partial_hybrid_groups
+    yield "ignore_nothing_on_one_rank", ignore_nothing_on_one_rank
+    yield "local_step_fails_on_one_rank", local_step_fails_on_one_rank
+    # Last: it reads whether the failures before it left the group usable.
+    yield "good_after_failures", good_after_failures
+
+
+def scenarios() -> Results:
+    return run_each(cases(), stall_seconds=30)
+
+
+SPAWNS = Spawns(scenarios, timeout=180)
+
+
+def outcome(key: str, rank: int) -> dict[str, Any]:
+    return cast(dict[str, Any], values(SPAWNS(2), key)[rank])
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_different_models_are_named_before_sharding(results: Any, rank: int) -> None:
-    out = results[rank]["different_model"]
+def test_different_models_are_named_before_sharding(rank: int) -> None:
+    out = outcome("different_model", rank)
     assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
     assert "blocks.0.mlp.0.weight [256, 64]" in out["message"]
     assert "blocks.0.mlp.0.weight [128, 64]" in out["message"]
@@ -116,8 +173,8 @@ def test_different_models_are_named_before_sharding(results: Any, rank: int) -> 
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_different_unit_plans_are_named(results: Any, rank: int) -> None:
-    out = results[rank]["different_plan"]
+def test_different_unit_plans_are_named(rank: int) -> None:
+    out = outcome("different_plan", rank)
     assert out["type"] == "RankDisagreementError"
     # The wrap policies differ: the configuration agreement names that setting first.
     assert "rank 1 has wrap=Linear but rank 0 has wrap=Block" in out["message"]
@@ -126,44 +183,50 @@ def test_different_unit_plans_are_named(results: Any, rank: int) -> None:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_one_rank_failing_stops_every_rank_with_its_message(results: Any, rank: int) -> None:
-    out = results[rank]["materialize_fails_on_one_rank"]
+def test_one_rank_failing_stops_every_rank_with_its_message(rank: int) -> None:
+    out = outcome("materialize_fails_on_one_rank", rank)
     assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
     assert "stage 'materialize' of unit 'blocks.1'" in out["message"]
     assert "rank 1: RuntimeError: disk full while loading blocks.1" in out["message"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_failure_before_any_collective_leaves_model_untouched(results: Any, rank: int) -> None:
-    out = results[rank]["resolver_fails_on_one_rank"]
+def test_failure_before_any_collective_leaves_model_untouched(rank: int) -> None:
+    out = outcome("resolver_fails_on_one_rank", rank)
     assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
     assert "no device left for rank 1" in out["message"] and "stage 'configure'" in out["message"]
     assert not out["wrapped"] and out["untouched"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_same_bad_input_everywhere_raises_the_specific_error(results: Any, rank: int) -> None:
-    out = results[rank]["bad_input_everywhere"]
+def test_same_bad_input_everywhere_raises_the_specific_error(rank: int) -> None:
+    out = outcome("bad_input_everywhere", rank)
     assert out["type"] == "MaterializationError"
     assert "`KeepAsIs` got states on the meta device" in out["message"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_hybrid_groups_must_cover_the_world(results: Any, rank: int) -> None:
-    out = results[rank]["partial_hybrid_groups"]
+def test_hybrid_groups_must_cover_the_world(rank: int) -> None:
+    out = outcome("partial_hybrid_groups", rank)
     assert out["type"] == "ConfigurationError"
     assert "span 1 x 1 = 1 ranks but the world has 2" in out["message"]
     assert not out["wrapped"] and out["untouched"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_setting_that_changes_nothing_is_no_difference(results: Any, rank: int) -> None:
-    out = results[rank]["ignore_nothing_on_one_rank"]
+def test_a_setting_that_changes_nothing_is_no_difference(rank: int) -> None:
+    out = outcome("ignore_nothing_on_one_rank", rank)
     assert out["type"] is None, out
 
 
-def test_group_still_usable_after_failures(results: Any) -> None:
-    assert results[0]["good_after_failures"]["units"] == CFG.layers + 1
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_rank_failure_in_a_local_step_names_the_same_stage_everywhere(rank: int) -> None:
+    out = outcome("local_step_fails_on_one_rank", rank)
+    assert out == {"stage": "synchronize", "failures": [1]}
+
+
+def test_group_still_usable_after_failures() -> None:
+    assert [r["units"] for r in values(SPAWNS(2), "good_after_failures")] == [CFG.layers + 1] * 2
 
 
 def hang_on_rank1() -> None:
@@ -173,6 +236,8 @@ def hang_on_rank1() -> None:
 
 
 def test_launcher_turns_a_hang_into_an_error() -> None:
+    # The launcher itself is the subject here, so this test starts its ranks with run_ranks
+    # directly: the harness in ``isolated`` relies on the very deadline this test checks.
     with pytest.raises(RankFailure, match=r"did not finish within 15s|raised"):
         run_ranks(hang_on_rank1, 2, timeout=15)
 

@@ -8,9 +8,7 @@ plain PyTorch load written out below.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from functools import partial
@@ -21,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
+from models import llama, meta_llama
 from structlog.testing import capture_logs
 from torch import nn
 
@@ -33,20 +32,7 @@ from fsdp_builder import (
     ShardingBuilder,
 )
 from fsdp_builder.tools.demo import full_state_dict
-from fsdp_builder.tools.launch import run_ranks
 
-
-def _load_llama() -> Any:
-    path = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "llama_model.py"
-    spec = importlib.util.spec_from_file_location("llama_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("llama_model", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-llama = _load_llama()
 # 61 rows of vocabulary: the last shard is short (31/30 at 2 ranks, 16/16/16/13 at 4).
 ARGS = llama.ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=61, multiple_of=16)
 OTHER = llama.ModelArgs(dim=48, n_layers=3, n_heads=4, vocab_size=61, multiple_of=16)
@@ -145,13 +131,6 @@ def reference_state(folder: Path) -> dict[str, torch.Tensor]:
 # -- inside the ranks ------------------------------------------------------------------------
 
 
-def meta_llama(args: Any = ARGS) -> nn.Module:
-    with torch.device("meta"):
-        model = llama.Transformer(args)
-    # freqs_cis stays on meta: no checkpoint holds it, the build computes it (init_weights).
-    return model
-
-
 def builder(backend: str, strategy: str) -> ShardingBuilder:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -166,7 +145,7 @@ def load_case(backend: str, strategy: str, path: str, **kwargs: Any) -> dict[str
     """Build from ``path``; the gathered state (rank 0) and the dtype events."""
     with capture_logs() as events:
         sharded = builder(backend, strategy).materialize(FromCheckpoint(path, **kwargs))
-        model = sharded.build(meta_llama())
+        model = sharded.build(meta_llama(ARGS))
     state = full_state_dict(model)
     logged = [e for e in events if e.get("event") in ("converted_dtypes", "checkpoint_partial")]
     rope = next(b for n, b in model.named_buffers() if n.endswith("freqs_cis"))
@@ -183,7 +162,7 @@ def load_case(backend: str, strategy: str, path: str, **kwargs: Any) -> dict[str
 def partial_case(path: str) -> dict[str, Any]:
     """strict=False: the output layer is missing from the checkpoint and real in the model
     (it keeps its values), and the checkpoint has a key the model lacks."""
-    model = meta_llama()
+    model = meta_llama(ARGS)
     torch.manual_seed(5)
     model.output = nn.Linear(ARGS.dim, ARGS.vocab_size, bias=False)
     kept = model.output.weight.detach().clone()
@@ -198,7 +177,7 @@ def partial_case(path: str) -> dict[str, Any]:
 
 
 def bad_case(backend: str, path: str, key_map: Any = KEY_MAP) -> tuple[str, str, bool] | None:
-    model = meta_llama()
+    model = meta_llama(ARGS)
     try:
         builder(backend, "full").materialize(FromCheckpoint(path, key_map=key_map)).build(model)
     except Exception as exc:
@@ -269,7 +248,7 @@ def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
         b = builder(backend, "full").materialize(
             FromCheckpoint(path, key_map=KEY_MAP, shared_filesystem=shared)
         )
-        b.build(meta_llama())
+        b.build(meta_llama(ARGS))
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
@@ -284,7 +263,7 @@ def dcp_save_case(hf: str, folder: str) -> None:
     model = (
         builder("fsdp2", "full")
         .materialize(FromCheckpoint(hf, key_map=KEY_MAP))
-        .build(meta_llama())
+        .build(meta_llama(ARGS))
     )
     dcp.save(get_model_state_dict(model), checkpoint_id=folder)
 
@@ -650,7 +629,7 @@ def train_and_save(backend: str, hf: str, folder: str) -> list[float]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = builder(backend, "full").materialize(FromCheckpoint(hf, key_map=KEY_MAP))
-    built = model.build(meta_llama())
+    built = model.build(meta_llama(ARGS))
     optim = torch.optim.AdamW(built.parameters(), lr=1e-2)
     losses = _steps(built, optim, 0, STEPS)
     model_sd, optim_sd = get_state_dict(built, optim)
@@ -665,7 +644,7 @@ def resume(backend: str, folder: str) -> list[float]:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
 
     b = builder(backend, "full").materialize(FromCheckpoint(folder, key_map=_model_key))
-    built = b.build(meta_llama())
+    built = b.build(meta_llama(ARGS))
     optim = torch.optim.AdamW(built.parameters(), lr=1e-2)
     _, optim_sd = get_state_dict(built, optim)
     dcp.load({"optim": optim_sd}, checkpoint_id=folder)
@@ -673,32 +652,33 @@ def resume(backend: str, folder: str) -> list[float]:
     return _steps(built, optim, STEPS, STEPS)
 
 
-def train_and_save_all(hf: str, root: str) -> dict[str, list[float]]:
-    return {b: train_and_save(b, hf, f"{root}/{b}") for b in BACKENDS}
+def train_and_save_all(hf: str, root: str) -> Results:
+    return run_each((b, partial(train_and_save, b, hf, f"{root}/{b}")) for b in BACKENDS)
 
 
-def resume_all(root: str) -> dict[str, list[float]]:
-    return {b: resume(b, f"{root}/{b}") for b in BACKENDS}
+def resume_all(root: str) -> Results:
+    return run_each((b, partial(resume, b, f"{root}/{b}")) for b in BACKENDS)
+
+
+# Resuming needs new ranks: a second spawn, after the first one saved.
+UNINTERRUPTED = Spawns(train_and_save_all, timeout=300)
+RESUMED = Spawns(resume_all, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def resumed(
-    paths: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[list[dict[str, list[float]]], list[dict[str, list[float]]]]:
-    """Both backends' uninterrupted runs (one spawn) and resumed runs (new ranks)."""
-    root = str(tmp_path_factory.mktemp("resume"))
-    run = run_ranks(train_and_save_all, 2, paths["hf"], root, timeout=300)
-    return run, run_ranks(resume_all, 2, root, timeout=300)
+def resume_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("resume"))
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resume_from_dcp_continues_the_uninterrupted_run(
-    resumed: tuple[list[dict[str, list[float]]], list[dict[str, list[float]]]], backend: str
+    paths: dict[str, str], resume_root: str, backend: str
 ) -> None:
-    run, again = resumed
+    run = values(UNINTERRUPTED(2, paths["hf"], resume_root), backend)
+    again = values(RESUMED(2, resume_root), backend)
     for rank in range(2):
-        want, got = run[rank][backend][STEPS:], again[rank][backend]
+        want, got = run[rank][STEPS:], again[rank]
         assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6, rtol=0), (
             rank,
             want,

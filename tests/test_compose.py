@@ -6,16 +6,17 @@ Compile runs with the ``eager`` / ``aot_eager`` backends, which need no C compil
 
 from __future__ import annotations
 
-import sys
 import warnings
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
 from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from isolated import Results, Spawns, run_each, values
+from models import Block, llama, new_net, train
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -39,51 +40,8 @@ from fsdp_builder import (
     MeshGroups,
 )
 from fsdp_builder.groups import describe_mesh, other_dims
-from fsdp_builder.tools.launch import run_ranks
-
-DIM = 8
-STEPS = 3
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.lin(x))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(DIM, DIM)
-        self.blocks = nn.Sequential(Block(), Block())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.proj(x)).mean(-1, keepdim=True)
-
-
-def new_net() -> Net:
-    torch.manual_seed(0)
-    return Net()
-
 
 CLEAN_KEYS = list(new_net().state_dict())
-
-
-def train(model: nn.Module, rank: int = 0, steps: int = STEPS) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(4, DIM, generator=gen), torch.randn(4, 1, generator=gen)
-        loss = F.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def settings(model: nn.Module) -> dict[str, Any]:
@@ -244,30 +202,28 @@ def test_fsdp1_compile_matches_plain_calls(per_unit: bool, world1: None) -> None
 # -- two ranks: one spawn for every compile scenario ---------------------------------------------
 
 
-def compile_rank_main(world: int) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (world,))
-    out = {name: compare(name, mesh, dist.get_rank()) for name in SCENARIOS}
-    dist.barrier()
-    return out
+def compile_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for name in SCENARIOS:
+        yield name, partial(compare, name, mesh, dist.get_rank())
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> list[dict[str, Any]]:
-    return run_ranks(compile_rank_main, 2, 2, timeout=240)
+def compile_rank_main() -> Results:
+    return run_each(compile_cases())
+
+
+COMPILE_SPAWNS = Spawns(compile_rank_main, timeout=240)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_compile_on_two_ranks_matches_plain_calls(
-    name: str, two_ranks: list[dict[str, Any]]
-) -> None:
-    for result in two_ranks:
-        check(result[name], name)
+def test_compile_on_two_ranks_matches_plain_calls(name: str) -> None:
+    for result in values(COMPILE_SPAWNS(2), name):
+        check(result, name)
 
 
 # -- tensor parallelism (and HSDP) next to FSDP: four ranks, one spawn ---------------------------
 
-RECIPES = Path(__file__).resolve().parents[1] / "docs" / "recipes"
 TP_STEPS = 5
 LLAMA = {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "max_seq_len": 16}
 # aot_eager fails on tensor-parallel blocks under activation checkpointing in torch 2.13 (AOT
@@ -275,14 +231,6 @@ LLAMA = {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "max_seq_len"
 # Tensors"), by hand as through the builder: Dynamo alone here.
 TP_COMPILE_BACKEND = "eager"
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def _llama() -> Any:
-    if str(RECIPES) not in sys.path:
-        sys.path.insert(0, str(RECIPES))
-    import llama_model
-
-    return llama_model
 
 
 def layers(model: nn.Module) -> nn.ModuleDict:
@@ -310,7 +258,6 @@ def tensor_parallel(model: nn.Module, tp: DeviceMesh) -> nn.Module:
 
 
 def new_llama(mesh: DeviceMesh | None) -> nn.Module:
-    llama = _llama()
     torch.manual_seed(0)
     model = llama.Transformer(llama.ModelArgs(**LLAMA))
     model.init_weights()
@@ -347,7 +294,6 @@ def composed(name: str) -> dict[str, Any]:
     has_tp = "tp" in dims
     dp_dims = tuple(d for d in dims if d != "tp")
     dp = mesh[dp_dims if len(dp_dims) > 1 else dp_dims[0]]
-    llama = _llama()
     torch._dynamo.reset()
     # The builder: TP by the user, then FSDP over the data-parallel dims of the same mesh.
     builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock)
@@ -403,7 +349,7 @@ def test_mesh_validation_names_the_dims(world1: None) -> None:
 def dp_without_tp() -> str:
     """FSDP over mesh["dp"] of a model not placed on mesh["tp"]: refused."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    builder = FullyShardBuilder().device(CPUDevice()).wrap(_llama().TransformerBlock)
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock)
     builder.materialize(KeepAsIs()).groups(mesh["dp"])
     try:
         builder.build(new_llama(None))
@@ -412,42 +358,38 @@ def dp_without_tp() -> str:
     return "built"
 
 
-def composed_rank_main() -> dict[str, Any]:
-    out: dict[str, Any] = {name: composed(name) for name in COMPOSED}
-    out["dp_without_tp"] = dp_without_tp()
-    dist.barrier()
-    return out
+def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    for name in COMPOSED:
+        yield name, partial(composed, name)
+    yield "dp_without_tp", dp_without_tp
 
 
-@pytest.fixture(scope="module")
-def four_ranks() -> list[dict[str, Any]]:
-    return run_ranks(composed_rank_main, 4, timeout=400)
+def composed_rank_main() -> Results:
+    return run_each(composed_cases())
+
+
+COMPOSED_SPAWNS = Spawns(composed_rank_main, timeout=400)
 
 
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("name", list(COMPOSED))
-def test_composition_on_four_ranks_matches_plain_calls(
-    name: str, four_ranks: list[dict[str, Any]]
-) -> None:
+def test_composition_on_four_ranks_matches_plain_calls(name: str) -> None:
     tolerance = 1e-5 if COMPOSED[name][3] is None else 2e-2
-    for result in four_ranks:
-        mine, hand = result[name]["settings"]
+    for result in values(COMPOSED_SPAWNS(4), name):
+        mine, hand = result["settings"]
         assert mine == hand
         assert not any("_orig_mod" in k or "_checkpoint_wrapped" in k for k in mine["keys"])
-        losses, hand_losses = result[name]["losses"]
+        losses, hand_losses = result["losses"]
         assert losses == pytest.approx(hand_losses, abs=tolerance, rel=0)
         # FSDP shards over the data-parallel dims only.
-        assert result[name]["mesh"] == tuple(d for d in COMPOSED[name][1] if d != "tp")
+        assert result["mesh"] == tuple(d for d in COMPOSED[name][1] if d != "tp")
         if COMPOSED[name][2]:
             assert set(mine["compiled"].values()) == {"FSDPCheckpointWrapper"}
 
 
 @pytest.mark.timeout(450)
-def test_a_dp_sub_mesh_without_tensor_parallelism_is_refused(
-    four_ranks: list[dict[str, Any]],
-) -> None:
-    for result in four_ranks:
-        message = result["dp_without_tp"]
+def test_a_dp_sub_mesh_without_tensor_parallelism_is_refused() -> None:
+    for message in values(COMPOSED_SPAWNS(4), "dp_without_tp"):
         assert "the mesh spans 2 ranks but the world has 4" in message, message
         assert "dims ('dp',) (2,) of the ('dp', 'tp') mesh (2, 2)" in message
         assert "no parameter is placed on its other dims ('tp',)" in message

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from models import TiedDemo
 from torch import nn
 
 from fsdp_builder import (
@@ -144,14 +145,6 @@ def tdx(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeTorchDistX]:
     monkeypatch.setitem(sys.modules, "torchdistx.deferred_init", deferred)
     monkeypatch.setitem(sys.modules, "torchdistx.fake", fake_mod)
     yield fake
-
-
-class TiedDemo(DemoTransformer):
-    """The demo model with its output projection tied to the embedding."""
-
-    def __init__(self, cfg: DemoConfig) -> None:
-        super().__init__(cfg)
-        self.head.weight = self.embed.weight
 
 
 def _builder(backend: str) -> ShardingBuilder:

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from attrs import frozen
-from isolated import Results, run_each, values
+from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.fsdp import (
     FullyShardedDataParallel,
@@ -1075,19 +1075,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {k: str(root / v) for k, v in names.items()}
 
 
-_SPAWN: dict[str, Any] = {}
-
-
-def spawn(paths: dict[str, str]) -> list[Results]:
-    if "group" not in _SPAWN:
-        try:
-            _SPAWN["group"] = run_ranks(group_ranks, 2, paths, timeout=GROUP_TIMEOUT)
-        except Exception as exc:
-            _SPAWN["group"] = exc
-    run = _SPAWN["group"]
-    if isinstance(run, BaseException):
-        pytest.fail(f"the fault spawn failed as a whole:\n{run}", pytrace=False)
-    return run
+SPAWNS = Spawns(group_ranks, timeout=GROUP_TIMEOUT)
 
 
 def _case_ids() -> list[str]:
@@ -1121,7 +1109,7 @@ def test_sources_and_divergent_ranks_fail_alike_on_every_rank(
 ) -> None:
     case = next(c for c in group_cases(paths) if c[0] == key)
     _, _, _, kind, match, untouched = case
-    results = values(spawn(paths), key)
+    results = values(SPAWNS(2, paths), key)
     if kind is type(None):  # a warning (or, asked for, nothing), not an error: the build goes on
         for rank, result in enumerate(results):
             assert result["type"] is None, (rank, result)
@@ -1145,7 +1133,7 @@ def test_divergent_configuration_is_named_before_anything_changes(
     """Needs the whole-configuration agreement: the differing setting is named."""
     setting = next(c[2] for c in divergent_config_cases() if c[0] == key)
     pattern = rf"rank 1 has {setting}=.*but rank 0 has {setting}=.*same builder calls"
-    for result in values(spawn(paths), ("config", key)):
+    for result in values(SPAWNS(2, paths), ("config", key)):
         check_result(result, RankDisagreementError, pattern, untouched=True, bound=GROUP_TIMEOUT)
 
 
@@ -1186,6 +1174,8 @@ def test_a_rank_that_dies_mid_build_stops_the_survivors_with_the_cause(tmp_path:
     """Needs bounded waits: survivors raise CommunicationError before the process group's
     timeout, naming the stage, the unit and the dead rank; rank 0 keeps its own failure as the
     cause."""
+    # Its own spawn, started with run_ranks: the subject is a rank process that dies, which ends
+    # the spawn as a whole (the harness in ``isolated`` keeps outcomes of scenarios that raise).
     with pytest.raises(RankFailure, match="rank 2"):
         # The survivors get the time they need to raise and write what they saw, however
         # loaded the machine: the launcher would otherwise kill them soon after rank 2 died.
@@ -1209,6 +1199,8 @@ def test_a_rank_slower_than_the_timeout_stops_the_others_within_the_bound() -> N
     """Needs bounded waits: rank 0 raises CommunicationError, naming the stage and rank 1 as the
     one that did not arrive. Without the bound rank 0 would wait until rank 1 woke and the build
     would succeed, so the error itself shows the bound ended the wait, with no clock read."""
+    # Its own spawn, started with run_ranks: rank 1 is late on purpose, and inside the shared
+    # spawn the harness's stall handling (``isolated``) would tear the group down under it.
     results = run_ranks(slow_ranks, 2, timeout=GROUP_TIMEOUT)
     check_result(
         results[0],

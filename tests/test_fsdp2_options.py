@@ -10,13 +10,16 @@ Settings and single-rank training run in a one-rank gloo world in this process; 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
 from typing import Any, cast
 
+import models
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from isolated import Results, Spawns, run_each, values
+from models import STEPS, GainBlock, Net, train
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
@@ -50,57 +53,11 @@ from fsdp_builder.materializers.sharded import ShardFirstReset
 from fsdp_builder.tools.demo import Block as DemoBlock
 from fsdp_builder.tools.demo import DemoConfig, DemoTransformer
 from fsdp_builder.tools.demo import train as demo_train
-from fsdp_builder.tools.launch import run_ranks
-
-DIM = 8
-STEPS = 3
-
-
-class Block(nn.Module):
-    """A residual unit whose float32 buffer turns its output back to float32: the next unit then
-    gets float32 inputs, which only fully_shard's default input casting makes work in bf16."""
-
-    gain: torch.Tensor
-    calls = 0  # forward calls, recomputations under activation checkpointing included
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(DIM, DIM)
-        self.register_buffer("gain", torch.ones(DIM))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        Block.calls += 1
-        return (x + torch.tanh(self.lin(x))) * self.gain
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(DIM, DIM)
-        self.blocks = nn.Sequential(Block(), Block(), Block())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.proj(x)).mean(-1, keepdim=True)
 
 
 def new_net() -> Net:
-    torch.manual_seed(0)
-    return Net()
-
-
-def train(model: nn.Module, rank: int = 0) -> list[float]:
-    """Three SGD steps; rank ``r`` trains on its own batches."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(4, DIM, generator=gen), torch.randn(4, 1, generator=gen)
-        loss = F.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    """Three blocks whose float32 gain brings every unit's output back to float32."""
+    return models.new_net(3, GainBlock)
 
 
 UNIT_FQNS = ("blocks.0", "blocks.1", "blocks.2", "")
@@ -120,7 +77,7 @@ def by_hand_fsdp2(
     return model
 
 
-def build_fsdp2(configure: Callable[[FullyShardBuilder], Any], wrap: Any = Block) -> nn.Module:
+def build_fsdp2(configure: Callable[[FullyShardBuilder], Any], wrap: Any = GainBlock) -> nn.Module:
     builder = FullyShardBuilder().device(CPUDevice()).wrap(wrap)
     configure(builder)
     with warnings.catch_warnings():
@@ -212,7 +169,7 @@ def _configure(name: str, builder: FullyShardBuilder) -> None:
     elif name == "per_unit":
         builder.per_unit(_middle_unit)
     elif name == "checkpoint":
-        builder.activation_checkpointing(Block)
+        builder.activation_checkpointing(GainBlock)
     else:
         raise AssertionError(name)
 
@@ -271,7 +228,7 @@ def test_fsdp1_mixed_precision_object_keeps_its_mapping(mesh1: DeviceMesh) -> No
 
 def test_custom_policy_overrides_apply_to_fully_shard(mesh1: DeviceMesh) -> None:
     def policy(module: nn.Module) -> bool | dict[str, Any]:
-        return {"mp_policy": BF16} if isinstance(module, Block) else False
+        return {"mp_policy": BF16} if isinstance(module, GainBlock) else False
 
     built = build_fsdp2(lambda b: b.reshard_after_forward(True), wrap=CustomPolicy(policy))
     hand = by_hand_fsdp2(
@@ -291,7 +248,7 @@ def test_fsdp1_per_unit_overrides_are_honoured(how: str, world1: None) -> None:
         return {"mixed_precision": mp} if fqn == "blocks.1" else None
 
     def custom(module: nn.Module) -> bool | dict[str, Any]:
-        if isinstance(module, Block):
+        if isinstance(module, GainBlock):
             return {"mixed_precision": mp} if module is middle else True
         return False
 
@@ -301,7 +258,7 @@ def test_fsdp1_per_unit_overrides_are_honoured(how: str, world1: None) -> None:
     if how == "custom_policy":
         builder.wrap(CustomPolicy(custom))
     else:
-        builder.wrap(Block).per_unit(per_unit)
+        builder.wrap(GainBlock).per_unit(per_unit)
     built = builder.build(model)
 
     hand_model = new_net()
@@ -325,9 +282,9 @@ def _structure(model: nn.Module) -> list[tuple[str, str]]:
 
 
 def _counted_train(model: nn.Module) -> tuple[list[float], int]:
-    Block.calls = 0
+    GainBlock.calls = 0
     losses = train(model)
-    return losses, Block.calls
+    return losses, GainBlock.calls
 
 
 CLEAN_KEYS = list(new_net().state_dict())
@@ -336,7 +293,7 @@ CLEAN_KEYS = list(new_net().state_dict())
 @pytest.mark.parametrize("what", ["blocks", "linears"])
 def test_fsdp2_activation_checkpointing_matches_plain_calls(what: str, mesh1: DeviceMesh) -> None:
     if what == "blocks":
-        built = build_fsdp2(lambda b: b.activation_checkpointing(Block))
+        built = build_fsdp2(lambda b: b.activation_checkpointing(GainBlock))
     else:
         built = build_fsdp2(
             lambda b: b.activation_checkpointing(lambda m, fqn: fqn.endswith(".lin"))
@@ -363,15 +320,15 @@ def test_fsdp2_activation_checkpointing_matches_plain_calls(what: str, mesh1: De
 
 @pytest.mark.filterwarnings("ignore")
 def test_fsdp1_activation_checkpointing_matches_plain_calls(world1: None) -> None:
-    built = FSDPBuilder().device(CPUDevice()).wrap(Block).activation_checkpointing(Block)
+    built = FSDPBuilder().device(CPUDevice()).wrap(GainBlock).activation_checkpointing(GainBlock)
     built_model = built.build(new_net())
     hand = FullyShardedDataParallel(
         new_net(),
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        auto_wrap_policy=ModuleWrapPolicy({GainBlock}),
         device_id=torch.device("cpu"),
         sharding_strategy=ShardingStrategy.NO_SHARD,
     )
-    apply_activation_checkpointing(hand, check_fn=lambda m: isinstance(m, Block))
+    apply_activation_checkpointing(hand, check_fn=lambda m: isinstance(m, GainBlock))
     assert _structure(built_model) == _structure(hand)
     assert list(built_model.state_dict()) == list(hand.state_dict()) == CLEAN_KEYS
     (losses, calls), (hand_losses, hand_calls) = _counted_train(built_model), _counted_train(hand)
@@ -411,7 +368,7 @@ def test_activation_checkpointing_keeps_meta_initialization(backend: str, world1
 @pytest.mark.parametrize(
     ("policy", "pattern"),
     [
-        (ModuleWrapPolicy({Block}), r"`policy`.*a torch wrap policy"),
+        (ModuleWrapPolicy({GainBlock}), r"`policy`.*a torch wrap policy"),
         (3.5, r"`policy`.*float is not a wrap policy"),
     ],
 )
@@ -490,7 +447,7 @@ def test_pinned_offload_without_an_accelerator_is_refused(world1: None) -> None:
 
 
 def test_overrides_set_twice_or_for_the_root_are_refused(world1: None) -> None:
-    twice = CustomPolicy(lambda m: {"mp_policy": BF16} if isinstance(m, Block) else False)
+    twice = CustomPolicy(lambda m: {"mp_policy": BF16} if isinstance(m, GainBlock) else False)
     with pytest.raises(ConfigurationError, match=r"both the wrap policy and per_unit set"):
         build_fsdp2(lambda b: b.per_unit(lambda m, fqn: {"mp_policy": BF16}), wrap=twice)
     root = CustomPolicy(lambda m: {"mp_policy": BF16} if isinstance(m, Net) else False)
@@ -499,7 +456,7 @@ def test_overrides_set_twice_or_for_the_root_are_refused(world1: None) -> None:
 
 
 def test_fsdp1_build_wide_overrides_are_refused(world1: None) -> None:
-    builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
+    builder = FSDPBuilder().device(CPUDevice()).wrap(GainBlock)
     builder.per_unit(lambda m, fqn: {"process_group": None} if fqn else None)
     with pytest.raises(ConfigurationError, match=r"'process_group' is the same.*groups\(\.\.\.\)"):
         with warnings.catch_warnings():
@@ -512,15 +469,13 @@ def test_fsdp1_build_wide_overrides_are_refused(world1: None) -> None:
 MULTI_RANK = ("mp_keywords", "reshard_int", "placement", "per_unit", "checkpoint")
 
 
-def rank_main(world: int) -> dict[str, Any]:
+def fsdp1_custom_policy() -> dict[str, Any]:
+    """FSDP1 with a CustomPolicy that gives one block its own mixed precision."""
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
-    out = {name: _compare_fsdp2(name, rank, mesh) for name in MULTI_RANK}
-    # FSDP1 with a CustomPolicy that gives one block its own mixed precision.
     mp = MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True)
 
     def custom(module: nn.Module) -> bool | dict[str, Any]:
-        if isinstance(module, Block):
+        if isinstance(module, GainBlock):
             return {"mixed_precision": mp} if module is middle else True
         return False
 
@@ -532,25 +487,33 @@ def rank_main(world: int) -> dict[str, Any]:
     hand = FullyShardedDataParallel(
         hand_model, auto_wrap_policy=CustomPolicy(custom), device_id=torch.device("cpu")
     )
-    out["fsdp1_custom_policy"] = {
+    return {
         "losses": (train(built, rank), train(hand, rank)),
         "settings": (fsdp1_settings(built), fsdp1_settings(hand)),
     }
-    dist.barrier()
-    return out
 
 
-@pytest.fixture(scope="module")
-def four_ranks() -> list[dict[str, Any]]:
-    return run_ranks(rank_main, 4, 4, timeout=200)
+def cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for name in MULTI_RANK:
+        yield name, partial(_compare_fsdp2, name, dist.get_rank(), mesh)
+    yield "fsdp1_custom_policy", fsdp1_custom_policy
+
+
+def rank_main() -> Results:
+    return run_each(cases())
+
+
+SPAWNS = Spawns(rank_main, timeout=200)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", [*MULTI_RANK, "fsdp1_custom_policy"])
-def test_four_ranks_match_plain_calls(name: str, four_ranks: list[dict[str, Any]]) -> None:
+def test_four_ranks_match_plain_calls(name: str) -> None:
+    four_ranks = values(SPAWNS(4), name)
     for rank_result in four_ranks:
-        _assert_same(rank_result[name], exact=name in ("reshard_int", "placement", "checkpoint"))
+        _assert_same(rank_result, exact=name in ("reshard_int", "placement", "checkpoint"))
     if name == "reshard_int":
-        units = four_ranks[0][name]["settings"][0]["units"]
+        units = four_ranks[0]["settings"][0]["units"]
         # Resharded to groups of 2 after forward (the root too, as set by hand).
         assert {after for _, _, after in units.values()} == {(2, 2)}

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
+from models import TiedDemo, meta_demo, seeded_demo
 from structlog.testing import capture_logs
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -71,26 +72,8 @@ def init_fn(module: nn.Module) -> None:
         p.mul_(0.5)
 
 
-class TiedDemo(DemoTransformer):
-    """The demo model with its output projection tied to the embedding."""
-
-    def __init__(self, cfg: DemoConfig) -> None:
-        super().__init__(cfg)
-        self.head.weight = self.embed.weight
-
-
-def meta_model(cls: type[DemoTransformer] = DemoTransformer) -> DemoTransformer:
-    with torch.device("meta"):
-        return cls(CFG)
-
-
-def real_model(seed: int) -> DemoTransformer:
-    torch.manual_seed(seed)
-    return DemoTransformer(CFG)
-
-
 def source_state(seed: int = 123) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in real_model(seed).state_dict().items()}
+    return {k: v.detach().clone() for k, v in seeded_demo(CFG, seed).state_dict().items()}
 
 
 def builder(strategy: str, backend: str = "fsdp1") -> ShardingBuilder:
@@ -137,11 +120,11 @@ def matrix_case(backend: str, strategy: str, name: str, paths: dict[str, str]) -
     out: dict[str, Any] = {}
     if name == "deterministic" and strategy == "full":
         with capture_logs() as events:
-            sharded = b.build(meta_model())
+            sharded = b.build(meta_demo(CFG))
         out["events"] = [e for e in events if e.get("event") == "build_stage"]
         out["shards"] = local_shards(sharded)
     else:
-        sharded = b.build(meta_model())
+        sharded = b.build(meta_demo(CFG))
     initial = full_state_dict(sharded)
     losses = train(sharded, CFG, STEPS, rank, world)
     final = full_state_dict(sharded)  # collective: every rank gathers
@@ -153,7 +136,7 @@ def matrix_case(backend: str, strategy: str, name: str, paths: dict[str, str]) -
 
 def mixed_case(strategy: str) -> dict[str, torch.Tensor]:
     """pytorch issue 105840: only rank 0 holds real weights, the others are on meta."""
-    model = real_model(5) if dist.get_rank() == 0 else meta_model()
+    model = seeded_demo(CFG, 5) if dist.get_rank() == 0 else meta_demo(CFG)
     b = builder(strategy).materialize(ResetParameters()).synchronize(BroadcastFromRank0())
     return full_state_dict(b.build(model))
 
@@ -163,7 +146,7 @@ def verify_case(strategy: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def planted() -> DemoTransformer:
-        model = real_model(0)
+        model = seeded_demo(CFG, 0)
         if rank == world - 1:
             with torch.no_grad():
                 first = cast(Block, model.blocks[1]).mlp[0]
@@ -186,7 +169,7 @@ def verify_case(strategy: str) -> dict[str, Any]:
 
 def tied_case() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    tied = builder("full").materialize(DeterministicInit(SEED)).build(meta_model(TiedDemo))
+    tied = builder("full").materialize(DeterministicInit(SEED)).build(meta_demo(CFG, TiedDemo))
     tied_initial = full_state_dict(tied)
     train(tied, CFG, 1, rank, world)
     return tied_initial, full_state_dict(tied)
@@ -195,7 +178,7 @@ def tied_case() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 def bad_case(case: str, paths: dict[str, str]) -> tuple[str, str, bool] | None:
     """A bad FromStateDict source: the error, and whether the model was left all on meta."""
     source = bad_sources(paths)[case]
-    model = meta_model()
+    model = meta_demo(CFG)
     try:
         b = builder("full").materialize(FromStateDict(source if dist.get_rank() == 0 else None))
         b.build(model)
@@ -281,7 +264,7 @@ MULTI = [2, 4]  # the world sizes of the checks that need several ranks
 @functools.cache
 def expected_initial(name: str) -> dict[str, torch.Tensor]:
     """The single-process result of the same materializer on the same meta model."""
-    model = meta_model()
+    model = meta_demo(CFG)
     torch.manual_seed(0)
     if name == "reset":
         ResetParameters().materialize_model(model, wrap=Block)
@@ -394,7 +377,7 @@ MULTI_STRATEGIES = [(w, s) for w in MULTI for s in multi_strategies(w)]
 def test_rank0_real_others_meta_is_filled_by_broadcast(
     files: dict[str, str], world: int, strategy: str
 ) -> None:
-    want = real_model(5).state_dict()
+    want = seeded_demo(CFG, 5).state_dict()
     for rank, state in enumerate(scenario(world, files, ("mixed", strategy))):
         assert_same(state, dict(want), (rank, strategy))
 
@@ -404,7 +387,7 @@ def test_verify_replicas_catches_a_planted_divergence_and_broadcast_fixes_it(
     files: dict[str, str], world: int, strategy: str
 ) -> None:
     ranks = scenario(world, files, ("verify", strategy))
-    want = dict(real_model(0).state_dict())
+    want = dict(seeded_demo(CFG, 0).state_dict())
     messages = {ranks[r]["caught"] for r in range(world)}
     assert len(messages) == 1, messages  # the same error on every rank
     caught = messages.pop()
@@ -420,7 +403,7 @@ def test_verify_replicas_catches_a_planted_divergence_and_broadcast_fixes_it(
 @pytest.mark.parametrize("world", MULTI)
 def test_tied_weights_stay_tied(files: dict[str, str], world: int) -> None:
     ranks = scenario(world, files, "tied")
-    model = meta_model(TiedDemo)
+    model = meta_demo(CFG, TiedDemo)
     DeterministicInit(SEED).materialize_model(model)
     initial, trained = ranks[0]
     assert torch.equal(initial["head.weight"], model.embed.weight.detach())

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from models import TiedDemo
 from torch import nn
 
 from fsdp_builder import (
@@ -57,12 +58,6 @@ class TwoStrangers(nn.Module):
         super().__init__()
         self.first = NoInit()
         self.inner = nn.Sequential(nn.Linear(2, 2), NoInit())
-
-
-class TiedDemo(DemoTransformer):
-    def __init__(self, cfg: DemoConfig) -> None:
-        super().__init__(cfg)
-        self.head.weight = self.embed.weight
 
 
 class TiedPair(nn.Module):

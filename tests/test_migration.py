@@ -19,6 +19,7 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.distributed as dist
+from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
@@ -506,11 +507,16 @@ def test_builder_call_builds_what_the_argument_builds(
         TABLES[name][1][argument]()
 
 
+def two_rank_scenarios() -> Results:
+    return run_each([("grad_op", _grad_op_on_two_ranks)])
+
+
+SPAWNS = Spawns(two_rank_scenarios, timeout=100)
+
+
 @pytest.mark.timeout(120)
 def test_grad_op_is_reshard_after_forward_false() -> None:
-    from fsdp_builder.tools.launch import run_ranks
-
-    assert run_ranks(_grad_op_on_two_ranks, 2, timeout=100) == [True, True]
+    assert values(SPAWNS(2), "grad_op") == [True, True]
 
 
 # -- Accelerate's FullyShardedDataParallelPlugin -----------------------------------------------

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import subprocess
 import sys
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import pytest
+from isolated import Results, Spawns, run_each, values
+from models import RECIPES, recipe_module
 
-from fsdp_builder.tools.launch import free_port, run_ranks
+from fsdp_builder.tools.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES = REPO / "docs" / "recipes"
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 TESTED = {
     "torchrun_one_node.py",
@@ -102,41 +104,81 @@ def test_several_nodes_with_c10d_rendezvous() -> None:
         assert losses == sorted(losses, reverse=True)
 
 
-def recipe_module(name: str) -> ModuleType:
-    """A recipe script imported as a module; its folder goes on sys.path, as when it runs as a
-    script (and spawned ranks inherit that path)."""
-    if str(RECIPES) not in sys.path:
-        sys.path.insert(0, str(RECIPES))
-    return importlib.import_module(name)
+# -- the scripts' functions on two ranks the tests start (what main() runs under torchrun) ---
+#
+# One spawn runs every script's first phase, each scenario on its own (see ``isolated``); the
+# resume script's second phase needs new ranks (what a second torchrun call gives): a second spawn.
+
+BACKENDS = ("fsdp1", "fsdp2")
 
 
-@pytest.mark.timeout(180)
-def test_llama_training_script() -> None:
-    # The script's train() on two ranks the test starts (what main() runs under torchrun).
-    llama_train = recipe_module("llama_train")
-    per_rank = run_ranks(llama_train.train, 2, 3, timeout=150)
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("recipes")
+    out = {name: root / name for name in ("hugging_face", *(f"resume-{b}" for b in BACKENDS))}
+    for folder in out.values():
+        folder.mkdir()
+    return {name: str(folder) for name, folder in out.items()}
+
+
+def first_cases(folders: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    yield "llama_train", lambda: recipe_module("llama_train").train(3)
+    yield "custom_strategies", lambda: recipe_module("custom_strategies").build_and_run()
+    for backend in BACKENDS:
+        train = partial(recipe_phase, "resume", "train", folders[f"resume-{backend}"], backend)
+        yield ("resume", "train", backend), train
+    yield "hugging_face", lambda: recipe_module("hugging_face").train(folders["hugging_face"])
+
+
+def second_cases(folders: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    for backend in BACKENDS:
+        again = partial(recipe_phase, "resume", "resume", folders[f"resume-{backend}"], backend)
+        yield ("resume", "resume", backend), again
+
+
+def recipe_phase(name: str, phase: str, *args: Any) -> Any:
+    return getattr(recipe_module(name), phase)(*args)
+
+
+def first_phase(folders: dict[str, str]) -> Results:
+    return run_each(first_cases(folders))
+
+
+def second_phase(folders: dict[str, str]) -> Results:
+    return run_each(second_cases(folders))
+
+
+FIRST = Spawns(first_phase, timeout=300)
+SECOND = Spawns(second_phase, timeout=150)
+
+
+@pytest.mark.timeout(360)
+def test_llama_training_script(folders: dict[str, str]) -> None:
+    per_rank = values(FIRST(2, folders), "llama_train")
     for losses in per_rank:
         assert len(losses) == 3 and losses == sorted(losses, reverse=True)
         assert 4.0 < losses[0] < 6.0  # about ln(128) = 4.85 for a fresh model
 
 
-@pytest.mark.timeout(180)
-def test_custom_strategies() -> None:
-    custom = recipe_module("custom_strategies")
-    results = run_ranks(custom.build_and_run, 2, timeout=150)
+@pytest.mark.timeout(360)
+def test_custom_strategies(folders: dict[str, str]) -> None:
+    results = values(FIRST(2, folders), "custom_strategies")
     for result in results:
         assert result["initialized"] == ["0.ff", "0.norm", "1.ff", "1.norm", "2"]
         assert result["checked"] == ["0", "1", "<root>"]
     assert results[0]["output"] == results[1]["output"]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
-def test_resume_from_dcp_gives_the_uninterrupted_losses(tmp_path: Path, backend: str) -> None:
+@pytest.mark.timeout(540)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_from_dcp_gives_the_uninterrupted_losses(
+    folders: dict[str, str], backend: str
+) -> None:
     # The script's two phases, each in new ranks (what two torchrun calls do).
     resume = recipe_module("resume")
-    whole = run_ranks(resume.train, 2, str(tmp_path), backend, timeout=150)
-    again = run_ranks(resume.resume, 2, str(tmp_path), backend, timeout=150)
+    whole = values(FIRST(2, folders), ("resume", "train", backend))
+    again = values(SECOND(2, folders), ("resume", "resume", backend))
+    folder = Path(folders[f"resume-{backend}"])
     half = resume.STEPS // 2
     for rank in range(2):
         assert len(whole[rank]) == resume.STEPS
@@ -146,8 +188,8 @@ def test_resume_from_dcp_gives_the_uninterrupted_losses(tmp_path: Path, backend:
     # The model fits one file: model.safetensors, no index (as save_pretrained writes it).
     from safetensors import safe_open
 
-    assert not (tmp_path / "export" / "model.safetensors.index.json").exists()
-    with safe_open(str(tmp_path / "export" / "model.safetensors"), "pt") as f:
+    assert not (folder / "export" / "model.safetensors.index.json").exists()
+    with safe_open(str(folder / "export" / "model.safetensors"), "pt") as f:
         assert "model.layers.1.self_attn.q_proj.weight" in f.keys()
 
 
@@ -167,8 +209,10 @@ def test_tensor_parallel_checkpointing_and_compile() -> None:
     assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]
 
 
-@pytest.mark.timeout(300)
-def test_hugging_face_fine_tune_exports_what_from_pretrained_loads(tmp_path: Path) -> None:
+@pytest.mark.timeout(480)
+def test_hugging_face_fine_tune_exports_what_from_pretrained_loads(
+    folders: dict[str, str],
+) -> None:
     pytest.importorskip("transformers", reason="transformers is part of the test extra")
     import json
 
@@ -178,34 +222,35 @@ def test_hugging_face_fine_tune_exports_what_from_pretrained_loads(tmp_path: Pat
     from fsdp_builder import save_hf_checkpoint
 
     hf = recipe_module("hugging_face")
-    per_rank = run_ranks(hf.train, 2, str(tmp_path), timeout=200)
+    per_rank = values(FIRST(2, folders), "hugging_face")
+    folder = Path(folders["hugging_face"])
     # The base checkpoint had several shards; so has the export, with an index and config.json.
-    assert len(list((tmp_path / "base").glob("model-*.safetensors"))) > 1
-    export = tmp_path / "export"
+    assert len(list((folder / "base").glob("model-*.safetensors"))) > 1
+    export = folder / "export"
     index = json.loads((export / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in export.glob("*.safetensors"))
     assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
     config = json.loads((export / "config.json").read_text())
-    assert config == json.loads((tmp_path / "base" / "config.json").read_text())
+    assert config == json.loads((folder / "base" / "config.json").read_text())
     # from_pretrained in a new process, as the page's second command runs it.
     proc = subprocess.run(
-        [sys.executable, "docs/recipes/hugging_face.py", "--folder", str(tmp_path), "--phase",
+        [sys.executable, "docs/recipes/hugging_face.py", "--folder", str(folder), "--phase",
          "check"],
         capture_output=True, text=True, timeout=150, check=False, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    reloaded = torch.load(tmp_path / "reloaded.pt")
+    reloaded = torch.load(folder / "reloaded.pt")
     for rank, (losses, logits) in enumerate(per_rank):
         assert len(losses) == hf.STEPS and all(math.isfinite(x) for x in losses)
         assert torch.equal(logits, reloaded), f"rank {rank}: the sharded model's logits differ"
     # Fine-tuning changed the model: the base checkpoint's logits are not the export's.
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(folder / "base")
     assert not torch.allclose(hf.eval_logits(base, torch.device("cpu")), reloaded)
     # One file: a model under max_shard_bytes round-trips through from_pretrained too.
     tuned = AutoModelForCausalLM.from_pretrained(export)
-    written = save_hf_checkpoint(tuned, tmp_path / "one")
-    assert len(written.files) == 1 and (tmp_path / "one" / "config.json").is_file()
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "one")
+    written = save_hf_checkpoint(tuned, folder / "one")
+    assert len(written.files) == 1 and (folder / "one" / "config.json").is_file()
+    again = AutoModelForCausalLM.from_pretrained(folder / "one")
     assert torch.equal(hf.eval_logits(again, torch.device("cpu")), reloaded)
 
 

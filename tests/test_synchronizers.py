@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pickle
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from isolated import Results, Spawns, run_each, values
+from models import meta_demo
 from safetensors.torch import save_file
 from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
@@ -28,11 +31,6 @@ from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, full_sta
 CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
 
 
-def meta_model() -> DemoTransformer:
-    with torch.device("meta"):
-        return DemoTransformer(CFG)
-
-
 def source() -> dict[str, torch.Tensor]:
     torch.manual_seed(3)
     return {k: v.detach().clone() for k, v in DemoTransformer(CFG).state_dict().items()}
@@ -44,7 +42,7 @@ def load(src: object) -> nn.Module:
         .device(CPUDevice())
         .wrap(Block)
         .materialize(FromStateDict(src))
-        .build(meta_model())
+        .build(meta_demo(CFG))
     )
 
 
@@ -117,8 +115,8 @@ def test_broadcast_and_verify_on_one_rank(world1: None) -> None:
         .materialize(DeterministicInit(1))
         .synchronize(BroadcastFromRank0(bucket_bytes=1000), VerifyReplicas())
     )
-    model = b.build(meta_model())
-    want = meta_model()
+    model = b.build(meta_demo(CFG))
+    want = meta_demo(CFG)
     DeterministicInit(1).materialize_model(want)
     got = full_state_dict(model)
     assert all(torch.equal(got[k], v) for k, v in want.state_dict().items())
@@ -260,11 +258,21 @@ def _broadcast_mixed(bucket_bytes: int) -> tuple[int, list[torch.Tensor]]:
     return sent, [t.contiguous() for t in tensors]
 
 
-@pytest.mark.parametrize("bucket_bytes", [64, 1000, 250 * 1024 * 1024])
-def test_broadcast_tensors_on_two_ranks(bucket_bytes: int) -> None:
-    from fsdp_builder.tools.launch import run_ranks
+BUCKETS = (64, 1000, 250 * 1024 * 1024)
 
-    ranks = run_ranks(_broadcast_mixed, 2, bucket_bytes, timeout=120)
+
+def broadcasts() -> Results:
+    """Every bucket size in one spawn, each on its own (see ``isolated``)."""
+    return run_each((size, partial(_broadcast_mixed, size)) for size in BUCKETS)
+
+
+SPAWNS = Spawns(broadcasts, timeout=120)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+def test_broadcast_tensors_on_two_ranks(bucket_bytes: int) -> None:
+    ranks = values(SPAWNS(2), bucket_bytes)
     want = [t.contiguous() for t in _mixed_tensors(0)]
     total = sum(t.numel() * t.element_size() for t in want)
     for sent, got in ranks:
