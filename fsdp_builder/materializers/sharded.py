@@ -19,7 +19,9 @@ on the meta device, then calls the materializer. Two materializers work on such 
 
 from __future__ import annotations
 
-from typing import ClassVar
+import contextlib
+from contextlib import AbstractContextManager
+from typing import ClassVar, Protocol
 
 import attrs
 import torch
@@ -116,14 +118,59 @@ def agree_on_seed(env: Environment, seed: int | None) -> int:
     return int(value.item())
 
 
+class ShardFirstInit(Protocol):
+    """What a shard-first materializer adds to :class:`ShardFirstRun`: the scope a unit's
+    initializers run in (StreamInit's counter-based ``torch.nn.init``), and how one module's
+    initializer is run (under which seed)."""
+
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
+        """Entered around the initializers of one unit's ``modules`` (storage already given)."""
+        ...
+
+    def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        """Give ``module`` (on meta before this unit, now with local storage) its values."""
+        ...
+
+
+def run_seeded(
+    module: nn.Module, fqn: str, lineage: Lineage, seed: int, device: torch.device
+) -> None:
+    """The module's initializer under a generator seeded with ``seed`` (restored after)."""
+    with torch.random.fork_rng(devices=_fork_devices(device)):
+        seed_generators(seed, device)
+        run_initializer(module, fqn, lineage)
+
+
 @define
-class _ShardFirstRun:
-    """One build of ``ShardFirstReset``: the agreed base seed and this rank's shard index."""
+class _PerShardSeed:
+    """``ShardFirstReset``'s initialization: each module under a seed from the base seed, the
+    shard index and its name."""
+
+    base_seed: int
+    index: int
+    device: torch.device
+
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        run_seeded(module, fqn, lineage, shard_seed(self.base_seed, self.index, fqn), self.device)
+
+
+@define
+class ShardFirstRun:
+    """One build of a shard-first materializer: per unit, local storage for the unit's own
+    modules, then, children first, ``init.init_module`` for each module that was on meta and
+    has an initializer (inside ``init.scope``), then the computed non-persistent buffers. The
+    unit may be sharded (FSDP2: DTensors whose local shards are the only storage) or whole
+    (FSDP1, which cannot shard on meta)."""
 
     env: Environment
-    base_seed: int
     computed: Computed
     rules: dict[int, Lineage]
+    init: ShardFirstInit
+    who: str
+    fix: str
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
@@ -133,26 +180,16 @@ class _ShardFirstRun:
         # Only modules that were on meta are initialized; real ones keep their values.
         pending = {id(m) for m in modules if has_meta_states(m)}
         allocate_empty(modules, env.device)
-        index = shard_index(env)
         rules = self.rules
 
         def init(module: nn.Module, fqn: str) -> None:
             lineage = rules.get(id(module), NO_LINEAGE)
             if id(module) not in pending or initializer_of(module, lineage) is None:
                 return  # real, or buffers only: to_empty gave it storage
-            with torch.random.fork_rng(devices=_fork_devices(env.device)):
-                seed_generators(shard_seed(self.base_seed, index, fqn), env.device)
-                run_initializer(module, fqn, lineage)
+            self.init.init_module(module, fqn, lineage)
 
-        initialize_children_first(
-            unit.module,
-            unit.fqn,
-            modules,
-            init,
-            "ShardFirstReset",
-            "Its initializer may need the whole tensor; use DeterministicInit(seed) for this "
-            "model.",
-        )
+        with self.init.scope(unit, modules):
+            initialize_children_first(unit.module, unit.fqn, modules, init, self.who, self.fix)
         fill_buffers(modules, self.computed, env.device)
         return _owned_bytes(modules)
 
@@ -200,7 +237,15 @@ class ShardFirstReset(ResetParameters):
         """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module
         computed = buffers_to_compute(model, env.ignored)
-        return _ShardFirstRun(env, agree_on_seed(env, self.seed), computed, lineages(model))
+        return ShardFirstRun(
+            env,
+            computed,
+            lineages(model),
+            _PerShardSeed(agree_on_seed(env, self.seed), shard_index(env), env.device),
+            "ShardFirstReset",
+            "Its initializer may need the whole tensor; use DeterministicInit(seed) for this "
+            "model.",
+        )
 
 
 @define
@@ -310,4 +355,13 @@ class InitWeights(BaseMaterializer):
         return _InitWeightsRun(env, agree_on_seed(env, self.seed), self.method)
 
 
-__all__ = ["InitWeights", "ShardFirstReset", "local_bytes", "shard_index", "shard_seed"]
+__all__ = [
+    "InitWeights",
+    "ShardFirstInit",
+    "ShardFirstReset",
+    "ShardFirstRun",
+    "local_bytes",
+    "run_seeded",
+    "shard_index",
+    "shard_seed",
+]

@@ -36,30 +36,18 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from typing_extensions import override
 
 from fsdp_builder.common.hashing import digest63
-from fsdp_builder.materializers.buffers import Computed, fill_buffers
-from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, lineages
+from fsdp_builder.materializers.conventions import Lineage, lineages
 from fsdp_builder.materializers.initializers import (
     MaterializerRun,
     ResetParameters,
     buffers_to_compute,
     check_seed,
-    initialize_children_first,
-    initializer_of,
-    run_initializer,
-    seed_generators,
 )
-from fsdp_builder.materializers.sharded import shard_index, shard_seed
+from fsdp_builder.materializers.sharded import ShardFirstRun, run_seeded, shard_index, shard_seed
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import (
-    allocate_empty,
-    has_meta_states,
-    module_names,
-    needs_materialization,
-    qualified,
-    unit_modules,
-)
+from fsdp_builder.runtime.tree import module_names, qualified
 
 log = structlog.get_logger(__name__)
 
@@ -318,59 +306,34 @@ def streamed_init(
 
 
 @define
-class _StreamRun:
-    """One build of ``StreamInit``."""
+class _StreamedInit:
+    """``StreamInit``'s part of the shard-first run: a unit's parameters named for their
+    streams and ``torch.nn.init`` answered from them while the unit initializes."""
 
-    env: Environment
     seed: int
-    computed: Computed
-    rules: dict[int, Lineage]
+    index: int
+    env: Environment
     bindings: list[tuple[Any, str, Any]] = attrs.field(factory=_bindings)
 
-    def materialize(self, unit: Unit) -> int:
-        env = self.env
-        modules = unit_modules(unit.module, env.ignored.modules)
-        if not needs_materialization(modules, env.ignored):
-            return 0
-        pending = {id(m) for m in modules if has_meta_states(m)}
-        allocated = allocate_empty(modules, env.device)
+    @contextlib.contextmanager
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> Iterator[None]:
         streams = _Streams(self.seed)
         names = module_names(unit.module)
+        ignored = self.env.ignored.params
         for module in modules:
             base = qualified(unit.fqn, names.get(id(module), ""))
             for local_name, param in module._parameters.items():
-                if param is not None and param not in env.ignored.params:
+                if param is not None and param not in ignored:
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
-        rules = self.rules
-        seed = self.seed
-        index = shard_index(env)
-
-        def init(module: nn.Module, fqn: str) -> None:
-            lineage = rules.get(id(module), NO_LINEAGE)
-            if id(module) not in pending or initializer_of(module, lineage) is None:
-                return
-            # Draws outside torch.nn.init (a module's own tensor.normal_()) fall back to a
-            # generator seeded per shard and module, as ShardFirstReset draws: reproducible for
-            # one world size, and shards differ.
-            with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
-                seed_generators(shard_seed(seed, index, fqn), env.device)
-                run_initializer(module, fqn, lineage)
-
         with streamed_init(streams, self.bindings):
-            initialize_children_first(
-                unit.module,
-                unit.fqn,
-                modules,
-                init,
-                "StreamInit",
-                "Its initializer may need the whole tensor (orthogonal_, eye_); use "
-                "DeterministicInit(seed) for this model.",
-            )
-        fill_buffers(modules, self.computed, env.device)
-        return allocated
+            yield
 
-    def close(self) -> None:
-        self.computed = {}
+    def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        # Draws outside torch.nn.init (a module's own tensor.normal_()) fall back to a
+        # generator seeded per shard and module, as ShardFirstReset draws: reproducible for
+        # one world size, and shards differ.
+        seed = shard_seed(self.seed, self.index, fqn)
+        run_seeded(module, fqn, lineage, seed, self.env.device)
 
 
 @frozen
@@ -405,7 +368,15 @@ class StreamInit(ResetParameters):
     def prepare(self, env: Environment) -> MaterializerRun:
         model = env.plan.root.module
         computed = buffers_to_compute(model, env.ignored)
-        return _StreamRun(env, self.seed, computed, lineages(model))
+        return ShardFirstRun(
+            env,
+            computed,
+            lineages(model),
+            _StreamedInit(self.seed, shard_index(env), env),
+            "StreamInit",
+            "Its initializer may need the whole tensor (orthogonal_, eye_); use "
+            "DeterministicInit(seed) for this model.",
+        )
 
 
 __all__ = ["STREAMED_INITIALIZERS", "StreamInit", "global_indices", "streamed_init"]
