@@ -54,6 +54,7 @@ from fsdp_builder.runtime.context import ConfigureContext
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import (
     allocate_empty,
+    direct_states,
     has_meta_states,
     needs_materialization,
     unit_modules,
@@ -184,9 +185,15 @@ class ShardFirstRun:
 
         def init(module: nn.Module, fqn: str) -> None:
             lineage = rules.get(id(module), NO_LINEAGE)
-            if id(module) not in pending or initializer_of(module, lineage) is None:
-                return  # real, or buffers only: to_empty gave it storage
-            self.init.init_module(module, fqn, lineage)
+            if initializer_of(module, lineage) is None:
+                return  # buffers only: to_empty gave it storage
+            # A library's model-level initializer may set a child's states from a stateless
+            # parent (GPT-2 scales c_proj from its attention block, T5 its q/k/v/o).
+            library = lineage.library_init is not None and not direct_states(module)
+            if id(module) in pending or (
+                library and any(id(m) in pending for m in module.modules())
+            ):
+                self.init.init_module(module, fqn, lineage)
 
         with self.init.scope(unit, modules):
             initialize_children_first(unit.module, unit.fqn, modules, init, self.who, self.fix)
