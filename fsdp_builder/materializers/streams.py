@@ -34,7 +34,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 from typing_extensions import override
 
 from fsdp_builder.common.hashing import digest63
@@ -72,29 +76,39 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def _xor_shr_(z: torch.Tensor, bits: int, scratch: torch.Tensor) -> torch.Tensor:
+    """``z ^= z >>> bits`` in place (``scratch``: a tensor like ``z`` to shift into)."""
+    torch.bitwise_right_shift(z, bits, out=scratch)
+    return z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - bits)) - 1))
+
+
 def random_bits(key: int, counters: torch.Tensor) -> torch.Tensor:
-    """64 random bits (as int64) per counter: splitmix64 of ``key + golden * (counter + 1)``."""
-    z = (counters + 1) * _GOLDEN + _signed(key & ((1 << 64) - 1))
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
+    """64 random bits (as int64) per counter: splitmix64 of ``key + golden * (counter + 1)``.
+    In place on one new tensor and one scratch tensor: the arithmetic is memory-bound."""
+    z = counters.add(1).mul_(_GOLDEN).add_(_signed(key & ((1 << 64) - 1)))
+    scratch = torch.empty_like(z)
+    _xor_shr_(z, 30, scratch).mul_(_MUL1)
+    _xor_shr_(z, 27, scratch).mul_(_MUL2)
+    return _xor_shr_(z, 31, scratch)
 
 
 def uniform01(key: int, counters: torch.Tensor) -> torch.Tensor:
     """Float64 uniforms in [0, 1), 53 bits each."""
-    return _shr(random_bits(key, counters), 11).to(torch.float64) / _TWO_POW_53
+    bits = random_bits(key, counters).bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+    return bits.to(torch.float64).mul_(1.0 / _TWO_POW_53)  # a power of two: exact
 
 
 def standard_normal(key: int, index: torch.Tensor) -> torch.Tensor:
     """Float64 standard normals (Box-Muller; element ``i`` uses counters ``2i`` and ``2i+1``)."""
-    u1 = 1.0 - uniform01(key, 2 * index)  # (0, 1]: the log stays finite
-    u2 = uniform01(key, 2 * index + 1)
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+    u1 = uniform01(key, 2 * index).neg_().add_(1.0)  # (0, 1]: the log stays finite
+    u2 = uniform01(key, (2 * index).add_(1))
+    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2.0 * math.pi).cos_())
 
 
-def global_indices(tensor: torch.Tensor) -> torch.Tensor:
+def global_indices(tensor: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
     """Row-major index in the full tensor of each element this rank holds, shaped like the local
-    tensor (a DTensor's local shard; all of a plain tensor)."""
+    tensor (a DTensor's local shard; all of a plain tensor); ``rows``: only those rows (first
+    dimension) of the local tensor."""
     shape = tuple(tensor.shape)
     if isinstance(tensor, DTensor):
         local_shape, offsets = compute_local_shape_and_global_offset(
@@ -104,6 +118,10 @@ def global_indices(tensor: torch.Tensor) -> torch.Tensor:
     else:
         local_shape, offsets = shape, (0,) * len(shape)
         device = tensor.device
+    if rows is not None and shape:
+        start, stop, _ = rows.indices(local_shape[0])
+        local_shape = (stop - start, *local_shape[1:])
+        offsets = (offsets[0] + start, *offsets[1:])
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for dim in reversed(range(len(shape))):
@@ -113,6 +131,11 @@ def global_indices(tensor: torch.Tensor) -> torch.Tensor:
         index = index + (steps * stride).view(view)
         stride *= shape[dim]
     return index.expand(tuple(local_shape)) if shape else index
+
+
+# Elements drawn at once: the arithmetic keeps a few int64/float64 temporaries per element, so
+# a large shard is filled in blocks of rows, keeping them to tens of MB.
+FILL_BLOCK = 1 << 20
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -139,9 +162,28 @@ class _Streams:
     def fill(self, tensor: torch.Tensor, values: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Write ``values(global indices)`` (float64) into this rank's part of ``tensor``."""
         local = _local(tensor)
-        if local.numel():
-            with torch.no_grad():
-                local.copy_(values(global_indices(tensor)).to(local.dtype))
+        if not local.numel():
+            return
+        with torch.no_grad(), _unwatched():
+            rows = local.shape[0] if local.dim() else 1
+            step = max(1, FILL_BLOCK // max(1, local.numel() // rows))
+            if step >= rows:
+                local.copy_(values(global_indices(tensor)))
+                return
+            for start in range(0, rows, step):
+                block = slice(start, min(start + step, rows))
+                local[block].copy_(values(global_indices(tensor, block)))
+
+
+@contextlib.contextmanager
+def _unwatched() -> Iterator[None]:
+    """The streams' own work on local shards, outside ``_ShardWatch`` (it has nothing to see
+    there, and each operation it looks at costs a Python call)."""
+    if isinstance(_get_current_dispatch_mode(), _ShardWatch):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
 
 
 _Init = Callable[..., Any]
@@ -181,7 +223,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         key = streams.key(tensor)
         if key is None:
             return original["uniform_"](tensor, a, b, generator=generator)
-        streams.fill(tensor, lambda i: a + (b - a) * uniform01(key, i))
+        streams.fill(tensor, lambda i: uniform01(key, i).mul_(b - a).add_(a))
         return tensor
 
     def normal_(
@@ -190,7 +232,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         key = streams.key(tensor)
         if key is None:
             return original["normal_"](tensor, mean, std, generator=generator)
-        streams.fill(tensor, lambda i: mean + std * standard_normal(key, i))
+        streams.fill(tensor, lambda i: standard_normal(key, i).mul_(std).add_(mean))
         return tensor
 
     def trunc_normal_(
@@ -221,7 +263,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
     def constant_(tensor: torch.Tensor, val: float) -> torch.Tensor:
         if streams.names.get(id(tensor)) is None:
             return original["constant_"](tensor, val)
-        with torch.no_grad():
+        with torch.no_grad(), _unwatched():
             _local(tensor).fill_(val)
         return tensor
 
@@ -514,7 +556,7 @@ class StreamInit(ResetParameters):
     element-wise initializers drawn from counter-based streams keyed by ``(seed, parameter
     name, element index)``: with ``FullyShardBuilder`` every rank allocates and fills only its
     shards (shard-first), and the full weights are bit-identical at any world size, and between
-    both backends. It is ``FullyShardBuilder``'s default materializer.
+    both backends.
 
     The distributions are those of eager init (same bounds and standard deviations, from the
     full shapes); the numbers are not torch's RNG's. What an initializer draws from torch's
@@ -528,6 +570,11 @@ class StreamInit(ResetParameters):
     ``seed=None`` (the default) takes ``torch.initial_seed()`` of the first rank (shared in
     ``prepare``): ``torch.manual_seed(s)`` before the build changes the weights, as it does
     for an eager model.
+
+    Cost: each element is a hash of its index (splitmix64, in int64 tensor arithmetic), about
+    4x torch's generator per element on the CPU (uniform; 5x normal), on 1/W of the elements
+    where ``ResetParameters`` draws whole units; and a little per module (its generator forked
+    and seeded, its operations watched).
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
