@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 from typing import Any
 
 import pytest
@@ -110,8 +111,10 @@ WORLDS = (1, 2, 4, 8)
 
 @pytest.fixture(scope="module")
 def builds() -> dict[int, list[dict[str, Any]]]:
-    # Generous bounds: four spawns of up to eight ranks on a machine that may be busy.
-    return {w: run_ranks(_both_backends, w, timeout=500) for w in WORLDS}
+    # 15 ranks in all: forked from a server that imported torch and this module once, rather
+    # than each importing them. Generous bounds: a machine that may be busy.
+    multiprocessing.set_forkserver_preload([__name__])
+    return {w: run_ranks(_both_backends, w, timeout=500, start_method="forkserver") for w in WORLDS}
 
 
 @pytest.mark.timeout(2000)
