@@ -10,8 +10,12 @@ on the meta device, then calls the materializer. Two materializers work on such 
   draws the same numbers on every rank instead, and the full weight is one shard repeated.
   Trade-off: values depend on the world size (each shard is drawn independently), which is
   statistically the distribution the initializer asks for but not bit-identical across world
-  sizes; for world-size-invariant weights use ``DeterministicInit``, which materializes each
-  unit in full and lets ``fully_shard`` slice it (one full unit at a time per rank).
+  sizes; for world-size-invariant weights use ``StreamInit`` (``streams.py``: shard-local too,
+  from counter-based streams) or ``DeterministicInit``, which materializes each unit in full and
+  lets ``fully_shard`` slice it (one full unit at a time per rank).
+
+Both shard-first initializers run as one :class:`ShardFirstRun`; what differs between them is
+their :class:`ShardFirstInit` (the scope a unit initializes in, and how one module is).
 - ``collectives.scatter_unit_state`` fills the local shards from full tensors held by one rank,
   which sends each rank only its slices; other ranks never hold a full tensor of a sharded
   parameter. ``FromStateDict`` uses it when the backend shards first.

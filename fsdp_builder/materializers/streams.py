@@ -6,12 +6,21 @@ rest: each rank fills only the rows it holds and still gets exactly the values t
 would have, at any world size and on either backend (FSDP1 materializes whole units, whose
 indices are then simply all of them).
 
-``StreamInit`` runs each module's own ``reset_parameters`` (as ``ResetParameters`` does) with the
-``torch.nn.init`` functions PyTorch modules and transformers use answered from these streams:
-``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``ones_``, ``zeros_`` and the
-Kaiming and Xavier variants. Their bounds and standard deviations come from the full shape (a
-DTensor's ``shape`` is global), as eager init computes them. The values are the same
-distributions as eager ``reset_parameters``, not the same numbers: the stream is not torch's RNG.
+``StreamInit`` runs each module's initializer by its model's convention (as ``ResetParameters``
+does) with the ``torch.nn.init`` functions PyTorch modules and transformers use answered from
+these streams: ``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``ones_``, ``zeros_``
+and the Kaiming and Xavier variants, wherever they are bound (``torch.nn.init``, torch's module
+files, transformers' table of the functions it captured at import: ``CAPTURED_TABLES``). Their
+bounds and standard deviations come from the full shape (a DTensor's ``shape`` is global), as
+eager init computes them. The values are the same distributions as eager init, not the same
+numbers: the stream is not torch's RNG.
+
+While a module initializes on shards, ``_ShardWatch`` stops the first operation on a DTensor
+that is not element-wise with plain numbers (``ELEMENTWISE_ON_SHARDS``): a tensor method's
+random draw, a row view (``weight[padding_idx].zero_()``), ``orthogonal_``, a copy. The module
+is then initialized again, with the modules of its unit below it, on whole tensors under the
+same seeds and stream draws, and each rank keeps its slice; so no value depends on the world
+size, whatever the initializer does.
 
 The bits are splitmix64 (Steele et al., "Fast splittable pseudorandom number generators",
 OOPSLA 2014) of ``key + golden * (counter + 1)``, computed with wrapping int64 tensor arithmetic
@@ -572,9 +581,9 @@ class StreamInit(ResetParameters):
     for an eager model.
 
     Cost: each element is a hash of its index (splitmix64, in int64 tensor arithmetic), about
-    4x torch's generator per element on the CPU (uniform; 5x normal), on 1/W of the elements
-    where ``ResetParameters`` draws whole units; and a little per module (its generator forked
-    and seeded, its operations watched).
+    3x torch's generator per element on the CPU for uniforms and 4-5x for normals, on 1/W of
+    the elements where ``ResetParameters`` draws whole units; and a little per module (its
+    generator forked and seeded, its operations watched).
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
