@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_builder import CPUDevice, FSDPBuilder, FullyShardBuilder
+from fsdp_builder.materializers import streams
 from fsdp_builder.materializers.streams import (
     StreamInit,
     _Streams,
@@ -40,6 +42,25 @@ class TruncNormal(nn.Module):
         nn.init.xavier_normal_(self.c)
 
 
+class TensorMethods(nn.Module):
+    """Initialized the way no shard can be by itself: tensor methods drawing from torch's
+    generator, a row view, ``orthogonal_``, a copy from a tensor drawn in full."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.drawn = nn.Parameter(torch.empty(dim * 2 + 1, dim))
+        self.ortho = nn.Parameter(torch.empty(dim, dim))
+        self.copied = nn.Parameter(torch.empty(dim + 1, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.drawn.data.normal_(0.0, 0.02)
+        self.drawn.data[0].zero_()
+        nn.init.orthogonal_(self.ortho)
+        with torch.no_grad():
+            self.copied.copy_(torch.rand(self.copied.shape))
+
+
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -48,12 +69,18 @@ class Block(nn.Module):
         self.attn = nn.MultiheadAttention(dim * 2, 2, batch_first=True)
         self.conv = nn.Conv1d(dim * 2, dim, 3)
         self.extra = TruncNormal(dim)
+        self.methods = TensorMethods(dim)
+
+
+PADDING = 3
 
 
 class Model(nn.Module):
     def __init__(self, dim: int = 16, layers: int = 2) -> None:
         super().__init__()
-        self.embed = nn.Embedding(37, dim)  # rows that split unevenly across 2 and 4 ranks
+        # Rows that split unevenly across 2, 4 and 8 ranks; the padding row is zeroed through
+        # a row view of the (sharded) weight.
+        self.embed = nn.Embedding(37, dim, padding_idx=PADDING)
         self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
         self.head = nn.Linear(dim, 37)
 
@@ -72,17 +99,25 @@ def _build(backend: str) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def _both_backends() -> dict[str, Any]:
+    # FSDP2 fills its shards a few rows at a time, FSDP1 each tensor at once: the same values.
+    streams.FILL_BLOCK = 40
     fsdp2, held = _build("fsdp2")
+    streams.FILL_BLOCK = 1 << 20
     return {"fsdp2": fsdp2, "fsdp1": _build("fsdp1")[0], "local_numel": held}
+
+
+WORLDS = (1, 2, 4, 8)
 
 
 @pytest.fixture(scope="module")
 def builds() -> dict[int, list[dict[str, Any]]]:
-    # Generous bounds: three spawns of up to four ranks on a machine that may be busy.
-    return {w: run_ranks(_both_backends, w, timeout=500) for w in (1, 2, 4)}
+    # 15 ranks in all: forked from a server that imported torch and this module once, rather
+    # than each importing them. Generous bounds: a machine that may be busy.
+    multiprocessing.set_forkserver_preload([__name__])
+    return {w: run_ranks(_both_backends, w, timeout=500, start_method="forkserver") for w in WORLDS}
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2000)
 def test_full_weights_bit_identical_at_every_world_size(
     builds: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -96,17 +131,17 @@ def test_full_weights_bit_identical_at_every_world_size(
                 assert torch.equal(got[name], value), (world, backend, name)
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2000)
 def test_ranks_hold_only_their_shards(builds: dict[int, list[dict[str, Any]]]) -> None:
     full = builds[1][0]["local_numel"]
-    for world in (2, 4):
+    for world in WORLDS[1:]:
         held = sum(r["local_numel"] for r in builds[world])
         # Every element held once across the ranks, and each rank holds about 1/W of it.
         assert held == full, world
         assert max(r["local_numel"] for r in builds[world]) < full / world * 1.5, world
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2000)
 def test_weights_differ_between_parameters_and_rows(
     builds: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -116,6 +151,17 @@ def test_weights_differ_between_parameters_and_rows(
     # Not one shard repeated: the two halves of a sharded weight differ.
     rows = a.shape[0] // 2
     assert not torch.equal(a[:rows], a[rows : 2 * rows])
+    # What was initialized on whole tensors is what the module's own code gives them.
+    assert not sd["embed.weight"][PADDING].any()
+    assert sd["embed.weight"].std() > 0.5
+    drawn = sd["blocks.0.methods.drawn"]
+    assert not drawn[0].any() and abs(float(drawn[1:].std()) - 0.02) < 0.004
+    assert not torch.equal(drawn, sd["blocks.1.methods.drawn"])
+    ortho = sd["blocks.0.methods.ortho"]
+    assert torch.allclose(ortho @ ortho.T, torch.eye(ortho.shape[0]), atol=1e-5)
+    copied = sd["blocks.0.methods.copied"]
+    assert 0 <= float(copied.min()) and float(copied.max()) < 1
+    assert not torch.equal(copied[:8], copied[8:16])
 
 
 def _named(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from fsdp_builder import (
     FSDPBuilder,
     FullyShardBuilder,
     ShardingBuilder,
+    StreamInit,
     save_hf_checkpoint,
 )
 from fsdp_builder.planning.ignored import clean_name
@@ -121,6 +122,7 @@ BACKENDS: dict[str, Callable[[], ShardingBuilder]] = {
 SEEDS = [0, 1, 2, 3]
 # The statistics need 4 seeds; FSDP1's run checks constants, buffers and world-size invariance.
 DETERMINISTIC_SEEDS = {"fsdp2": [11, 12, 13, 14], "fsdp1": [11]}
+STREAM_SEED = 11
 STEPS = 3
 
 
@@ -183,6 +185,12 @@ def deterministic_case(family: str, backend: str, seed: int) -> dict[str, Any] |
     return {"state": state, "buffers": buffers(sharded)} if dist.get_rank() == 0 else None
 
 
+def stream_case(family: str) -> dict[str, Any] | None:
+    sharded = FullyShardBuilder().materialize(StreamInit(seed=STREAM_SEED)).build(make(family))
+    state = full_state_dict(sharded)
+    return {"state": state, "buffers": buffers(sharded)} if dist.get_rank() == 0 else None
+
+
 def load_case(family: str, backend: str, folder: str) -> dict[str, Any]:
     def load() -> nn.Module:
         return BACKENDS[backend]().materialize(FromCheckpoint(folder)).build(make(family))
@@ -234,6 +242,9 @@ def cases(folders: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]
             for seed in DETERMINISTIC_SEEDS[backend]:
                 key = ("deterministic", family, backend, seed)
                 yield key, partial(deterministic_case, family, backend, seed)
+        if backend == "fsdp2":
+            for family in FAMILIES:
+                yield ("stream", family), partial(stream_case, family)
         for family, folder in folders.items():
             yield ("load", family, backend), partial(load_case, family, backend, folder)
         yield ("empty_weights", backend), partial(empty_weights_case, backend)
@@ -317,6 +328,25 @@ def test_a_build_without_materializer_gives_the_models_own_init(
     assert set(got) == set(want)
     for name, value in want.items():
         assert torch.equal(got[name], value), f"{family}: buffer {name} differs from eager's"
+    states = [r["state"] for r in results]
+    # torch.manual_seed before the build decides the weights, as it does for an eager model.
+    drawn = [n for n, v in states[0].items() if v.is_floating_point() and v.std() > 0]
+    assert drawn and not torch.equal(states[0][drawn[0]], states[1][drawn[0]])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stream_init_gives_the_same_full_weights_at_any_world_size_and_on_both_backends(
+    world1: None, folders: dict[str, str], family: str
+) -> None:
+    got = ranks(folders, ("stream", family))[0]
+    # One rank and FSDP1 (whole units) against two ranks and FSDP2 (local shards only).
+    single = FSDPBuilder().materialize(StreamInit(seed=STREAM_SEED)).build(make(family))
+    want = full_state_dict(single)
+    assert set(want) == set(got["state"])
+    for name, value in want.items():
+        assert torch.equal(got["state"][name], value), f"{family} {name} differs"
+    for name, value in eager(family, 0).named_buffers():
+        assert torch.equal(got["buffers"][name], value), name
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -207,10 +207,16 @@ def _direct(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """The version counter of the storage a write reaches: a DTensor's local shard, which a
+    shard-local initializer writes directly (the wrapper's own counter stays put)."""
+    return int(getattr(tensor, "_local_tensor", tensor)._version)
+
+
 def _unwritten(module: nn.Module, versions: dict[str, int]) -> list[str]:
     # An in-place write bumps a tensor's version counter: "written" is decided without ever
     # reading values, so fresh (uninitialized) storage cannot fool it.
-    return [n for n, t in _direct(module) if t._version == versions.get(n, -1)]
+    return [n for n, t in _direct(module) if _version(t) == versions.get(n, -1)]
 
 
 def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> None:
@@ -220,7 +226,7 @@ def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> N
     for _, t in _direct(module):
         if getattr(t, "_is_hf_initialized", False):
             t._is_hf_initialized = False  # type: ignore[attr-defined]  # re-initialized now
-    versions = {n: t._version for n, t in _direct(module)}
+    versions = {n: _version(t) for n, t in _direct(module)}
     library_init(module)
     left = _unwritten(module, versions)
     if not left:

@@ -10,8 +10,12 @@ on the meta device, then calls the materializer. Two materializers work on such 
   draws the same numbers on every rank instead, and the full weight is one shard repeated.
   Trade-off: values depend on the world size (each shard is drawn independently), which is
   statistically the distribution the initializer asks for but not bit-identical across world
-  sizes; for world-size-invariant weights use ``DeterministicInit``, which materializes each
-  unit in full and lets ``fully_shard`` slice it (one full unit at a time per rank).
+  sizes; for world-size-invariant weights use ``StreamInit`` (``streams.py``: shard-local too,
+  from counter-based streams) or ``DeterministicInit``, which materializes each unit in full and
+  lets ``fully_shard`` slice it (one full unit at a time per rank).
+
+Both shard-first initializers run as one :class:`ShardFirstRun`; what differs between them is
+their :class:`ShardFirstInit` (the scope a unit initializes in, and how one module is).
 - ``collectives.scatter_unit_state`` fills the local shards from full tensors held by one rank,
   which sends each rank only its slices; other ranks never hold a full tensor of a sharded
   parameter. ``FromStateDict`` uses it when the backend shards first.
@@ -19,7 +23,9 @@ on the meta device, then calls the materializer. Two materializers work on such 
 
 from __future__ import annotations
 
-from typing import ClassVar
+import contextlib
+from contextlib import AbstractContextManager
+from typing import ClassVar, Protocol
 
 import attrs
 import torch
@@ -52,6 +58,7 @@ from fsdp_builder.runtime.collectives import collective_device
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import (
     allocate_empty,
+    direct_states,
     has_meta_states,
     needs_materialization,
     unit_modules,
@@ -116,14 +123,59 @@ def agree_on_seed(env: Environment, seed: int | None) -> int:
     return int(value.item())
 
 
+class ShardFirstInit(Protocol):
+    """What a shard-first materializer adds to :class:`ShardFirstRun`: the scope a unit's
+    initializers run in (StreamInit's counter-based ``torch.nn.init``), and how one module's
+    initializer is run (under which seed)."""
+
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
+        """Entered around the initializers of one unit's ``modules`` (storage already given)."""
+        ...
+
+    def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        """Give ``module`` (on meta before this unit, now with local storage) its values."""
+        ...
+
+
+def run_seeded(
+    module: nn.Module, fqn: str, lineage: Lineage, seed: int, device: torch.device
+) -> None:
+    """The module's initializer under a generator seeded with ``seed`` (restored after)."""
+    with torch.random.fork_rng(devices=_fork_devices(device)):
+        seed_generators(seed, device)
+        run_initializer(module, fqn, lineage)
+
+
 @define
-class _ShardFirstRun:
-    """One build of ``ShardFirstReset``: the agreed base seed and this rank's shard index."""
+class _PerShardSeed:
+    """``ShardFirstReset``'s initialization: each module under a seed from the base seed, the
+    shard index and its name."""
+
+    base_seed: int
+    index: int
+    device: torch.device
+
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        run_seeded(module, fqn, lineage, shard_seed(self.base_seed, self.index, fqn), self.device)
+
+
+@define
+class ShardFirstRun:
+    """One build of a shard-first materializer: per unit, local storage for the unit's own
+    modules, then, children first, ``init.init_module`` for each module that was on meta and
+    has an initializer (inside ``init.scope``), then the computed non-persistent buffers. The
+    unit may be sharded (FSDP2: DTensors whose local shards are the only storage) or whole
+    (FSDP1, which cannot shard on meta)."""
 
     env: Environment
-    base_seed: int
     computed: Computed
     rules: dict[int, Lineage]
+    init: ShardFirstInit
+    who: str
+    fix: str
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
@@ -133,26 +185,22 @@ class _ShardFirstRun:
         # Only modules that were on meta are initialized; real ones keep their values.
         pending = {id(m) for m in modules if has_meta_states(m)}
         allocate_empty(modules, env.device)
-        index = shard_index(env)
         rules = self.rules
 
         def init(module: nn.Module, fqn: str) -> None:
             lineage = rules.get(id(module), NO_LINEAGE)
-            if id(module) not in pending or initializer_of(module, lineage) is None:
-                return  # real, or buffers only: to_empty gave it storage
-            with torch.random.fork_rng(devices=_fork_devices(env.device)):
-                seed_generators(shard_seed(self.base_seed, index, fqn), env.device)
-                run_initializer(module, fqn, lineage)
+            if initializer_of(module, lineage) is None:
+                return  # buffers only: to_empty gave it storage
+            # A library's model-level initializer may set a child's states from a stateless
+            # parent (GPT-2 scales c_proj from its attention block, T5 its q/k/v/o).
+            library = lineage.library_init is not None and not direct_states(module)
+            if id(module) in pending or (
+                library and any(id(m) in pending for m in module.modules())
+            ):
+                self.init.init_module(module, fqn, lineage)
 
-        initialize_children_first(
-            unit.module,
-            unit.fqn,
-            modules,
-            init,
-            "ShardFirstReset",
-            "Its initializer may need the whole tensor; use DeterministicInit(seed) for this "
-            "model.",
-        )
+        with self.init.scope(unit, modules):
+            initialize_children_first(unit.module, unit.fqn, modules, init, self.who, self.fix)
         fill_buffers(modules, self.computed, env.device)
         return _owned_bytes(modules)
 
@@ -200,7 +248,15 @@ class ShardFirstReset(ResetParameters):
         """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module
         computed = buffers_to_compute(model, env.ignored)
-        return _ShardFirstRun(env, agree_on_seed(env, self.seed), computed, lineages(model))
+        return ShardFirstRun(
+            env,
+            computed,
+            lineages(model),
+            _PerShardSeed(agree_on_seed(env, self.seed), shard_index(env), env.device),
+            "ShardFirstReset",
+            "Its initializer may need the whole tensor; use DeterministicInit(seed) for this "
+            "model.",
+        )
 
 
 @define
@@ -310,4 +366,13 @@ class InitWeights(BaseMaterializer):
         return _InitWeightsRun(env, agree_on_seed(env, self.seed), self.method)
 
 
-__all__ = ["InitWeights", "ShardFirstReset", "local_bytes", "shard_index", "shard_seed"]
+__all__ = [
+    "InitWeights",
+    "ShardFirstInit",
+    "ShardFirstReset",
+    "ShardFirstRun",
+    "local_bytes",
+    "run_seeded",
+    "shard_index",
+    "shard_seed",
+]

@@ -6,12 +6,21 @@ rest: each rank fills only the rows it holds and still gets exactly the values t
 would have, at any world size and on either backend (FSDP1 materializes whole units, whose
 indices are then simply all of them).
 
-``StreamInit`` runs each module's own ``reset_parameters`` (as ``ResetParameters`` does) with the
-``torch.nn.init`` functions PyTorch modules and transformers use answered from these streams:
-``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``ones_``, ``zeros_`` and the
-Kaiming and Xavier variants. Their bounds and standard deviations come from the full shape (a
-DTensor's ``shape`` is global), as eager init computes them. The values are the same
-distributions as eager ``reset_parameters``, not the same numbers: the stream is not torch's RNG.
+``StreamInit`` runs each module's initializer by its model's convention (as ``ResetParameters``
+does) with the ``torch.nn.init`` functions PyTorch modules and transformers use answered from
+these streams: ``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``ones_``, ``zeros_``
+and the Kaiming and Xavier variants, wherever they are bound (``torch.nn.init``, torch's module
+files, transformers' table of the functions it captured at import: ``CAPTURED_TABLES``). Their
+bounds and standard deviations come from the full shape (a DTensor's ``shape`` is global), as
+eager init computes them. The values are the same distributions as eager init, not the same
+numbers: the stream is not torch's RNG.
+
+While a module initializes on shards, ``_ShardWatch`` stops the first operation on a DTensor
+that is not element-wise with plain numbers (``ELEMENTWISE_ON_SHARDS``): a tensor method's
+random draw, a row view (``weight[padding_idx].zero_()``), ``orthogonal_``, a copy. The module
+is then initialized again, with the modules of its unit below it, on whole tensors under the
+same seeds and stream draws, and each rank keeps its slice; so no value depends on the world
+size, whatever the initializer does.
 
 The bits are splitmix64 (Steele et al., "Fast splittable pseudorandom number generators",
 OOPSLA 2014) of ``key + golden * (counter + 1)``, computed with wrapping int64 tensor arithmetic
@@ -33,33 +42,29 @@ from attrs import define, frozen
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 from typing_extensions import override
 
 from fsdp_builder.common.hashing import digest63
-from fsdp_builder.materializers.buffers import Computed, fill_buffers
-from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, lineages
+from fsdp_builder.errors import MaterializationError
+from fsdp_builder.materializers.conventions import Lineage, lineages
 from fsdp_builder.materializers.initializers import (
     MaterializerRun,
     ResetParameters,
     buffers_to_compute,
     check_seed,
-    initialize_children_first,
-    initializer_of,
-    run_initializer,
-    seed_generators,
+    derived_seed,
 )
-from fsdp_builder.materializers.sharded import shard_index, shard_seed
-from fsdp_builder.planning.ignored import clean_name
-from fsdp_builder.planning.plan import Unit
+from fsdp_builder.materializers.sharded import ShardFirstRun, agree_on_seed, run_seeded
+from fsdp_builder.planning.ignored import IgnoredStates, clean_name
+from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import (
-    allocate_empty,
-    has_meta_states,
-    module_names,
-    needs_materialization,
-    qualified,
-    unit_modules,
-)
+from fsdp_builder.runtime.tree import module_names, qualified
 
 log = structlog.get_logger(__name__)
 
@@ -80,29 +85,39 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def _xor_shr_(z: torch.Tensor, bits: int, scratch: torch.Tensor) -> torch.Tensor:
+    """``z ^= z >>> bits`` in place (``scratch``: a tensor like ``z`` to shift into)."""
+    torch.bitwise_right_shift(z, bits, out=scratch)
+    return z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - bits)) - 1))
+
+
 def random_bits(key: int, counters: torch.Tensor) -> torch.Tensor:
-    """64 random bits (as int64) per counter: splitmix64 of ``key + golden * (counter + 1)``."""
-    z = (counters + 1) * _GOLDEN + _signed(key & ((1 << 64) - 1))
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
+    """64 random bits (as int64) per counter: splitmix64 of ``key + golden * (counter + 1)``.
+    In place on one new tensor and one scratch tensor: the arithmetic is memory-bound."""
+    z = counters.add(1).mul_(_GOLDEN).add_(_signed(key & ((1 << 64) - 1)))
+    scratch = torch.empty_like(z)
+    _xor_shr_(z, 30, scratch).mul_(_MUL1)
+    _xor_shr_(z, 27, scratch).mul_(_MUL2)
+    return _xor_shr_(z, 31, scratch)
 
 
 def uniform01(key: int, counters: torch.Tensor) -> torch.Tensor:
     """Float64 uniforms in [0, 1), 53 bits each."""
-    return _shr(random_bits(key, counters), 11).to(torch.float64) / _TWO_POW_53
+    bits = random_bits(key, counters).bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+    return bits.to(torch.float64).mul_(1.0 / _TWO_POW_53)  # a power of two: exact
 
 
 def standard_normal(key: int, index: torch.Tensor) -> torch.Tensor:
     """Float64 standard normals (Box-Muller; element ``i`` uses counters ``2i`` and ``2i+1``)."""
-    u1 = 1.0 - uniform01(key, 2 * index)  # (0, 1]: the log stays finite
-    u2 = uniform01(key, 2 * index + 1)
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+    u1 = uniform01(key, 2 * index).neg_().add_(1.0)  # (0, 1]: the log stays finite
+    u2 = uniform01(key, (2 * index).add_(1))
+    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2.0 * math.pi).cos_())
 
 
-def global_indices(tensor: torch.Tensor) -> torch.Tensor:
+def global_indices(tensor: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
     """Row-major index in the full tensor of each element this rank holds, shaped like the local
-    tensor (a DTensor's local shard; all of a plain tensor)."""
+    tensor (a DTensor's local shard; all of a plain tensor); ``rows``: only those rows (first
+    dimension) of the local tensor."""
     shape = tuple(tensor.shape)
     if isinstance(tensor, DTensor):
         local_shape, offsets = compute_local_shape_and_global_offset(
@@ -112,6 +127,10 @@ def global_indices(tensor: torch.Tensor) -> torch.Tensor:
     else:
         local_shape, offsets = shape, (0,) * len(shape)
         device = tensor.device
+    if rows is not None and shape:
+        start, stop, _ = rows.indices(local_shape[0])
+        local_shape = (stop - start, *local_shape[1:])
+        offsets = (offsets[0] + start, *offsets[1:])
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for dim in reversed(range(len(shape))):
@@ -121,6 +140,11 @@ def global_indices(tensor: torch.Tensor) -> torch.Tensor:
         index = index + (steps * stride).view(view)
         stride *= shape[dim]
     return index.expand(tuple(local_shape)) if shape else index
+
+
+# Elements drawn at once: the arithmetic keeps a few int64/float64 temporaries per element, so
+# a large shard is filled in blocks of rows, keeping them to tens of MB.
+FILL_BLOCK = 1 << 20
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -147,17 +171,52 @@ class _Streams:
     def fill(self, tensor: torch.Tensor, values: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Write ``values(global indices)`` (float64) into this rank's part of ``tensor``."""
         local = _local(tensor)
-        if local.numel():
-            with torch.no_grad():
-                local.copy_(values(global_indices(tensor)).to(local.dtype))
+        if not local.numel():
+            return
+        with torch.no_grad(), _unwatched():
+            rows = local.shape[0] if local.dim() else 1
+            step = max(1, FILL_BLOCK // max(1, local.numel() // rows))
+            if step >= rows:
+                local.copy_(values(global_indices(tensor)))
+                return
+            for start in range(0, rows, step):
+                block = slice(start, min(start + step, rows))
+                local[block].copy_(values(global_indices(tensor, block)))
 
 
-_Init = Callable[..., torch.Tensor]
+@contextlib.contextmanager
+def _unwatched() -> Iterator[None]:
+    """The streams' own work on local shards, outside ``_ShardWatch`` (it has nothing to see
+    there, and each operation it looks at costs a Python call)."""
+    if isinstance(_get_current_dispatch_mode(), _ShardWatch):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
+_Init = Callable[..., Any]
+
+
+def fan_in_and_fan_out(tensor: torch.Tensor) -> tuple[int, int]:
+    """``torch.nn.init._calculate_fan_in_and_fan_out`` from the shape alone: torch's reads
+    ``tensor[0][0]``, which on a sharded DTensor is a collective and an op on the shard."""
+    shape = tuple(tensor.shape)
+    if len(shape) < 2:
+        raise ValueError(
+            "Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"
+        )
+    receptive = math.prod(shape[2:])
+    return shape[1] * receptive, shape[0] * receptive
 
 
 def _kaiming_std(tensor: torch.Tensor, a: float, mode: str, nonlinearity: str) -> float:
     """The standard deviation Kaiming init asks for, from the full shape (as torch computes it)."""
-    fan = nn.init._calculate_correct_fan(tensor, mode)  # type: ignore[arg-type]
+    mode = mode.lower()
+    if mode not in ("fan_in", "fan_out"):
+        raise ValueError(f"Mode {mode} not supported, please use one of fan_in, fan_out")
+    fan_in, fan_out = fan_in_and_fan_out(tensor)
+    fan = fan_in if mode == "fan_in" else fan_out
     return nn.init.calculate_gain(nonlinearity, a) / math.sqrt(fan)  # type: ignore[arg-type]
 
 
@@ -173,7 +232,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         key = streams.key(tensor)
         if key is None:
             return original["uniform_"](tensor, a, b, generator=generator)
-        streams.fill(tensor, lambda i: a + (b - a) * uniform01(key, i))
+        streams.fill(tensor, lambda i: uniform01(key, i).mul_(b - a).add_(a))
         return tensor
 
     def normal_(
@@ -182,7 +241,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         key = streams.key(tensor)
         if key is None:
             return original["normal_"](tensor, mean, std, generator=generator)
-        streams.fill(tensor, lambda i: mean + std * standard_normal(key, i))
+        streams.fill(tensor, lambda i: standard_normal(key, i).mul_(std).add_(mean))
         return tensor
 
     def trunc_normal_(
@@ -213,7 +272,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
     def constant_(tensor: torch.Tensor, val: float) -> torch.Tensor:
         if streams.names.get(id(tensor)) is None:
             return original["constant_"](tensor, val)
-        with torch.no_grad():
+        with torch.no_grad(), _unwatched():
             _local(tensor).fill_(val)
         return tensor
 
@@ -251,7 +310,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
     ) -> torch.Tensor:
         if streams.names.get(id(tensor)) is None:
             return original["xavier_uniform_"](tensor, gain, generator)
-        fan_in, fan_out = init._calculate_fan_in_and_fan_out(tensor)
+        fan_in, fan_out = fan_in_and_fan_out(tensor)
         bound = math.sqrt(3.0) * gain * math.sqrt(2.0 / float(fan_in + fan_out))
         return uniform_(tensor, -bound, bound)
 
@@ -260,7 +319,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
     ) -> torch.Tensor:
         if streams.names.get(id(tensor)) is None:
             return original["xavier_normal_"](tensor, gain, generator)
-        fan_in, fan_out = init._calculate_fan_in_and_fan_out(tensor)
+        fan_in, fan_out = fan_in_and_fan_out(tensor)
         return normal_(tensor, 0.0, gain * math.sqrt(2.0 / float(fan_in + fan_out)))
 
     replacements: dict[str, _Init] = {
@@ -274,6 +333,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         "kaiming_normal_": kaiming_normal_,
         "xavier_uniform_": xavier_uniform_,
         "xavier_normal_": xavier_normal_,
+        "_calculate_fan_in_and_fan_out": fan_in_and_fan_out,
     }
     original.update({name: getattr(init, name) for name in replacements})
     return replacements
@@ -282,10 +342,18 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
 STREAMED_INITIALIZERS: tuple[str, ...] = tuple(_streamed(_Streams(0)))
 
 
-def _bindings() -> list[tuple[Any, str, Any]]:
-    """Where the initializers are bound: ``torch.nn.init`` itself, and torch's module files that
-    import them by name (``nn.MultiheadAttention`` calls its own ``xavier_uniform_``)."""
-    found: list[tuple[Any, str, Any]] = []
+# Where a library keeps torch's initializers it captured at import, by module name: the table
+# transformers' own ``init.normal_`` & co. call (``transformers.initialization``).
+CAPTURED_TABLES: dict[str, str] = {"transformers.initialization": "TORCH_INIT_FUNCTIONS"}
+
+_Binding = tuple[Any, str, Any]  # (a module or a dict, the name in it, torch's function)
+
+
+def _bindings() -> list[_Binding]:
+    """Where the initializers are bound: ``torch.nn.init`` itself, torch's module files that
+    import them by name (``nn.MultiheadAttention`` calls its own ``xavier_uniform_``), and the
+    tables of ``CAPTURED_TABLES`` that libraries loaded so far hold."""
+    found: list[_Binding] = []
     for module_name, module in list(sys.modules.items()):
         if module is None or not (
             module_name == "torch.nn.init" or module_name.startswith("torch.nn.modules.")
@@ -295,101 +363,232 @@ def _bindings() -> list[tuple[Any, str, Any]]:
             fn = getattr(module, name, None)
             if fn is not None and fn is getattr(nn.init, name):
                 found.append((module, name, fn))
+    for module_name, table_name in CAPTURED_TABLES.items():
+        table = getattr(sys.modules.get(module_name), table_name, None)
+        if isinstance(table, dict):
+            for name in STREAMED_INITIALIZERS:
+                fn = table.get(name)
+                if fn is not None and fn is getattr(nn.init, name):
+                    found.append((table, name, fn))
     return found
 
 
+def _bind(target: Any, name: str, fn: Any) -> None:
+    if isinstance(target, dict):
+        target[name] = fn
+    else:
+        setattr(target, name, fn)
+
+
 @contextlib.contextmanager
-def streamed_init(
-    streams: _Streams, bindings: list[tuple[Any, str, Any]] | None = None
-) -> Iterator[None]:
+def streamed_init(streams: _Streams, bindings: list[_Binding] | None = None) -> Iterator[None]:
     """``torch.nn.init``'s initializers answered from ``streams`` inside the block, wherever
     torch binds them; the originals are back when the block ends, however it ends. Not
     thread-safe: another thread initializing meanwhile would draw from the streams too.
     ``bindings``: a build's ``_bindings()``, found once instead of on every unit."""
     replacements = _streamed(streams)
     bindings = _bindings() if bindings is None else bindings
-    for module, name, _ in bindings:
-        setattr(module, name, replacements[name])
+    for target, name, _ in bindings:
+        _bind(target, name, replacements[name])
     try:
         yield
     finally:
-        for module, name, fn in bindings:
-            setattr(module, name, fn)
+        for target, name, fn in bindings:
+            _bind(target, name, fn)
+
+
+# Operations on a sharded parameter that touch each element alone, with plain numbers: the
+# same on a shard as on the full tensor. Any other operation on a DTensor (a random draw, a row
+# or column view, a copy from another tensor, a reduction) could give values that depend on the
+# world size, or run a collective: the module is then initialized on whole tensors instead.
+_aten = torch.ops.aten
+ELEMENTWISE_ON_SHARDS = frozenset(
+    {
+        _aten.fill_.Scalar,
+        _aten.zero_.default,
+        _aten.mul_.Scalar,
+        _aten.div_.Scalar,
+        _aten.add_.Scalar,
+        _aten.sub_.Scalar,
+        _aten.clamp_.default,
+        _aten.clamp_min_.default,
+        _aten.clamp_max_.default,
+        _aten.neg_.default,
+        _aten.detach.default,
+        _aten.alias.default,
+    }
+)
+
+
+class _ShardOp(Exception):
+    """An initializer asked for an operation on a sharded parameter that is not element-wise."""
+
+
+class _ShardWatch(TorchDispatchMode):
+    """Stops, before it runs, the first operation on a DTensor outside ``ELEMENTWISE_ON_SHARDS``
+    (the streams write local shards, never DTensors, so their own work is never stopped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped: str | None = None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func not in ELEMENTWISE_ON_SHARDS and any(
+            isinstance(t, DTensor) for t in pytree.tree_leaves((args, kwargs))
+        ):
+            self.stopped = self.stopped or str(func)
+            raise _ShardOp(str(func))
+        return func(*args, **kwargs)
 
 
 @define
-class _StreamRun:
-    """One build of ``StreamInit``."""
+class _Done:
+    """A module initialized in the current unit, and the streams' draw counts before it."""
 
-    env: Environment
+    module: nn.Module
+    fqn: str
+    lineage: Lineage
+    draws: dict[str, int]
+
+
+@define
+class _StreamedInit:
+    """``StreamInit``'s part of the shard-first run: a unit's parameters named for their
+    streams and ``torch.nn.init`` answered from them while the unit initializes; each module's
+    other draws from torch's generator seeded from ``(seed, module name)``. A module whose
+    initializer needs more than element-wise work on a shard is initialized again, with the
+    modules below it, on whole tensors, of which each rank keeps its slice."""
+
     seed: int
-    computed: Computed
-    rules: dict[int, Lineage]
-    bindings: list[tuple[Any, str, Any]] = attrs.field(factory=_bindings)
+    env: Environment
+    bindings: list[_Binding] = attrs.field(factory=_bindings)
+    streams: _Streams = attrs.field(init=False, factory=lambda: _Streams(0))
+    done: list[_Done] = attrs.field(init=False, factory=list)
 
-    def materialize(self, unit: Unit) -> int:
-        env = self.env
-        modules = unit_modules(unit.module, env.ignored.modules)
-        if not needs_materialization(modules, env.ignored):
-            return 0
-        pending = {id(m) for m in modules if has_meta_states(m)}
-        allocated = allocate_empty(modules, env.device)
-        streams = _Streams(self.seed)
+    @contextlib.contextmanager
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> Iterator[None]:
+        self.streams = streams = _Streams(self.seed)
+        self.done = []
         names = module_names(unit.module)
+        ignored = self.env.ignored.params
         for module in modules:
             base = qualified(unit.fqn, names.get(id(module), ""))
             for local_name, param in module._parameters.items():
-                if param is not None and param not in env.ignored.params:
+                if param is not None and param not in ignored:
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
-        rules = self.rules
-        seed = self.seed
-        index = shard_index(env)
+        try:
+            with streamed_init(streams, self.bindings):
+                yield
+        finally:
+            self.done = []
 
-        def init(module: nn.Module, fqn: str) -> None:
-            lineage = rules.get(id(module), NO_LINEAGE)
-            if id(module) not in pending or initializer_of(module, lineage) is None:
-                return
-            # Draws outside torch.nn.init (a module's own tensor.normal_()) fall back to a
-            # generator seeded per shard and module, as ShardFirstReset draws: reproducible for
-            # one world size, and shards differ.
-            with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
-                seed_generators(shard_seed(seed, index, fqn), env.device)
-                run_initializer(module, fqn, lineage)
+    def _seeded(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        run_seeded(module, fqn, lineage, derived_seed(self.seed, fqn), self.env.device)
 
-        with streamed_init(streams, self.bindings):
-            initialize_children_first(
-                unit.module,
-                unit.fqn,
-                modules,
-                init,
-                "StreamInit",
-                "Its initializer may need the whole tensor (orthogonal_, eye_); use "
-                "DeterministicInit(seed) for this model.",
-            )
-        fill_buffers(modules, self.computed, env.device)
-        return allocated
+    def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
+        entry = _Done(module, fqn, lineage, dict(self.streams.draws))
+        self.done.append(entry)
+        watch = _ShardWatch()
+        try:
+            with watch:
+                self._seeded(module, fqn, lineage)
+        except _ShardOp:
+            pass
+        if watch.stopped is not None:
+            self._on_whole_tensors(entry, watch.stopped)
 
-    def close(self) -> None:
-        self.computed = {}
+    def _on_whole_tensors(self, entry: _Done, why: str) -> None:
+        """Initialize ``entry.module`` and the modules of this unit below it again, children
+        first and under the same seeds and stream draws, on whole tensors; keep the slices
+        this rank holds. World-size invariant, for one module's whole tensors in memory."""
+        below = {id(m) for m in entry.module.modules()}
+        again = [d for d in self.done if id(d.module) in below]
+        streams = self.streams
+        whole: dict[int, torch.Tensor] = {}
+        swapped: list[tuple[nn.Module, str, Any, torch.Tensor]] = []
+        for d in again:
+            for name, param in list(d.module._parameters.items()):
+                if not isinstance(param, DTensor):
+                    continue
+                full = whole.get(id(param))
+                if full is None:
+                    local = param.to_local()
+                    full = nn.Parameter(
+                        torch.empty(param.shape, dtype=local.dtype, device=local.device),
+                        requires_grad=param.requires_grad,
+                    )
+                    whole[id(param)] = full
+                    key = streams.names.get(id(param))
+                    if key is not None:
+                        streams.names[id(full)] = key
+                        streams.draws[key] = again[0].draws.get(key, 0)
+                d.module._parameters[name] = full
+                swapped.append((d.module, name, param, full))
+        log.debug("stream_init_whole_tensors", module=entry.fqn, operation=why)
+        try:
+            watch = _ShardWatch()
+            try:
+                with watch:
+                    for d in again:
+                        self._seeded(d.module, d.fqn, d.lineage)
+            except _ShardOp:
+                pass
+            if watch.stopped is not None:
+                raise MaterializationError(
+                    f"`StreamInit` initialized '{entry.fqn or '<root>'}' on whole tensors "
+                    f"(its initializer runs {why} on a shard), but it still runs "
+                    f"{watch.stopped} on a sharded parameter it does not own. Use "
+                    "DeterministicInit(seed) for this model."
+                )
+        finally:
+            for module, name, param, _ in swapped:
+                module._parameters[name] = param
+        for _, _, param, full in swapped:
+            _local(param).copy_(full[_local_slices(param)])
+
+
+def _local_slices(tensor: DTensor) -> tuple[slice, ...]:
+    """The slices of the full tensor that this rank's shard of ``tensor`` holds."""
+    shape, offsets = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
 
 
 @frozen
 class StreamInit(ResetParameters):
-    """Each module's ``reset_parameters()``, with ``torch.nn.init``'s element-wise initializers
-    drawn from counter-based streams keyed by ``(seed, parameter name, element index)``: with
-    ``FullyShardBuilder`` every rank allocates and fills only its shards (shard-first), and the
-    full weights are bit-identical at any world size, and between both backends.
+    """Each module's initializer by its model's convention (``reset_parameters()``, a
+    transformers model's ``_init_weights``, a registered one), with ``torch.nn.init``'s
+    element-wise initializers drawn from counter-based streams keyed by ``(seed, parameter
+    name, element index)``: with ``FullyShardBuilder`` every rank allocates and fills only its
+    shards (shard-first), and the full weights are bit-identical at any world size, and between
+    both backends.
 
-    The distributions are those of eager ``reset_parameters`` (same bounds and standard
-    deviations, from the full shapes); the numbers are not torch's RNG's. Initializers that need
-    the whole tensor (``orthogonal_``, ``eye_``) do not work on a shard, and a module that draws
-    with tensor methods instead of ``torch.nn.init`` gets values that depend on the world size:
-    use ``DeterministicInit`` for those.
+    The distributions are those of eager init (same bounds and standard deviations, from the
+    full shapes); the numbers are not torch's RNG's. What an initializer draws from torch's
+    generator itself comes from a generator seeded from ``(seed, module name)``. A module whose
+    initializer does more to a sharded parameter than element-wise work with plain numbers (a
+    tensor method's random draw, ``weight[padding_idx].zero_()``, ``orthogonal_``, ``eye_``,
+    a copy from another tensor) is initialized again, with the modules of its unit below it, on
+    whole tensors under the same seeds, and each rank keeps its slice: still world-size
+    invariant, for that module's whole tensors in memory while it initializes.
+
+    ``seed=None`` (the default) takes ``torch.initial_seed()`` of the first rank (shared in
+    ``prepare``): ``torch.manual_seed(s)`` before the build changes the weights, as it does
+    for an eager model.
+
+    Cost: each element is a hash of its index (splitmix64, in int64 tensor arithmetic), about
+    3x torch's generator per element on the CPU for uniforms and 4-5x for normals, on 1/W of
+    the elements where ``ResetParameters`` draws whole units; and a little per module (its
+    generator forked and seeded, its operations watched).
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
         MaterializationError: in the configure stage, naming modules on meta without an
-            initializer; during the build, an initializer that fails on a shard.
+            initializer; during the build, an initializer that fails on whole tensors too.
 
     Example:
         ```python
@@ -397,15 +596,40 @@ class StreamInit(ResetParameters):
         ```
     """
 
-    seed: int = attrs.field(default=0, validator=check_seed)
-    communicates: ClassVar[bool] = False
+    seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
+    communicates: ClassVar[bool] = False  # only prepare() communicates
     shard_first: ClassVar[bool] = True
 
     @override
+    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
+        try:
+            super().check(plan, ignored)
+        except MaterializationError as exc:
+            raise MaterializationError(
+                str(exc).replace("`ResetParameters`", "`StreamInit`")
+            ) from exc
+
+    @override
     def prepare(self, env: Environment) -> MaterializerRun:
+        """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module
         computed = buffers_to_compute(model, env.ignored)
-        return _StreamRun(env, self.seed, computed, lineages(model))
+        return ShardFirstRun(
+            env,
+            computed,
+            lineages(model),
+            _StreamedInit(agree_on_seed(env, self.seed), env),
+            "StreamInit",
+            "Fix its initializer, or use DeterministicInit(seed) for this model.",
+        )
 
 
-__all__ = ["STREAMED_INITIALIZERS", "StreamInit", "global_indices", "streamed_init"]
+__all__ = [
+    "CAPTURED_TABLES",
+    "ELEMENTWISE_ON_SHARDS",
+    "STREAMED_INITIALIZERS",
+    "StreamInit",
+    "fan_in_and_fan_out",
+    "global_indices",
+    "streamed_init",
+]
