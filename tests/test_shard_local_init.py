@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -15,13 +16,12 @@ from fsdp_builder import CPUDevice, FSDPBuilder, FullyShardBuilder
 from fsdp_builder.materializers import streams
 from fsdp_builder.materializers.streams import (
     StreamInit,
+    _draw_flat,
     _Streams,
     global_indices,
     streamed_init,
-    uniform01,
 )
 from fsdp_builder.tools.demo import full_state_dict
-from fsdp_builder.tools.launch import run_ranks
 
 SEED = 11
 
@@ -99,22 +99,29 @@ def _build(backend: str) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def _both_backends() -> dict[str, Any]:
-    # FSDP2 fills its shards a few rows at a time, FSDP1 each tensor at once: the same values.
-    streams.FILL_BLOCK = 40
+    # Blocks far smaller than the parameters: shard edges cut blocks at every world size, and
+    # FSDP2 (shards) and FSDP1 (whole units) draw them differently, for the same values.
+    streams.BLOCK = 40
     fsdp2, held = _build("fsdp2")
-    streams.FILL_BLOCK = 1 << 20
     return {"fsdp2": fsdp2, "fsdp1": _build("fsdp1")[0], "local_numel": held}
 
 
 WORLDS = (1, 2, 4, 8)
 
 
+def _scenarios() -> Results:
+    return run_each([("builds", _both_backends)])
+
+
+# 15 ranks in all: forked from a server that imported torch and this module once, rather than
+# each importing them. Generous bounds: a machine that may be busy.
+SPAWNS = Spawns(_scenarios, timeout=500, start_method="forkserver")
+
+
 @pytest.fixture(scope="module")
 def builds() -> dict[int, list[dict[str, Any]]]:
-    # 15 ranks in all: forked from a server that imported torch and this module once, rather
-    # than each importing them. Generous bounds: a machine that may be busy.
     multiprocessing.set_forkserver_preload([__name__])
-    return {w: run_ranks(_both_backends, w, timeout=500, start_method="forkserver") for w in WORLDS}
+    return {w: values(SPAWNS(w), "builds") for w in WORLDS}
 
 
 @pytest.mark.timeout(2000)
@@ -214,13 +221,26 @@ def test_global_indices_of_a_plain_tensor_are_row_major() -> None:
     assert torch.equal(global_indices(t), torch.arange(60).view(3, 4, 5))
 
 
-def test_uniform_stream_is_a_function_of_the_counter() -> None:
-    counters = torch.arange(10_000)
-    u = uniform01(5, counters)
-    assert torch.equal(u[7000:], uniform01(5, counters[7000:]))
-    assert not torch.equal(u, uniform01(6, counters))
-    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
-    assert abs(float(u.mean()) - 0.5) < 0.01
+@pytest.mark.parametrize("block", [7, 64, 1 << 16])
+def test_any_run_of_elements_draws_what_the_whole_tensor_draws(
+    monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    monkeypatch.setattr(streams, "BLOCK", block)
+
+    def draw(out: torch.Tensor, g: torch.Generator) -> None:
+        out.uniform_(-1.0, 1.0, generator=g)
+
+    whole = torch.empty(1000)
+    _draw_flat(5, whole, 0, 1000, draw)
+    for start, stop in [(0, 1000), (3, 500), (500, 1000), (63, 64), (999, 1000)]:
+        part = torch.empty(stop - start)
+        _draw_flat(5, part, start, 1000, draw)
+        assert torch.equal(part, whole[start:stop]), (start, stop)
+    other = torch.empty(1000)
+    _draw_flat(6, other, 0, 1000, draw)
+    assert not torch.equal(other, whole)
+    assert -1.0 <= float(whole.min()) and float(whole.max()) < 1.0
+    assert abs(float(whole.mean())) < 0.1
 
 
 def test_other_tensors_use_torch_own_initializers() -> None:

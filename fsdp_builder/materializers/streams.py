@@ -1,10 +1,12 @@
-"""Shard-local initialization with world-size-invariant values: counter-based random streams.
+"""Shard-local initialization with world-size-invariant values: block-seeded random streams.
 
-Element ``i`` (row-major index in the full tensor) of parameter ``name`` gets its random bits
-from a hash of ``(seed, name, i)`` alone, so any slice of a tensor can be generated without the
-rest: each rank fills only the rows it holds and still gets exactly the values the full tensor
-would have, at any world size and on either backend (FSDP1 materializes whole units, whose
-indices are then simply all of them).
+The elements of parameter ``name`` (in row-major order of the full tensor) are cut into blocks
+of ``BLOCK``; block ``k`` is drawn by torch's own sampler from a generator seeded with a hash of
+``(seed, name, k)`` alone. So any slice of a tensor can be generated without the rest: each rank
+draws only the blocks its rows touch (the two cut at its edges in full, into scratch) and still
+gets exactly the values the full tensor would have, at any world size and on either backend
+(FSDP1 materializes whole units, which are simply all of their blocks). The cost is torch's
+sampler on 1/W of the elements plus one generator seeding per block.
 
 ``StreamInit`` runs each module's initializer by its model's convention (as ``ResetParameters``
 does) with the ``torch.nn.init`` functions PyTorch modules and transformers use answered from
@@ -13,7 +15,7 @@ and the Kaiming and Xavier variants, wherever they are bound (``torch.nn.init``,
 files, transformers' table of the functions it captured at import: ``CAPTURED_TABLES``). Their
 bounds and standard deviations come from the full shape (a DTensor's ``shape`` is global), as
 eager init computes them. The values are the same distributions as eager init, not the same
-numbers: the stream is not torch's RNG.
+numbers: the generators are seeded per block, not once per build.
 
 While a module initializes on shards, ``_ShardWatch`` stops the first operation on a DTensor
 that is not element-wise with plain numbers (``ELEMENTWISE_ON_SHARDS``): a tensor method's
@@ -21,10 +23,6 @@ random draw, a row view (``weight[padding_idx].zero_()``), ``orthogonal_``, a co
 is then initialized again, with the modules of its unit below it, on whole tensors under the
 same seeds and stream draws, and each rank keeps its slice; so no value depends on the world
 size, whatever the initializer does.
-
-The bits are splitmix64 (Steele et al., "Fast splittable pseudorandom number generators",
-OOPSLA 2014) of ``key + golden * (counter + 1)``, computed with wrapping int64 tensor arithmetic
-on the parameter's device; uniforms keep 53 bits, normals come from Box-Muller over two counters.
 """
 
 from __future__ import annotations
@@ -69,49 +67,33 @@ from fsdp_builder.runtime.tree import module_names, qualified
 log = structlog.get_logger(__name__)
 
 
-def _signed(value: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
-    return value - (1 << 64) if value >= 1 << 63 else value
+# Elements per generator: element ``i`` of a parameter is drawn by generator ``i // BLOCK`` of
+# that parameter's stream, seeded from (stream key, block) alone. Changing it changes the values.
+BLOCK = 1 << 16
 
 
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
-_MUL1 = _signed(0xBF58476D1CE4E5B9)
-_MUL2 = _signed(0x94D049BB133111EB)
-_TWO_POW_53 = float(1 << 53)
+def _block_seed(key: int, block: int) -> int:
+    return digest63(f"{key}/{block}")
 
 
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (``>>`` on int64 is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _xor_shr_(z: torch.Tensor, bits: int, scratch: torch.Tensor) -> torch.Tensor:
-    """``z ^= z >>> bits`` in place (``scratch``: a tensor like ``z`` to shift into)."""
-    torch.bitwise_right_shift(z, bits, out=scratch)
-    return z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - bits)) - 1))
-
-
-def random_bits(key: int, counters: torch.Tensor) -> torch.Tensor:
-    """64 random bits (as int64) per counter: splitmix64 of ``key + golden * (counter + 1)``.
-    In place on one new tensor and one scratch tensor: the arithmetic is memory-bound."""
-    z = counters.add(1).mul_(_GOLDEN).add_(_signed(key & ((1 << 64) - 1)))
-    scratch = torch.empty_like(z)
-    _xor_shr_(z, 30, scratch).mul_(_MUL1)
-    _xor_shr_(z, 27, scratch).mul_(_MUL2)
-    return _xor_shr_(z, 31, scratch)
-
-
-def uniform01(key: int, counters: torch.Tensor) -> torch.Tensor:
-    """Float64 uniforms in [0, 1), 53 bits each."""
-    bits = random_bits(key, counters).bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
-    return bits.to(torch.float64).mul_(1.0 / _TWO_POW_53)  # a power of two: exact
-
-
-def standard_normal(key: int, index: torch.Tensor) -> torch.Tensor:
-    """Float64 standard normals (Box-Muller; element ``i`` uses counters ``2i`` and ``2i+1``)."""
-    u1 = uniform01(key, 2 * index).neg_().add_(1.0)  # (0, 1]: the log stays finite
-    u2 = uniform01(key, (2 * index).add_(1))
-    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2.0 * math.pi).cos_())
+def _draw_flat(
+    key: int, out: torch.Tensor, start: int, total: int, draw: Callable[..., object]
+) -> None:
+    """Fill ``out`` (1-D, contiguous) with elements ``start .. start + len(out)`` of a tensor of
+    ``total`` elements: whole blocks are drawn in place, blocks cut by either end into a
+    scratch tensor of the block's full size (so a block's values never depend on the cut)."""
+    stop = start + out.numel()
+    generator = torch.Generator(device=out.device)
+    for block in range(start // BLOCK, (stop - 1) // BLOCK + 1):
+        first, last = block * BLOCK, min((block + 1) * BLOCK, total)
+        lo, hi = max(first, start), min(last, stop)
+        generator.manual_seed(_block_seed(key, block))
+        if (lo, hi) == (first, last):
+            draw(out[lo - start : hi - start], generator)
+        else:
+            scratch = torch.empty(last - first, dtype=out.dtype, device=out.device)
+            draw(scratch, generator)
+            out[lo - start : hi - start].copy_(scratch[lo - first : hi - first])
 
 
 def global_indices(tensor: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
@@ -142,11 +124,6 @@ def global_indices(tensor: torch.Tensor, rows: slice | None = None) -> torch.Ten
     return index.expand(tuple(local_shape)) if shape else index
 
 
-# Elements drawn at once: the arithmetic keeps a few int64/float64 temporaries per element, so
-# a large shard is filled in blocks of rows, keeping them to tens of MB.
-FILL_BLOCK = 1 << 20
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -168,20 +145,41 @@ class _Streams:
         self.draws[name] = draw + 1
         return digest63(f"{self.seed}/{name}/{draw}")
 
-    def fill(self, tensor: torch.Tensor, values: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Write ``values(global indices)`` (float64) into this rank's part of ``tensor``."""
+    def fill(self, tensor: torch.Tensor, key: int, draw: Callable[..., object]) -> None:
+        """Write this rank's part of ``tensor`` from stream ``key``: ``draw(out, generator)``
+        fills a 1-D tensor in place with torch's own sampler. A shard that is a run of whole
+        rows (FSDP's dim-0 shards, a whole tensor) is drawn in place; any other layout draws
+        the run of elements that covers it and keeps its own."""
         local = _local(tensor)
         if not local.numel():
             return
+        total = tensor.numel()
         with torch.no_grad(), _unwatched():
-            rows = local.shape[0] if local.dim() else 1
-            step = max(1, FILL_BLOCK // max(1, local.numel() // rows))
-            if step >= rows:
-                local.copy_(values(global_indices(tensor)))
+            span = _flat_span(tensor)
+            if span is not None and local.is_contiguous():
+                _draw_flat(key, local.view(-1), span, total, draw)
                 return
-            for start in range(0, rows, step):
-                block = slice(start, min(start + step, rows))
-                local[block].copy_(values(global_indices(tensor, block)))
+            index = global_indices(tensor)
+            low, high = int(index.min()), int(index.max()) + 1
+            covering = torch.empty(high - low, dtype=local.dtype, device=local.device)
+            _draw_flat(key, covering, low, total, draw)
+            local.copy_(covering[index - low])
+
+
+def _flat_span(tensor: torch.Tensor) -> int | None:
+    """Where this rank's part of ``tensor`` starts in the full tensor's row-major order, when
+    that part is a run of whole rows (all of a plain tensor, a dim-0 shard); else None."""
+    if not isinstance(tensor, DTensor):
+        return 0
+    shape = tuple(tensor.shape)
+    if not shape:
+        return 0
+    local_shape, offsets = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    if tuple(local_shape[1:]) != shape[1:] or any(offsets[1:]):
+        return None
+    return int(offsets[0]) * math.prod(shape[1:])
 
 
 @contextlib.contextmanager
@@ -232,7 +230,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         key = streams.key(tensor)
         if key is None:
             return original["uniform_"](tensor, a, b, generator=generator)
-        streams.fill(tensor, lambda i: uniform01(key, i).mul_(b - a).add_(a))
+        streams.fill(tensor, key, lambda out, g: out.uniform_(a, b, generator=g))
         return tensor
 
     def normal_(
@@ -241,7 +239,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         key = streams.key(tensor)
         if key is None:
             return original["normal_"](tensor, mean, std, generator=generator)
-        streams.fill(tensor, lambda i: standard_normal(key, i).mul_(std).add_(mean))
+        streams.fill(tensor, key, lambda out, g: out.normal_(mean, std, generator=g))
         return tensor
 
     def trunc_normal_(
@@ -262,11 +260,11 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         # As torch does it: the inverse CDF of a uniform between the bounds' CDF values.
         low, high = 2 * cdf((a - mean) / std) - 1, 2 * cdf((b - mean) / std) - 1
 
-        def values(i: torch.Tensor) -> torch.Tensor:
-            u = low + (high - low) * uniform01(key, i)
-            return (torch.erfinv(u) * (std * math.sqrt(2.0)) + mean).clamp(a, b)
+        def draw(out: torch.Tensor, g: torch.Generator) -> None:
+            out.uniform_(low, high, generator=g).erfinv_()
+            out.mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
 
-        streams.fill(tensor, values)
+        streams.fill(tensor, key, draw)
         return tensor
 
     def constant_(tensor: torch.Tensor, val: float) -> torch.Tensor:
