@@ -3,12 +3,14 @@ test_fsdp_meta.py, ``nn.Transformer``'s constructor, and storage that nobody wro
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -24,7 +26,6 @@ from fsdp_builder import (
     ShardFirstReset,
 )
 from fsdp_builder.tools.demo import full_state_dict
-from fsdp_builder.tools.launch import run_ranks
 
 CPU = torch.device("cpu")
 
@@ -135,8 +136,11 @@ def _parity(pattern: str) -> dict[str, Any]:
     return {"expected": expected, "got": got}
 
 
-def _parity_all() -> dict[str, Any]:
-    return {pattern: _parity(pattern) for pattern in PATTERNS}
+def _parity_all() -> Results:
+    return run_each((pattern, functools.partial(_parity, pattern)) for pattern in sorted(PATTERNS))
+
+
+PARITY = Spawns(_parity_all, timeout=150)
 
 
 def _assert_bit_equal(result: dict[str, Any]) -> None:
@@ -153,11 +157,10 @@ def test_init_fn_equals_fsdp1_param_init_fn_on_one_rank(world1: None, pattern: s
 
 
 @pytest.mark.timeout(180)
-def test_init_fn_equals_fsdp1_param_init_fn_on_two_ranks() -> None:
-    results = run_ranks(_parity_all, 2, timeout=150)
-    for rank_result in results:
-        for pattern in PATTERNS:
-            _assert_bit_equal(rank_result[pattern])
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_init_fn_equals_fsdp1_param_init_fn_on_two_ranks(pattern: str) -> None:
+    for rank_result in values(PARITY(2), pattern):
+        _assert_bit_equal(rank_result)
 
 
 def test_init_fn_that_leaves_a_module_on_meta_is_refused(world1: None) -> None:
