@@ -172,7 +172,8 @@ class ShardingBuilder:
         return self._set("groups", _as_group_factory(factory))
 
     def materialize(self: B, materializer: Materializer) -> B:
-        """How meta states become real (default: ResetParameters()).
+        """How meta states become real (default: the backend's, ``StreamInit()`` for
+        ``FullyShardBuilder``, ``ResetParameters()`` for ``FSDPBuilder``).
 
         Raises:
             ConfigurationError: not a Materializer (the missing hooks are named); a class instead of

@@ -41,7 +41,7 @@ from fsdp_builder.devices import (
 )
 from fsdp_builder.errors import ConfigurationError, FSDPBuilderError
 from fsdp_builder.groups import DefaultGroups, GroupFactory, check_placed_on_other_dims
-from fsdp_builder.materializers.initializers import Materializer, MaterializerRun, ResetParameters
+from fsdp_builder.materializers.initializers import Materializer, MaterializerRun
 from fsdp_builder.planning.context import ChecksContext, ConfigureContext
 from fsdp_builder.planning.ignored import (
     IgnoredStates,
@@ -145,7 +145,7 @@ class _Build:
         self.backend = backend
         self.factory = config.groups or DefaultGroups()
         self.resolver = config.device or InferredDevice()
-        self.materializer = config.materializer or ResetParameters()
+        self.materializer = config.materializer or backend.default_materializer()
         self.synchronizer = config.synchronizer or NoSync()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agreement = Agreement(None)

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.materializers.initializers import Materializer
 from fsdp_builder.planning.context import BackendCapabilities, ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import Unit, UnitPlan
@@ -30,6 +31,8 @@ class Backend(Protocol):
     that uses it, named in errors. ``supports_shard_first``: a unit may be sharded while still on
     meta (a shard-first materializer then fills only the local shards). ``shard_communicates``:
     whether ``shard`` runs collectives (the pipeline then agrees on the local steps before it).
+    ``default_materializer()``: how meta states become real when the builder sets no
+    materializer.
     """
 
     @property
@@ -43,6 +46,11 @@ class Backend(Protocol):
 
     @property
     def shard_communicates(self) -> bool: ...
+
+    def default_materializer(self) -> Materializer:
+        """The materializer of a build that sets none (``FSDPBuilder``: ``ResetParameters()``;
+        ``FullyShardBuilder``: ``StreamInit()``)."""
+        ...
 
     def check(self, options: ShardingOptions) -> None:
         """Refuse options this backend cannot honour; local, pure. Called when an option is

@@ -42,6 +42,7 @@ from fsdp_builder.config import (
 )
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.materializers.initializers import Materializer, ResetParameters
 from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
@@ -217,6 +218,11 @@ class FSDP1Backend:
     supports_shard_first: ClassVar[bool] = False
     # FullyShardedDataParallel's constructor runs no collectives once states are in place.
     shard_communicates: ClassVar[bool] = False
+
+    def default_materializer(self) -> Materializer:
+        """``ResetParameters()``: each unit initialized whole, as FSDP1's ``param_init_fn``
+        would, from each rank's own generator."""
+        return ResetParameters()
 
     def check(self, options: ShardingOptions) -> None:
         check_fsdp2_only_options(options)

@@ -96,6 +96,8 @@ from fsdp_builder.config import (
 )
 from fsdp_builder.errors import config_error
 from fsdp_builder.groups import ProcessGroups, check_mesh
+from fsdp_builder.materializers.initializers import Materializer
+from fsdp_builder.materializers.streams import StreamInit
 from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
@@ -456,6 +458,11 @@ class FullyShardBackend:
     supports_shard_first: ClassVar[bool] = True
     # fully_shard only lays out shards; its collectives start with the first forward.
     shard_communicates: ClassVar[bool] = False
+
+    def default_materializer(self) -> Materializer:
+        """``StreamInit()``: shard-first, every rank fills only its shards, and the full
+        weights are the same at any world size; seeded from ``torch.initial_seed()``."""
+        return StreamInit()
 
     def check(self, options: ShardingOptions) -> None:
         check_fsdp1_only_options(options)
