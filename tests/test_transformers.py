@@ -146,6 +146,30 @@ def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {clean_name(n): b.detach().cpu().clone() for n, b in model.named_buffers()}
 
 
+def tied(model: Any) -> bool:
+    """Whether the output embedding still shares the input embedding's parameter."""
+    out = model.get_output_embeddings()
+    return out is not None and out.weight is model.get_input_embeddings().weight
+
+
+def check_embeddings(family: str, state: dict[str, torch.Tensor], still_tied: bool) -> None:
+    """The input embedding's padding row is eager's (zero), and a tied output embedding holds
+    the input embedding's values, as after eager's "initialize, then tie"."""
+    model: Any = eager(family, 0)
+    names = {id(m): clean_name(n) for n, m in model.named_modules()}
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    weight = f"{names[id(embedding)]}.weight"
+    pad = embedding.padding_idx
+    if getattr(model.config, "pad_token_id", None) is not None and pad is not None:
+        assert torch.equal(state[weight][pad], embedding.weight[pad].detach()), (
+            f"{family}: the padding row of {weight} differs from eager's"
+        )
+    if output is not None and output.weight is embedding.weight:
+        assert still_tied, f"{family}: the output embedding is no longer tied"
+        head = f"{names[id(output)]}.weight"
+        assert torch.equal(state[head], state[weight]), f"{family}: {head} != {weight}"
+
+
 def logits(model: nn.Module, family: str) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs(family)).logits.detach().cpu()
@@ -176,19 +200,22 @@ def fresh_case(family: str, backend: str, seed: int) -> dict[str, Any] | None:
     sharded = BACKENDS[backend]().build(model)
     state = full_state_dict(sharded)
     found = buffers(sharded)
-    return {"state": state, "buffers": found} if dist.get_rank() == 0 else None
+    out = {"state": state, "buffers": found, "tied": tied(sharded)}
+    return out if dist.get_rank() == 0 else None
 
 
 def deterministic_case(family: str, backend: str, seed: int) -> dict[str, Any] | None:
     sharded = BACKENDS[backend]().materialize(DeterministicInit(seed)).build(make(family))
     state = full_state_dict(sharded)
-    return {"state": state, "buffers": buffers(sharded)} if dist.get_rank() == 0 else None
+    out = {"state": state, "buffers": buffers(sharded), "tied": tied(sharded)}
+    return out if dist.get_rank() == 0 else None
 
 
 def stream_case(family: str) -> dict[str, Any] | None:
     sharded = FullyShardBuilder().materialize(StreamInit(seed=STREAM_SEED)).build(make(family))
     state = full_state_dict(sharded)
-    return {"state": state, "buffers": buffers(sharded)} if dist.get_rank() == 0 else None
+    out = {"state": state, "buffers": buffers(sharded), "tied": tied(sharded)}
+    return out if dist.get_rank() == 0 else None
 
 
 def load_case(family: str, backend: str, folder: str) -> dict[str, Any]:
@@ -328,6 +355,8 @@ def test_a_build_without_materializer_gives_the_models_own_init(
     assert set(got) == set(want)
     for name, value in want.items():
         assert torch.equal(got[name], value), f"{family}: buffer {name} differs from eager's"
+    for r in results:
+        check_embeddings(family, r["state"], r["tied"])
     states = [r["state"] for r in results]
     # torch.manual_seed before the build decides the weights, as it does for an eager model.
     drawn = [n for n, v in states[0].items() if v.is_floating_point() and v.std() > 0]
@@ -339,6 +368,7 @@ def test_stream_init_gives_the_same_full_weights_at_any_world_size_and_on_both_b
     world1: None, folders: dict[str, str], family: str
 ) -> None:
     got = ranks(folders, ("stream", family))[0]
+    check_embeddings(family, got["state"], got["tied"])
     # One rank and FSDP1 (whole units) against two ranks and FSDP2 (local shards only).
     single = FSDPBuilder().materialize(StreamInit(seed=STREAM_SEED)).build(make(family))
     want = full_state_dict(single)
@@ -357,6 +387,8 @@ def test_deterministic_init_is_like_eager_and_world_size_invariant(
     seeds = DETERMINISTIC_SEEDS[backend]
     runs = [ranks(folders, ("deterministic", family, backend, s))[0] for s in seeds]
     got = runs[0]
+    for r in runs:
+        check_embeddings(family, r["state"], r["tied"])
     if len(runs) == len(SEEDS):
         check_like_eager(family, [r["state"] for r in runs], SEEDS)
     for name, value in eager(family, 0).named_buffers():

@@ -11,6 +11,11 @@ A module is initialized by, in this order of precedence:
    unwritten;
 3. PyTorch's convention: ``reset_parameters()`` (or a known private initializer).
 
+A parameter that a library model ties to another one (transformers' ``lm_head.weight`` to the
+input embedding's) is never written by its own module's initializer: eager construction
+initializes every module and then ties, so the tied tensor holds its source's values (the input
+embedding's, padding row zeroed), whichever of the two modules is initialized first.
+
 What a module's ancestors add to it is its :class:`Lineage`: the library initializer above and the
 subtree rules of registered parents (``nn.Transformer`` applies Xavier to its layers). Lineages
 are computed in one walk of the model (``lineages``), once per build or check.
@@ -33,6 +38,8 @@ from fsdp_builder.errors import MaterializationError, config_error
 # to each parameter below such a parent right after that parameter's own module is initialized.
 SubtreeRule = Callable[[torch.Tensor], object]
 ModuleInitializer = Callable[[nn.Module], object]
+# A parameter's place in a module: (id(module), name).
+Slot = tuple[int, str]
 
 
 def _xavier_matrices(param: torch.Tensor) -> None:
@@ -128,14 +135,36 @@ def library_initializer(module: nn.Module) -> ModuleInitializer | None:
     return init if callable(init) and hasattr(module, "config") else None
 
 
+def tie_targets(model: nn.Module) -> frozenset[Slot]:
+    """The parameter slots that library ``model`` ties to another of its parameters after
+    initializing (transformers' ``all_tied_weights_keys``, target → source), where the two
+    are in fact one tensor: their values are the source's, not their own module's init."""
+    keys = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(keys, dict) or not keys:
+        return frozenset()
+    found: set[Slot] = set()
+    for target, source in keys.items():
+        path, _, name = str(target).rpartition(".")
+        try:
+            owner = model.get_submodule(path)
+            tied = owner._parameters.get(name)
+            if tied is not None and tied is model.get_parameter(str(source)):
+                found.add((id(owner), name))
+        except AttributeError:  # a path a wrapper renamed: left to its own initializer
+            continue
+    return frozenset(found)
+
+
 @frozen
 class Lineage:
     """What a module's ancestors decide about its initialization: the model-level initializer
-    of the nearest enclosing library model (the module itself included), and the subtree rules
-    of registered parents, outermost first."""
+    of the nearest enclosing library model (the module itself included), the subtree rules
+    of registered parents, outermost first, and the slots enclosing library models tie to
+    another parameter (``tie_targets``), which no initializer of their module writes."""
 
     library_init: ModuleInitializer | None = None
     rules: tuple[SubtreeRule, ...] = ()
+    tied: frozenset[Slot] = frozenset()
 
 
 NO_LINEAGE = Lineage()
@@ -154,11 +183,16 @@ def lineages(model: nn.Module) -> dict[int, Lineage]:
 
 def _step(module: nn.Module, inherited: Lineage) -> tuple[Lineage, Lineage]:
     """A module's own lineage and the one its children inherit."""
-    library = library_initializer(module) or inherited.library_init
+    model_init = library_initializer(module)
     # Most modules inherit their parent's lineage unchanged: share it rather than copy it.
-    lineage = inherited if library is inherited.library_init else Lineage(library, inherited.rules)
+    lineage = (
+        inherited
+        if model_init is None
+        else Lineage(model_init, inherited.rules, inherited.tied | tie_targets(module))
+    )
     own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
-    return lineage, (Lineage(library, inherited.rules + own) if own else lineage)
+    below = Lineage(lineage.library_init, inherited.rules + own, lineage.tied)
+    return lineage, (below if own else lineage)
 
 
 def unit_lineages(
@@ -244,9 +278,33 @@ def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> N
     library_init(module)
 
 
+def _sparing_tied(module: nn.Module, tied: list[str], init: Callable[[], Any]) -> None:
+    """``init()``, except that the tied parameters ``tied`` of ``module`` keep their values:
+    not run at all when they are all it owns (an output embedding), else restored after."""
+    if len(tied) == len(_direct(module)):
+        return
+    kept = [(name, module._parameters[name]) for name in tied]
+    saved = [(t, t.detach().clone()) for _, t in kept if t is not None]
+    init()
+    for name, t in kept:  # an initializer may have replaced the tensor: the tie is put back
+        module._parameters[name] = t
+    for t, value in saved:
+        t.detach().copy_(value)
+
+
 def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable[[], Any] | None:
     """The initializer of ``module`` by its model's convention (see the module docstring), or
-    None when there is none."""
+    None when there is none. Parameters its library model ties to another one (``Lineage.tied``)
+    keep their values."""
+    init = _convention(module, lineage)
+    if init is None or not lineage.tied:
+        return init
+    key = id(module)
+    tied = [n for n, t in module._parameters.items() if t is not None and (key, n) in lineage.tied]
+    return (lambda: _sparing_tied(module, tied, init)) if tied else init
+
+
+def _convention(module: nn.Module, lineage: Lineage) -> Callable[[], Any] | None:
     registered = _registered(module)
     if registered is not None:
         return lambda: registered(module)

@@ -364,8 +364,9 @@ def run_initializer(module: nn.Module, fqn: str, lineage: Lineage = NO_LINEAGE) 
         )
     init()
     for rule in lineage.rules:
-        for param in module.parameters(recurse=False):
-            rule(param)
+        for name, param in module._parameters.items():
+            if param is not None and (id(module), name) not in lineage.tied:
+                rule(param)
 
 
 _NO_INITIALIZER_FIX = (
