@@ -60,6 +60,7 @@ from fsdp_builder.runtime.tree import (
     allocate_empty,
     direct_states,
     has_meta_states,
+    local_tensor,
     needs_materialization,
     unit_modules,
 )
@@ -99,13 +100,14 @@ def local_bytes(module: nn.Module) -> int:
 def _owned_bytes(modules: list[nn.Module]) -> int:
     total = 0
     for m in modules:
-        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
-            local = t.to_local() if isinstance(t, DTensor) else t
+        for t in direct_states(m):
+            local = local_tensor(t)
             total += local.numel() * local.element_size()
     return total
 
 
-def _fork_devices(device: torch.device) -> list[torch.device]:
+def fork_devices(device: torch.device) -> list[torch.device]:
+    """The accelerators whose generators ``torch.random.fork_rng`` saves for ``device``."""
     return [device] if device.type == "cuda" else []
 
 
@@ -141,7 +143,7 @@ def run_seeded(
     module: nn.Module, fqn: str, lineage: Lineage, seed: int, device: torch.device
 ) -> None:
     """The module's initializer under a generator seeded with ``seed`` (restored after)."""
-    with torch.random.fork_rng(devices=_fork_devices(device)):
+    with torch.random.fork_rng(devices=fork_devices(device)):
         seed_generators(seed, device)
         run_initializer(module, fqn, lineage)
 
@@ -284,7 +286,7 @@ class _InitWeightsRun:
             kwargs = whole_model_kwargs(init, env.device)
             with (
                 torch.no_grad(),
-                torch.random.fork_rng(devices=_fork_devices(env.device)),
+                torch.random.fork_rng(devices=fork_devices(env.device)),
             ):
                 seed_generators(
                     shard_seed(self.base_seed, shard_index(env), self.method), env.device

@@ -57,12 +57,14 @@ from fsdp_builder.materializers.initializers import (
     buffers_to_compute,
     check_seed,
     derived_seed,
+    run_initializer,
+    seed_generators,
 )
-from fsdp_builder.materializers.sharded import ShardFirstRun, agree_on_seed, run_seeded
+from fsdp_builder.materializers.sharded import ShardFirstRun, agree_on_seed, fork_devices
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import module_names, qualified
+from fsdp_builder.runtime.tree import local_tensor, module_names, qualified
 
 log = structlog.get_logger(__name__)
 
@@ -124,10 +126,6 @@ def global_indices(tensor: torch.Tensor, rows: slice | None = None) -> torch.Ten
     return index.expand(tuple(local_shape)) if shape else index
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 class _Streams:
     """The streams of one build: a key per (parameter name, how many times it was drawn), so a
     parameter written twice (an initializer, then a subtree rule) gets fresh bits each time."""
@@ -150,7 +148,7 @@ class _Streams:
         fills a 1-D tensor in place with torch's own sampler. A shard that is a run of whole
         rows (FSDP's dim-0 shards, a whole tensor) is drawn in place; any other layout draws
         the run of elements that covers it and keeps its own."""
-        local = _local(tensor)
+        local = local_tensor(tensor)
         if not local.numel():
             return
         total = tensor.numel()
@@ -169,17 +167,22 @@ class _Streams:
 def _flat_span(tensor: torch.Tensor) -> int | None:
     """Where this rank's part of ``tensor`` starts in the full tensor's row-major order, when
     that part is a run of whole rows (all of a plain tensor, a dim-0 shard); else None."""
-    if not isinstance(tensor, DTensor):
+    if not isinstance(tensor, DTensor) or not tensor.dim():
         return 0
-    shape = tuple(tensor.shape)
-    if not shape:
-        return 0
-    local_shape, offsets = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    if tuple(local_shape[1:]) != shape[1:] or any(offsets[1:]):
-        return None
-    return int(offsets[0]) * math.prod(shape[1:])
+    mesh = tensor.device_mesh
+    coordinate = tuple(mesh.get_coordinate() or ())
+    layout = (tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape), coordinate)
+    if layout not in _SPANS:  # a function of these alone: computed once per layout
+        shape = layout[0]
+        local_shape, offsets = compute_local_shape_and_global_offset(
+            tensor.shape, mesh, tensor.placements
+        )
+        whole_rows = tuple(local_shape[1:]) == shape[1:] and not any(offsets[1:])
+        _SPANS[layout] = int(offsets[0]) * math.prod(shape[1:]) if whole_rows else None
+    return _SPANS[layout]
+
+
+_SPANS: dict[tuple[Any, ...], int | None] = {}
 
 
 @contextlib.contextmanager
@@ -271,7 +274,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
         if streams.names.get(id(tensor)) is None:
             return original["constant_"](tensor, val)
         with torch.no_grad(), _unwatched():
-            _local(tensor).fill_(val)
+            local_tensor(tensor).fill_(val)
         return tensor
 
     def ones_(tensor: torch.Tensor) -> torch.Tensor:
@@ -477,14 +480,20 @@ class _StreamedInit:
             for local_name, param in module._parameters.items():
                 if param is not None and param not in ignored:
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
+        # The generators are saved once per unit (each module seeds them before it draws):
+        # saving and restoring them per module costs more than a small module's draws.
         try:
-            with streamed_init(streams, self.bindings):
+            with (
+                torch.random.fork_rng(devices=fork_devices(self.env.device)),
+                streamed_init(streams, self.bindings),
+            ):
                 yield
         finally:
             self.done = []
 
     def _seeded(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
-        run_seeded(module, fqn, lineage, derived_seed(self.seed, fqn), self.env.device)
+        seed_generators(derived_seed(self.seed, fqn), self.env.device)
+        run_initializer(module, fqn, lineage)
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         entry = _Done(module, fqn, lineage, dict(self.streams.draws))
@@ -545,7 +554,7 @@ class _StreamedInit:
             for module, name, param, _ in swapped:
                 module._parameters[name] = param
         for _, _, param, full in swapped:
-            _local(param).copy_(full[_local_slices(param)])
+            local_tensor(param).copy_(full[_local_slices(param)])
 
 
 def _local_slices(tensor: DTensor) -> tuple[slice, ...]:

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name, is_wrapped
 
@@ -55,6 +56,15 @@ def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, s
             if t is not None:
                 found.setdefault(clean_name(qualified(base, name)), (module, name, t))
     return found
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (as FSDP holds it; ``to_local()`` goes through a compiled-function
+    wrapper that costs more than the work on a small parameter); any other tensor itself."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor.to_local()
 
 
 def direct_states(module: nn.Module) -> list[torch.Tensor]:
