@@ -11,7 +11,7 @@ on the meta device, then calls the materializer. Two materializers work on such 
   Trade-off: values depend on the world size (each shard is drawn independently), which is
   statistically the distribution the initializer asks for but not bit-identical across world
   sizes; for world-size-invariant weights use ``StreamInit`` (``streams.py``: shard-local too,
-  from counter-based streams) or ``DeterministicInit``, which materializes each unit in full and
+  from block-seeded streams) or ``DeterministicInit``, which materializes each unit in full and
   lets ``fully_shard`` slice it (one full unit at a time per rank).
 
 Both shard-first initializers run as one :class:`ShardFirstRun`; what differs between them is
@@ -127,7 +127,7 @@ def agree_on_seed(env: Environment, seed: int | None) -> int:
 
 class ShardFirstInit(Protocol):
     """What a shard-first materializer adds to :class:`ShardFirstRun`: the scope a unit's
-    initializers run in (StreamInit's counter-based ``torch.nn.init``), and how one module's
+    initializers run in (StreamInit's streamed ``torch.nn.init``), and how one module's
     initializer is run (under which seed)."""
 
     def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:

@@ -569,14 +569,15 @@ def _local_slices(tensor: DTensor) -> tuple[slice, ...]:
 class StreamInit(ResetParameters):
     """Each module's initializer by its model's convention (``reset_parameters()``, a
     transformers model's ``_init_weights``, a registered one), with ``torch.nn.init``'s
-    element-wise initializers drawn from counter-based streams keyed by ``(seed, parameter
-    name, element index)``: with ``FullyShardBuilder`` every rank allocates and fills only its
-    shards (shard-first), and the full weights are bit-identical at any world size, and between
-    both backends.
+    element-wise initializers drawn by torch's samplers from one generator per block of
+    ``BLOCK`` elements, seeded from ``(seed, parameter name, block)``: with
+    ``FullyShardBuilder`` every rank allocates and fills only its shards (shard-first), and the
+    full weights are bit-identical at any world size, and between both backends.
 
     The distributions are those of eager init (same bounds and standard deviations, from the
-    full shapes); the numbers are not torch's RNG's. What an initializer draws from torch's
-    generator itself comes from a generator seeded from ``(seed, module name)``. A module whose
+    full shapes); the numbers are not those of one generator seeded once. What an initializer
+    draws from torch's generator itself comes from a generator seeded from ``(seed, module
+    name)``. A module whose
     initializer does more to a sharded parameter than element-wise work with plain numbers (a
     tensor method's random draw, ``weight[padding_idx].zero_()``, ``orthogonal_``, ``eye_``,
     a copy from another tensor) is initialized again, with the modules of its unit below it, on
@@ -587,10 +588,11 @@ class StreamInit(ResetParameters):
     ``prepare``): ``torch.manual_seed(s)`` before the build changes the weights, as it does
     for an eager model.
 
-    Cost: each element is a hash of its index (splitmix64, in int64 tensor arithmetic), about
-    3x torch's generator per element on the CPU for uniforms and 4-5x for normals, on 1/W of
-    the elements where ``ResetParameters`` draws whole units; and a little per module (its
-    generator forked and seeded, its operations watched).
+    ``FullyShardBuilder``'s default materializer.
+
+    Cost: torch's sampler on 1/W of the elements (the two blocks cut by a shard's edges drawn in
+    full), one generator seeding per block, and a little per module (its generator seeded, its
+    operations watched).
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
