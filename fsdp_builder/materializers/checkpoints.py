@@ -71,6 +71,7 @@ from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
+from fsdp_builder.sources.base import read_into
 
 log = structlog.get_logger(__name__)
 
@@ -386,9 +387,9 @@ def fill(source: CheckpointSource, targets: Mapping[str, torch.Tensor]) -> None:
             if isinstance(target, DTensor):
                 local = target.to_local()
                 if local.numel():
-                    local.copy_(source.read(key, local_index(target)))
+                    read_into(source, key, local_index(target), local)
             else:
-                target.copy_(source.read(key))
+                read_into(source, key, None, target)
 
 
 @define
