@@ -304,8 +304,14 @@ def _derived(opened: CheckpointSource, env: Environment, spec: LoaderSpec) -> Ch
     """``opened`` seen through the rules of the model's checkpoint layout (e.g. per-expert
     tensors merged into a mixture-of-experts model's fused ones); see
     ``fsdp_builder.sources.derived``."""
+    held = opened.tensors()
+    complete = all(
+        any(n in held for n in entry.names)
+        for unit in env.plan
+        for entry in unit_entries(unit, env.ignored, env.plan)
+    )
     try:
-        return derive(opened, checkpoint_rules(env.plan.root.module))
+        return derive(opened, checkpoint_rules(env.plan.root.module, complete=complete))
     except SourceError as exc:
         raise spec.error(f"{opened.describe} {exc.problem}", exc.fix) from exc
 
