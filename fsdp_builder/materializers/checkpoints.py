@@ -290,6 +290,14 @@ class FromCheckpoint(BaseMaterializer):
     nonfinite: str = attrs.field(default="warn", validator=check_nonfinite_mode)
     shard_first: ClassVar[bool] = True
 
+    @property
+    def communicates(self) -> bool:  # type: ignore[override]
+        """Collectives per unit only where rank 0 alone reads (it sends the weights) or where
+        NaN in one rank's shard must stop every rank (``nonfinite="error"``). Otherwise each rank
+        loads its units on its own and the ranks agree once, when the build ends (a failed read
+        is reported then, named after its unit)."""
+        return not self.shared_filesystem or self.nonfinite == "error"
+
     def describe(self) -> str:
         """What ranks compare in configure: the path by its value (ranks reading different
         checkpoints would stitch one model out of both), except where rank 0 alone reads it,
