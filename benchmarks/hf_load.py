@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaForCausalLM
 
     config = config_for(args.params)
+    args.load = [os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
                 print(method, runs[method][-1], flush=True)
+    args.load.append(os.getloadavg())
     median = {
         m: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "anon_mib", "file_mib")}
         for m, rs in runs.items()
@@ -226,6 +229,10 @@ def write(
         f"- builder file-backed ÷ from_pretrained_everywhere's: "
         f"**{b['file_mib'] / max(median['from_pretrained_everywhere']['file_mib'], 1):.2f}**",
         f"- every method gives the same model: logits checksums {sums}",
+        "",
+        f"Machine: {os.cpu_count()} CPU cores, shared; load average (1, 5, 15 min) "
+        + " at the start, ".join(", ".join(f"{x:.2f}" for x in a) for a in args.load)
+        + " at the end.",
         "",
         "Raw runs:",
         "",

@@ -221,14 +221,22 @@ def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
 
     seen: list[int] = []
     read: list[int] = []
-    saved: list[tuple[Any, str, Any]] = [(SafetensorsSource, "read", SafetensorsSource.read)]
+    saved: list[tuple[Any, str, Any]] = [
+        (SafetensorsSource, "read", SafetensorsSource.read),
+        (SafetensorsSource, "read_into", SafetensorsSource.read_into),
+    ]
 
     def reading(self: Any, key: str, index: Any = None) -> torch.Tensor:
         tensor: torch.Tensor = saved[0][2](self, key, index)
         read.append(tensor.numel() * tensor.element_size())
         return tensor
 
+    def reading_into(self: Any, key: str, index: Any, out: torch.Tensor) -> None:
+        saved[1][2](self, key, index, out)
+        read.append(out.numel() * self.tensors()[key].dtype.itemsize)
+
     SafetensorsSource.read = reading  # type: ignore[method-assign]
+    SafetensorsSource.read_into = reading_into  # type: ignore[method-assign]
 
     def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:

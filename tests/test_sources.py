@@ -663,3 +663,90 @@ def test_the_format_example_in_the_docs_runs(world1: None, tmp_path: Path) -> No
     want = namespace["saved"].state_dict()
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# -- the safetensors reader itself ------------------------------------------------------------
+
+
+def _stored_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(7, 5, generator=g),
+        "bf16": torch.randn(5, 3, 4, generator=g).bfloat16(),
+        "f16": torch.randn(9, generator=g).half(),
+        "i64": torch.randint(-(10**12), 10**12, (4, 3), generator=g),
+        "bool": torch.rand(5, 2, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "empty_inner": torch.empty(3, 0, 2),
+    }
+
+
+def test_the_safetensors_reader_is_bit_equal_to_safetensors_load_file(tmp_path: Path) -> None:
+    """Whole tensors, every row range (empty ones too), slices of inner dims and strided rows,
+    read as a new tensor and into a destination (of the stored dtype, and converted)."""
+    from safetensors.torch import load_file, save_file
+
+    from fsdp_builder.sources.hf_safetensors import SafetensorsSource
+
+    file = tmp_path / "m.safetensors"
+    save_file(_stored_tensors(), str(file), metadata={"format": "pt"})
+    want = load_file(str(file))
+    source = SafetensorsSource(f"'{file}'", {file: None})
+    try:
+        assert source.tensors() == {k: TensorMeta(tuple(t.shape), t.dtype) for k, t in want.items()}
+        for key, full in want.items():
+            indexes: list[Index | None] = [None]
+            if full.dim():
+                rows = range(full.shape[0] + 1)
+                indexes += [(slice(a, b),) for a in rows for b in rows]
+                indexes += [(slice(0, None, 2),)]
+            if full.dim() > 1:
+                indexes += [(slice(1, 3), slice(1, 2)), (slice(None), slice(0, 1))]
+            for index in indexes:
+                expected = full[index] if index else full
+                got = source.read(key, index)
+                assert got.dtype == expected.dtype and torch.equal(got, expected), (key, index)
+                into = torch.full_like(expected, 1)
+                source.read_into(key, index, into)
+                assert torch.equal(into, expected), (key, index)
+                if full.is_floating_point():
+                    wide = torch.empty(expected.shape, dtype=torch.float64)
+                    source.read_into(key, index, wide)
+                    assert torch.equal(wide, expected.double()), (key, index)
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["empty", "short header", "not json", "past the end", "wrong length", "unknown dtype"],
+)
+def test_the_safetensors_reader_refuses_a_damaged_file(tmp_path: Path, damage: str) -> None:
+    from safetensors.torch import save_file
+
+    from fsdp_builder.sources import SourceError
+    from fsdp_builder.sources.hf_safetensors import SafetensorsSource
+
+    file = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(4, 4)}, str(file))
+    data = file.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+
+    def rewritten(**changes: Any) -> bytes:
+        text = json.dumps({**header, "w": {**header["w"], **changes}}).encode()
+        return len(text).to_bytes(8, "little") + text + data[8 + length :]
+
+    damaged = {
+        "empty": b"",
+        "short header": (1000).to_bytes(8, "little") + b"{}",
+        "not json": (4).to_bytes(8, "little") + b"{{{{" + data[8 + length :],
+        "past the end": data[:-8],
+        "wrong length": rewritten(shape=[4, 3]),
+        "unknown dtype": rewritten(dtype="C64"),
+    }[damage]
+    file.write_bytes(damaged)
+    why = "C64, not supported" if damage == "unknown dtype" else "not a state dict"
+    with pytest.raises(SourceError, match=why):
+        SafetensorsSource(f"'{file}'", {file: None})

@@ -71,6 +71,7 @@ from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
+from fsdp_builder.sources.base import read_into
 
 log = structlog.get_logger(__name__)
 
@@ -289,6 +290,14 @@ class FromCheckpoint(BaseMaterializer):
     nonfinite: str = attrs.field(default="warn", validator=check_nonfinite_mode)
     shard_first: ClassVar[bool] = True
 
+    @property
+    def communicates(self) -> bool:  # type: ignore[override]
+        """Collectives per unit only where rank 0 alone reads (it sends the weights) or where
+        NaN in one rank's shard must stop every rank (``nonfinite="error"``). Otherwise each rank
+        loads its units on its own and the ranks agree once, when the build ends (a failed read
+        is reported then, named after its unit)."""
+        return not self.shared_filesystem or self.nonfinite == "error"
+
     def describe(self) -> str:
         """What ranks compare in configure: the path by its value (ranks reading different
         checkpoints would stitch one model out of both), except where rank 0 alone reads it,
@@ -386,9 +395,9 @@ def fill(source: CheckpointSource, targets: Mapping[str, torch.Tensor]) -> None:
             if isinstance(target, DTensor):
                 local = target.to_local()
                 if local.numel():
-                    local.copy_(source.read(key, local_index(target)))
+                    read_into(source, key, local_index(target), local)
             else:
-                target.copy_(source.read(key))
+                read_into(source, key, None, target)
 
 
 @define

@@ -51,7 +51,7 @@ from fsdp_builder.runtime.collectives import (
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, module_names, qualified, unit_modules
 from fsdp_builder.sources import CheckpointSource, MissingPath, SourceError, TensorMeta, open_source
-from fsdp_builder.sources.base import listed
+from fsdp_builder.sources.base import listed, read_into
 from fsdp_builder.sources.derived import derive
 from fsdp_builder.sources.model_rules import checkpoint_rules
 
@@ -304,8 +304,14 @@ def _derived(opened: CheckpointSource, env: Environment, spec: LoaderSpec) -> Ch
     """``opened`` seen through the rules of the model's checkpoint layout (e.g. per-expert
     tensors merged into a mixture-of-experts model's fused ones); see
     ``fsdp_builder.sources.derived``."""
+    held = opened.tensors()
+    complete = all(
+        any(n in held for n in entry.names)
+        for unit in env.plan
+        for entry in unit_entries(unit, env.ignored, env.plan)
+    )
     try:
-        return derive(opened, checkpoint_rules(env.plan.root.module))
+        return derive(opened, checkpoint_rules(env.plan.root.module, complete=complete))
     except SourceError as exc:
         raise spec.error(f"{opened.describe} {exc.problem}", exc.fix) from exc
 
@@ -437,7 +443,7 @@ class Rank0Run:
                 with torch.no_grad():
                     for entry in entries:
                         name = next(n for n in entry.names if n in self.keys)
-                        entry.tensor.detach().copy_(source.read(self.keys[name]))
+                        read_into(source, self.keys[name], None, entry.tensor.detach())
             except Exception as exc:  # the other ranks are about to wait for this unit
                 error = MaterializationError(
                     f"`{self.spec.name}` could not copy unit '{unit.label}' out of "

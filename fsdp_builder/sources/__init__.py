@@ -10,6 +10,7 @@ from fsdp_builder.sources.base import (
     FillsTargets,
     Index,
     MissingPath,
+    ReadsInto,
     SourceError,
     TensorMeta,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "Format",
     "Index",
     "MissingPath",
+    "ReadsInto",
     "SourceError",
     "TensorMeta",
     "formats",

@@ -77,6 +77,26 @@ class CheckpointSource(Protocol):
 
 
 @runtime_checkable
+class ReadsInto(Protocol):
+    """A source that writes a read straight into a destination the caller allocated (optional:
+    loaders fall back to :meth:`CheckpointSource.read` and a copy)."""
+
+    def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
+        """Write ``tensor[index]`` (the whole tensor for None) into ``out``, a tensor of that
+        shape on any device, of any dtype (values convert to it)."""
+        ...
+
+
+def read_into(source: CheckpointSource, key: str, index: Index | None, out: torch.Tensor) -> None:
+    """``out.copy_(source.read(key, index))``, without the copy where the source reads into a
+    destination itself (:class:`ReadsInto`)."""
+    if isinstance(source, ReadsInto):
+        source.read_into(key, index, out)
+    else:
+        out.copy_(source.read(key, index))
+
+
+@runtime_checkable
 class FillsTargets(Protocol):
     """A source that writes many tensors at once more cheaply than one read each (DCP)."""
 
@@ -98,7 +118,9 @@ __all__ = [
     "FillsTargets",
     "Index",
     "MissingPath",
+    "ReadsInto",
     "SourceError",
     "TensorMeta",
     "listed",
+    "read_into",
 ]

@@ -29,7 +29,14 @@ import torch
 from attrs import Attribute, field, frozen
 
 from fsdp_builder.errors import ConfigurationError
-from fsdp_builder.sources.base import CheckpointSource, Index, SourceError, TensorMeta, listed
+from fsdp_builder.sources.base import (
+    CheckpointSource,
+    Index,
+    SourceError,
+    TensorMeta,
+    listed,
+    read_into,
+)
 
 
 def _check_regex(instance: object, attribute: Attribute[Any], value: Any) -> None:
@@ -288,6 +295,13 @@ class DerivedSource:
                 for e in experts
             ]
         )
+
+    def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
+        """A renamed key is read into ``out`` by the source itself where it can."""
+        if key in self._merged:
+            out.copy_(self.read(key, index))
+        else:
+            read_into(self.source, self._plain[key], index, out)
 
     def close(self) -> None:
         self.source.close()

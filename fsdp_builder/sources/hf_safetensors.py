@@ -1,19 +1,29 @@
 """Safetensors checkpoints: one ``.safetensors`` file, or a Hugging Face folder whose
 ``*.safetensors.index.json`` says which shard file holds each tensor (``save_pretrained``).
 
-Only headers are read when a source opens; values are read per tensor, or per slice of rows
-(``get_slice``), so a rank reads only the bytes it keeps.
+Only headers are read when a source opens. Values are read with positional reads (``preadv``)
+of the byte range a read needs, straight into the destination's storage where it can take them
+(:meth:`SafetensorsSource.read_into`): a rank reads only the bytes it keeps, maps no file (its
+file-backed memory stays flat) and copies each byte once.
+
+The format: 8 bytes (little-endian ``u64``) give the header's length; the header is JSON, each
+tensor's ``dtype``, ``shape`` and ``data_offsets`` (begin, end in bytes, counted from the end of
+the header), plus an optional ``__metadata__``; then the data, row-major and little-endian.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
+from attrs import frozen
 
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
 
@@ -31,47 +41,127 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# A header larger than this is not one (the format's own readers refuse past 100 MB).
+_MAX_HEADER = 100 * 2**20
+# One preadv moves at most about 2 GiB on Linux: larger reads are split.
+_MAX_READ = 1 << 30
+
+
+class HeaderError(ValueError):
+    """A file's header is not that of a safetensors file."""
+
+
+@frozen
+class _Stored:
+    """Where one tensor lies: its file, dtype, shape and first byte in the file."""
+
+    file: int  # the index of its file's descriptor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+def _read_exact(fd: int, buffer: memoryview, offset: int) -> None:
+    """Fill ``buffer`` with the bytes of ``fd`` from ``offset`` on; a short file raises."""
+    done, size = 0, len(buffer)
+    while done < size:
+        chunk = buffer[done : min(size, done + _MAX_READ)]
+        if hasattr(os, "preadv"):
+            got = os.preadv(fd, [chunk], offset + done)
+        else:  # no preadv (older macOS): seek and read; each source reads from one thread
+            os.lseek(fd, offset + done, os.SEEK_SET)
+            got = os.readv(fd, [chunk])
+        if got <= 0:
+            raise OSError(f"the file ends {size - done} byte(s) before the tensor does")
+        done += got
+
+
+def _header(fd: int, size: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """Per tensor of a file: its dtype name, shape, first byte (from the start of the file) and
+    length in bytes. Raises HeaderError when the file is not a complete safetensors file: a
+    header that is not JSON of tensors, or offsets past the end of the file."""
+    if size < 8:
+        raise HeaderError(f"{size} byte(s) are too few for a header")
+    head = bytearray(8)
+    _read_exact(fd, memoryview(head), 0)
+    (length,) = struct.unpack("<Q", head)
+    if length > min(size - 8, _MAX_HEADER):
+        raise HeaderError(f"its header claims {length} bytes, more than the file holds")
+    text = bytearray(length)
+    _read_exact(fd, memoryview(text), 8)
+    try:
+        header = json.loads(text)
+    except ValueError as exc:
+        raise HeaderError(f"its header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise HeaderError("its header is not a JSON object")
+    start = 8 + length
+    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (
+                isinstance(dtype, str)
+                and all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end))
+                and begin <= end
+            )
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise HeaderError(f"its header entry for '{key}' is not a tensor's: {info!r}")
+        if start + end > size:
+            raise HeaderError(f"'{key}' ends past the end of the file")
+        entries[key] = (dtype, tuple(shape), start + begin, end - begin)
+    return entries
 
 
 class SafetensorsSource:
-    """Tensors spread over safetensors files; every file stays open (mapped) until close()."""
+    """Tensors spread over safetensors files; every file stays open until close()."""
 
     def __init__(self, describe: str, files: Mapping[Path, list[str] | None]) -> None:
         """``files``: each file with the keys to take from it (None: all it holds)."""
-        from safetensors import safe_open
-
         self.describe = describe
         self._meta: dict[str, TensorMeta] = {}
-        self._file_of: dict[str, Any] = {}
-        self._handles: list[Any] = []
+        self._stored: dict[str, _Stored] = {}
+        self._fds: list[int] = []
         absent_files = sorted(f.name for f in files if not f.is_file())
         if absent_files:
             raise SourceError(
                 f"{describe} names shard file(s) that do not exist: {listed(absent_files)}"
             )
+        if sys.byteorder != "little":
+            raise SourceError(
+                f"{describe} holds little-endian values and this machine is {sys.byteorder}-"
+                "endian; safetensors files are read here only on little-endian machines"
+            )
         absent: list[str] = []
         try:
             for file, keys in files.items():
+                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._fds.append(fd)
                 try:
-                    handle = safe_open(str(file), framework="pt", device="cpu")
-                except Exception as exc:
+                    entries = _header(fd, os.fstat(fd).st_size)
+                except (HeaderError, OSError) as exc:
                     raise SourceError(_unreadable(describe, file, exc)) from exc
-                self._handles.append(handle)
-                present = list(handle.keys())
-                wanted = present if keys is None else keys
-                held = set(present)
+                wanted = list(entries) if keys is None else keys
                 for key in wanted:
-                    if key not in held:
+                    if key not in entries:
                         absent.append(f"{key} (in {file.name})")
                         continue
-                    piece = handle.get_slice(key)
-                    dtype = _DTYPES.get(piece.get_dtype())
+                    name, shape, offset, length = entries[key]
+                    dtype = _DTYPES.get(name)
                     if dtype is None:
-                        raise SourceError(
-                            f"{describe} stores '{key}' as {piece.get_dtype()}, not supported"
+                        raise SourceError(f"{describe} stores '{key}' as {name}, not supported")
+                    if length != math.prod(shape) * dtype.itemsize:
+                        problem = HeaderError(
+                            f"'{key}' ({name} {list(shape)}) has {length} bytes, not "
+                            f"{math.prod(shape) * dtype.itemsize}"
                         )
-                    self._meta[key] = TensorMeta(tuple(piece.get_shape()), dtype)
-                    self._file_of[key] = handle
+                        raise SourceError(_unreadable(describe, file, problem))
+                    self._meta[key] = TensorMeta(shape, dtype)
+                    self._stored[key] = _Stored(len(self._fds) - 1, dtype, shape, offset)
             if absent:
                 raise SourceError(
                     f"{describe} has {len(absent)} key(s) in its index but not in their file: "
@@ -85,18 +175,90 @@ class SafetensorsSource:
         return self._meta
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
-        handle = self._file_of[key]
-        if not index:
-            tensor: torch.Tensor = handle.get_tensor(key)
-            return tensor
-        part: torch.Tensor = handle.get_slice(key)[index]
-        return part
+        stored = self._stored[key]
+        shape, span = _span(stored.shape, index)
+        out = torch.empty(shape, dtype=stored.dtype)
+        self._fill(stored, shape, span, out)
+        return out
+
+    def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
+        """Write ``tensor[index]`` into ``out`` (its shape; any dtype, converted). The bytes go
+        straight into ``out`` when it is a contiguous CPU tensor of the stored dtype."""
+        stored = self._stored[key]
+        shape, span = _span(stored.shape, index)
+        if tuple(out.shape) != shape:
+            raise ValueError(
+                f"'{key}'{_shown(index)} is {list(shape)}, the destination {list(out.shape)}"
+            )
+        if out.dtype == stored.dtype and out.device.type == "cpu" and out.is_contiguous():
+            self._fill(stored, shape, span, out)
+        else:
+            temp = torch.empty(shape, dtype=stored.dtype)
+            self._fill(stored, shape, span, temp)
+            out.copy_(temp)
+
+    def _fill(
+        self, stored: _Stored, shape: tuple[int, ...], span: _Span, out: torch.Tensor
+    ) -> None:
+        """Read the selection ``span`` describes into the contiguous ``out`` (stored dtype)."""
+        if not out.numel():
+            return
+        fd = self._fds[stored.file]
+        item = stored.dtype.itemsize
+        first, count, strides = span
+        if count == out.numel():  # the selection is one run of bytes: read it in place
+            _read_exact(fd, _bytes_of(out), stored.offset + first * item)
+            return
+        covering = torch.empty(count, dtype=stored.dtype)
+        _read_exact(fd, _bytes_of(covering), stored.offset + first * item)
+        out.copy_(covering.as_strided(shape, strides))
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.__exit__(None, None, None)
-        self._handles = []
-        self._file_of = {}
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        self._stored = {}
+
+
+# A selection of a row-major tensor: its first element, the elements from the first to the last
+# (their count), and its strides within that run.
+_Span = tuple[int, int, tuple[int, ...]]
+
+
+def _span(shape: tuple[int, ...], index: Index | None) -> tuple[tuple[int, ...], _Span]:
+    """The shape of ``tensor[index]`` and where its elements lie."""
+    index = index or ()
+    if len(index) > len(shape):
+        raise IndexError(f"{len(index)} slices for a tensor of {len(shape)} dim(s)")
+    sizes: list[int] = []
+    strides: list[int] = []
+    first = last = 0
+    stride = 1
+    for d in reversed(range(len(shape))):
+        start, stop, step = index[d].indices(shape[d]) if d < len(index) else (0, shape[d], 1)
+        if step < 1:
+            raise ValueError(f"a safetensors read takes slices with a positive step, got {step}")
+        length = max(0, math.ceil((stop - start) / step))
+        sizes.append(length)
+        strides.append(stride * step)
+        first += start * stride
+        last += (start + (length - 1) * step) * stride
+        stride *= shape[d]
+    sizes.reverse()
+    strides.reverse()
+    count = last - first + 1 if math.prod(sizes) else 0
+    return tuple(sizes), (first, count, tuple(strides))
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _shown(index: Index | None) -> str:
+    if not index:
+        return ""
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in index) + "]"
 
 
 def _unreadable(describe: str, file: Path, exc: BaseException) -> str:

@@ -4,6 +4,8 @@ The rules of a model are looked up by its ``config.model_type`` (models without 
 none), in this order:
 
 1. rules registered with :func:`register_checkpoint_rules` (a user's own, or an override);
+   a checkpoint that holds every state of the model under the model's own name gets only
+   these (the next two convert other layouts);
 2. transformers' own conversion mapping for the model (the one ``from_pretrained`` applies),
    read when every transform in it is a plain rename or an expert merge this library can
    express (``WeightRenaming``; ``WeightConverter`` with ``MergeModulelist(dim=0)``, then
@@ -138,13 +140,20 @@ def _from_transformers(model: Any) -> tuple[Rule, ...] | None:
     return tuple(rules)
 
 
-def checkpoint_rules(model: Any) -> tuple[Rule, ...]:
-    """The rules ``model``'s checkpoints are read through (empty: read as they are)."""
+def checkpoint_rules(model: Any, *, complete: bool = False) -> tuple[Rule, ...]:
+    """The rules ``model``'s checkpoints are read through (empty: read as they are).
+
+    ``complete``: the checkpoint already holds every state of the model under the model's own
+    name. Only rules registered for the model type then apply: transformers' mapping and the
+    built-in rules convert other layouts, and building transformers' mapping costs a good part
+    of a second in each process."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not isinstance(model_type, str):
         return ()
     if model_type in _USER:
         return _USER[model_type]
+    if complete:
+        return ()
     found = _from_transformers(model)
     if found is not None:
         return found
