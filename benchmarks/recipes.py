@@ -67,6 +67,10 @@ def fsdp2_reset(job: Job) -> Outcome:
     return _build(job, "fsdp2", fsdp_builder.ResetParameters())
 
 
+def fsdp2_stream(job: Job) -> Outcome:
+    return _build(job, "fsdp2", _cls("StreamInit")(seed=job.seed))
+
+
 def fsdp2_shard_first(job: Job) -> Outcome:
     return _build(job, "fsdp2", _cls("ShardFirstReset")(seed=job.seed))
 
@@ -143,6 +147,18 @@ _CANDIDATES: tuple[tuple[Recipe, tuple[str, ...]], ...] = (
             per_unit=True,
         ),
         ("FullyShardBuilder", "ShardFirstReset"),
+    ),
+    (
+        Recipe(
+            "builder_fsdp2_stream",
+            "builder",
+            "init",
+            fsdp2_stream,
+            "FullyShardBuilder, StreamInit (its default): shard on meta, fill local shards with "
+            "world-size-invariant values",
+            per_unit=True,
+        ),
+        ("FullyShardBuilder", "StreamInit"),
     ),
     (
         Recipe(

@@ -15,6 +15,7 @@ SAME_JOB = {
     "builder_fsdp1_reset": "fsdp1_meta",
     "builder_fsdp2_reset": "fsdp2_meta",
     "builder_fsdp2_shard_first": "fsdp2_meta",
+    "builder_fsdp2_stream": "fsdp2_meta",
 }
 SYNC_NOTE = (
     "Sync throughput compares the time of the synchronize stage of `builder_fsdp1_bcast` "
