@@ -750,3 +750,24 @@ def test_the_safetensors_reader_refuses_a_damaged_file(tmp_path: Path, damage: s
     why = "C64, not supported" if damage == "unknown dtype" else "not a state dict"
     with pytest.raises(SourceError, match=why):
         SafetensorsSource(f"'{file}'", {file: None})
+
+
+@pytest.mark.parametrize(("seed", "raised"), [(2, IndexError), (20, KeyError)])
+def test_bytes_torch_load_chokes_on_are_not_a_state_dict(
+    tmp_path: Path, seed: int, raised: type[Exception]
+) -> None:
+    import io
+    import random
+
+    from fsdp_builder.sources.base import SourceError
+    from fsdp_builder.sources.torch_files import load_state_dict_file
+
+    data = random.Random(seed).randbytes(4096)
+    # The premise: torch.load fails on these bytes with an exception of its own choosing.
+    with pytest.raises(raised), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    path = tmp_path / "random.pt"
+    path.write_bytes(data)
+    with pytest.raises(SourceError, match=r"is not a state dict \(torch\.load failed"):
+        load_state_dict_file(path, f"'{path}'")

@@ -8,7 +8,6 @@ opening one maps it without reading its values; reads then touch only the pages 
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,9 @@ def load_state_dict_file(path: Path, describe: str) -> Mapping[str, torch.Tensor
             loaded: Any = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # not a zip file: mmap is not possible, read it whole
             loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
+    # Unpickling arbitrary bytes can fail with almost any exception type (IndexError, KeyError,
+    # struct.error, UnicodeDecodeError...): each means the file is not a torch.save state dict.
+    except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SourceError(
             f"{describe} is not a state dict (torch.load failed: {first[:200]})"
