@@ -109,6 +109,21 @@ def test_modules_without_an_initializer_are_named_together() -> None:
     assert "inner.0" not in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["ResetParameters", "ShardFirstReset", "StreamInit"])
+def test_the_refusal_names_the_materializer_that_was_given(name: str) -> None:
+    import fsdp_builder
+    from fsdp_builder.planning.ignored import IgnoredStates
+    from fsdp_builder.planning.plan import plan_units
+    from fsdp_builder.planning.wrap import WrapPolicy
+
+    model = on_meta(TwoStrangers)
+    plan = plan_units(model, WrapPolicy(), IgnoredStates())
+    with pytest.raises(
+        MaterializationError, match=rf"^`{name}` cannot initialize .*first \(NoInit\)"
+    ):
+        getattr(fsdp_builder, name)().check(plan, IgnoredStates())
+
+
 def test_a_failing_initializer_names_the_module_and_its_type() -> None:
     model = on_meta(lambda: nn.Sequential(nn.Linear(2, 2), Broken()))
     with pytest.raises(MaterializationError, match=r"'1' \(Broken\).*RuntimeError: boom"):

@@ -408,8 +408,8 @@ class ResetParameters(BaseMaterializer):
         missing = _uninitializable(plan, ignored, meta_only=True)
         if missing:
             raise MaterializationError(
-                "`ResetParameters` cannot initialize these modules on the meta device because "
-                f"they have no initializer: {', '.join(missing)}. {_NO_INITIALIZER_FIX}"
+                f"`{type(self).__name__}` cannot initialize these modules on the meta device "
+                f"because they have no initializer: {', '.join(missing)}. {_NO_INITIALIZER_FIX}"
             )
 
     @override

@@ -237,15 +237,6 @@ class ShardFirstReset(ResetParameters):
     shard_first: ClassVar[bool] = True
 
     @override
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        try:
-            super().check(plan, ignored)
-        except MaterializationError as exc:
-            raise MaterializationError(
-                str(exc).replace("`ResetParameters`", "`ShardFirstReset`")
-            ) from exc
-
-    @override
     def prepare(self, env: Environment) -> MaterializerRun:
         """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module

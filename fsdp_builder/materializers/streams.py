@@ -61,8 +61,8 @@ from fsdp_builder.materializers.initializers import (
     seed_generators,
 )
 from fsdp_builder.materializers.sharded import ShardFirstRun, agree_on_seed, fork_devices
-from fsdp_builder.planning.ignored import IgnoredStates, clean_name
-from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.planning.ignored import clean_name
+from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import local_tensor, module_names, qualified
 
@@ -608,15 +608,6 @@ class StreamInit(ResetParameters):
     seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
     communicates: ClassVar[bool] = False  # only prepare() communicates
     shard_first: ClassVar[bool] = True
-
-    @override
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        try:
-            super().check(plan, ignored)
-        except MaterializationError as exc:
-            raise MaterializationError(
-                str(exc).replace("`ResetParameters`", "`StreamInit`")
-            ) from exc
 
     @override
     def prepare(self, env: Environment) -> MaterializerRun:
