@@ -30,11 +30,14 @@ from fsdp_builder import (
     FromCheckpoint,
     FSDPBuilder,
     FullyShardBuilder,
+    MaterializationError,
+    ShardFirstReset,
     ShardingBuilder,
     StreamInit,
     save_hf_checkpoint,
 )
 from fsdp_builder.planning.ignored import clean_name
+from fsdp_builder.runtime.tree import local_tensor
 from fsdp_builder.tools.demo import full_state_dict
 
 pytestmark = pytest.mark.timeout(420)
@@ -400,6 +403,45 @@ def test_deterministic_init_is_like_eager_and_world_size_invariant(
     assert set(single) == set(got["state"])
     for name, value in single.items():
         assert torch.equal(got["state"][name], value), f"{family} {name} depends on world size"
+
+
+# Models whose _init_weights writes modules without reset_parameters (BERT's prediction-head
+# bias, Gemma's RMSNorm weight): their writes must count on the local shards too.
+SHARD_FIRST = ["bert", "gemma"]
+
+
+@pytest.mark.parametrize("family", SHARD_FIRST)
+def test_shard_first_reset_on_fsdp2_is_like_eager(world1: None, family: str) -> None:
+    states = []
+    for seed in SEEDS:
+        sharded = FullyShardBuilder().materialize(ShardFirstReset(seed=seed)).build(make(family))
+        for name, t in [*sharded.named_parameters(), *sharded.named_buffers()]:
+            assert not local_tensor(t).is_meta, f"{family} {name} is still on meta"
+        state = full_state_dict(sharded)
+        check_embeddings(family, state, tied(sharded))
+        if seed == SEEDS[0]:
+            for name, value in eager(family, 0).named_buffers():
+                assert torch.equal(buffers(sharded)[name], value), f"{family}: buffer {name}"
+        states.append(state)
+    # Norm weights and biases are constants: equal to eager's, not merely of the same spread.
+    check_like_eager(family, states, SEEDS)
+
+
+def test_shard_first_reset_refuses_an_init_weights_that_skips_a_module(world1: None) -> None:
+    config, cls = _configs()["bert"]
+    head = transformers.models.bert.modeling_bert.BertLMPredictionHead
+
+    class Skipping(cls):  # type: ignore[valid-type, misc]
+        def _init_weights(self, module: nn.Module) -> None:
+            if not isinstance(module, head):
+                super()._init_weights(module)
+
+    with torch.device("meta"):
+        model = Skipping(config)
+    with pytest.raises(
+        MaterializationError, match=r"_init_weights does not set bias of BertLMPredictionHead"
+    ):
+        FullyShardBuilder().materialize(ShardFirstReset(seed=0)).build(model)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -241,16 +241,21 @@ def _direct(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _version(tensor: torch.Tensor) -> int:
-    """The version counter of the storage a write reaches: a DTensor's local shard, which a
-    shard-local initializer writes directly (the wrapper's own counter stays put)."""
-    return int(getattr(tensor, "_local_tensor", tensor)._version)
+def _version(tensor: torch.Tensor) -> tuple[int, int]:
+    """The version counters of a tensor and of its local shard (itself unless a DTensor).
+
+    A DTensor counts a write on one of the two only: an in-place op on the DTensor bumps the
+    wrapper's counter, while DTensor dispatch runs the op on the shard below autograd, where
+    nothing bumps the shard's; a shard-local initializer (StreamInit) writes the shard directly
+    and leaves the wrapper's counter put."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return int(tensor._version), int(local._version)
 
 
-def _unwritten(module: nn.Module, versions: dict[str, int]) -> list[str]:
-    # An in-place write bumps a tensor's version counter: "written" is decided without ever
-    # reading values, so fresh (uninitialized) storage cannot fool it.
-    return [n for n, t in _direct(module) if _version(t) == versions.get(n, -1)]
+def _unwritten(module: nn.Module, versions: dict[str, tuple[int, int]]) -> list[str]:
+    # An in-place write bumps a version counter: "written" is decided without ever reading
+    # values, so fresh (uninitialized) storage cannot fool it.
+    return [n for n, t in _direct(module) if _version(t) == versions.get(n)]
 
 
 def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> None:
