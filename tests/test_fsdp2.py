@@ -744,3 +744,40 @@ def test_ignored_parameters_and_modules_stay_unsharded(world1: None) -> None:
     FullyShardBuilder().device(CPUDevice()).ignore(states=[norm_weight]).build(model)
     assert model.norm.weight is norm_weight and not isinstance(norm_weight, DTensor)
     assert isinstance(model.norm.bias, DTensor)
+
+
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    # FSDP2's own records of each sharded parameter (the state its forward starts from).
+    found = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+            found += [p for g in groups if g is not None for p in g.fsdp_params]
+    return found
+
+
+def test_shard_first_build_leaves_fsdp_state_as_to_empty_does(world1: None) -> None:
+    """After a shard-first build FSDP2 points at the new local shards, as after plain
+    ``fully_shard`` on meta + ``to_empty`` (whose ``FSDPModule._apply`` re-points them): no
+    meta shard is left for the first forward to replace."""
+    with pytest.warns(UserWarning, match="NO_SHARD instead of FULL_SHARD"):
+        built = (
+            FullyShardBuilder()
+            .device(CPUDevice())
+            .wrap(Block)
+            .build(make_model(CFG, device="meta"))
+        )
+    plain = make_model(CFG, device="meta")
+    for block in plain.modules():
+        if isinstance(block, Block):
+            fully_shard(block)
+    fully_shard(plain)
+    plain.to_empty(device="cpu")
+    for model in (plain, built):
+        records = _fsdp_params(model)
+        assert len(records) == len(list(model.parameters())) > 0
+        for record in records:
+            local = record.sharded_param._local_tensor
+            assert not record._sharded_param_data.is_meta
+            assert record._sharded_param_data.data_ptr() == local.data_ptr()

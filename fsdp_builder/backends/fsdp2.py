@@ -185,13 +185,19 @@ def check_reshard_divides(value: bool | int | None, shard_size: int, what: str, 
     )
 
 
+# fully_shard's own defaults, shared across units as its signature shares them (it never
+# changes a policy it is given).
+_NO_MIXED_PRECISION = MixedPrecisionPolicy()
+_NO_OFFLOAD = OffloadPolicy()
+
+
 def mixed_precision_policy(
     policy: MixedPrecision | MixedPrecisionPolicy | None, is_root: bool
 ) -> MixedPrecisionPolicy:
     """The FSDP2 policy for one unit: a MixedPrecisionPolicy as given, an FSDP1 MixedPrecision
     mapped (refusing the fields FSDP2 has no counterpart for)."""
     if policy is None:
-        return MixedPrecisionPolicy()
+        return _NO_MIXED_PRECISION
     if isinstance(policy, MixedPrecisionPolicy):
         return policy
     if policy.buffer_dtype is not None:
@@ -238,7 +244,7 @@ def offload_policy(options: ShardingOptions, device: torch.device) -> OffloadPol
         return offload
     if offload is None or not offload.offload_params or device.type == "cpu":
         # Computing on the CPU: sharded parameters already live there.
-        return OffloadPolicy()
+        return _NO_OFFLOAD
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
@@ -254,6 +260,8 @@ def ignored_params_kwargs(
     unit_module: nn.Module, ignored: frozenset[nn.Parameter], fn: Callable[..., Any] = fully_shard
 ) -> dict[str, Any]:
     """``{"ignored_params": ...}`` for the ignored parameters under ``unit_module``, if any."""
+    if not ignored:
+        return {}
     mine = {p for p in unit_module.parameters() if p in ignored}
     if not mine:
         return {}

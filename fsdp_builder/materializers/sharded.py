@@ -62,6 +62,7 @@ from fsdp_builder.runtime.tree import (
     has_meta_states,
     local_tensor,
     needs_materialization,
+    settle_fsdp2_shards,
     unit_modules,
 )
 
@@ -204,6 +205,7 @@ class ShardFirstRun:
         with self.init.scope(unit, modules):
             initialize_children_first(unit.module, unit.fqn, modules, init, self.who, self.fix)
         fill_buffers(modules, self.computed, env.device)
+        settle_fsdp2_shards(unit.module)
         return _owned_bytes(modules)
 
     def close(self) -> None:

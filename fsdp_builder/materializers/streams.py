@@ -478,7 +478,7 @@ class _StreamedInit:
         for module in modules:
             base = qualified(unit.fqn, names.get(id(module), ""))
             for local_name, param in module._parameters.items():
-                if param is not None and param not in ignored:
+                if param is not None and not (ignored and param in ignored):
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
         # The generators are saved once per unit (each module seeds them before it draws):
         # saving and restoring them per module costs more than a small module's draws.

@@ -220,8 +220,10 @@ def buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
 
 def managed_params(module: nn.Module, ignored: IgnoredStates) -> Iterator[nn.Parameter]:
     """Parameters of ``module`` the sharding manages: not ignored, not already flattened."""
+    # Hashing a tensor is a Python call: skip the membership test when nothing is ignored.
+    skip = ignored.params
     for p in module.parameters():
-        if p not in ignored.params and not _is_flattened(p):
+        if not (skip and p in skip) and not _is_flattened(p):
             yield p
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from types import TracebackType
 from typing import Any
 
 import attrs
@@ -55,33 +55,12 @@ class BuildReport:
     device: str = ""
     records: list[StageRecord] = attrs.field(factory=list)
 
-    @contextlib.contextmanager
     def measure(
         self, stage: str, unit: str, device: torch.device, logger: Any
-    ) -> Iterator[StageMeter]:
-        """Time the block and record it; ``logger`` (the build's) gets a ``build_stage``
-        event."""
-        meter = StageMeter()
-        start = time.perf_counter()
-        yield meter
-        record = StageRecord(
-            stage=stage,
-            unit=unit,
-            seconds=time.perf_counter() - start,
-            bytes=meter.bytes,
-            comm_bytes=meter.comm_bytes,
-            peak_bytes=peak_memory_bytes(device),
-        )
-        self.records.append(record)
-        logger.debug(
-            "build_stage",
-            stage=stage,
-            unit=unit,
-            seconds=round(record.seconds, 6),
-            bytes=record.bytes,
-            comm_bytes=record.comm_bytes,
-            peak_bytes=record.peak_bytes,
-        )
+    ) -> AbstractContextManager[StageMeter]:
+        """Time the block and record it (not when it raises); ``logger`` (the build's) gets a
+        ``build_stage`` event."""
+        return _Measurement(self, stage, unit, device, logger)
 
     def stages(self) -> list[dict[str, Any]]:
         """Per stage totals, in first-seen order."""
@@ -131,3 +110,50 @@ class BuildReport:
                 f"{s['comm_bytes'] / mib:>9.2f} {s['peak_bytes'] / mib:>9.1f}"
             )
         return "\n".join(lines)
+
+
+class _Measurement:
+    """One ``BuildReport.measure`` block: a plain context manager (runs several times per unit,
+    where a generator-based one costs a generator and its frame each time)."""
+
+    __slots__ = ("device", "logger", "meter", "report", "stage", "start", "unit")
+
+    def __init__(
+        self, report: BuildReport, stage: str, unit: str, device: torch.device, logger: Any
+    ) -> None:
+        self.report, self.stage, self.unit = report, stage, unit
+        self.device, self.logger = device, logger
+        self.meter = StageMeter()
+        self.start = 0.0
+
+    def __enter__(self) -> StageMeter:
+        self.start = time.perf_counter()
+        return self.meter
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            return
+        meter = self.meter
+        record = StageRecord(
+            stage=self.stage,
+            unit=self.unit,
+            seconds=time.perf_counter() - self.start,
+            bytes=meter.bytes,
+            comm_bytes=meter.comm_bytes,
+            peak_bytes=peak_memory_bytes(self.device),
+        )
+        self.report.records.append(record)
+        self.logger.debug(
+            "build_stage",
+            stage=record.stage,
+            unit=record.unit,
+            seconds=round(record.seconds, 6),
+            bytes=record.bytes,
+            comm_bytes=record.comm_bytes,
+            peak_bytes=record.peak_bytes,
+        )

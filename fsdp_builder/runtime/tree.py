@@ -88,7 +88,7 @@ def needs_materialization(modules: Iterable[nn.Module], ignored: IgnoredStates) 
     """True when a managed parameter or a buffer of these modules is on the meta device."""
     for m in modules:
         params = (p for p in m._parameters.values() if p is not None)
-        if any(p.is_meta for p in params if p not in ignored.params):
+        if any(p.is_meta for p in params if not (ignored.params and p in ignored.params)):
             return True
         if any(b.is_meta for b in m._buffers.values() if b is not None):
             return True
@@ -132,6 +132,26 @@ def allocate_empty(
             allocated += sum(t.numel() * t.element_size() for t in direct_states(m))
     retie(tied)
     return allocated
+
+
+def settle_fsdp2_shards(unit_root: nn.Module) -> None:
+    """After the DTensor parameters of an FSDP2 unit got storage module by module (not through
+    ``to_empty`` on the FSDP module, whose ``_apply`` does this), point FSDP2's own references
+    at the new shards, as that ``_apply`` does: the meta shards and their specs are freed now,
+    not at the first forward, and the unit is in the state plain ``to_empty`` leaves it in.
+    A module that is not an FSDP2 unit is left alone."""
+    get_state = getattr(unit_root, "_get_fsdp_state", None)
+    if get_state is None:
+        return
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch releases with one group per module
+        single = getattr(state, "_fsdp_param_group", None)
+        groups = [] if single is None else [single]
+    with torch.no_grad():
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
 
 
 def retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
