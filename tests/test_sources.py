@@ -771,3 +771,40 @@ def test_bytes_torch_load_chokes_on_are_not_a_state_dict(
     path.write_bytes(data)
     with pytest.raises(SourceError, match=r"is not a state dict \(torch\.load failed"):
         load_state_dict_file(path, f"'{path}'")
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_checks_for_nonfinite_run_by_run_as_a_gpt2_folder_is_read(
+    world1: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, poisoned: bool
+) -> None:
+    """Tensors are read in runs of rows, each checked for NaN/inf right after its read: a NaN
+    in a late run of one tensor is named, and the values are the folder's, bit for bit."""
+    from transformers import GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    import fsdp_builder.materializers.checkpoints as checkpoints
+
+    torch.manual_seed(0)
+    saved = GPT2LMHeadModel(gpt2_config())
+    poisoned_name = "transformer.h.1.mlp.c_fc.weight"  # Conv1D: 32 rows of 128
+    if poisoned:
+        with torch.no_grad():
+            saved.get_parameter(poisoned_name)[29, 5] = float("nan")
+    saved.save_pretrained(tmp_path)
+    # Four rows (2 KiB) per run: that weight is read in eight runs, the NaN in the last one.
+    monkeypatch.setattr(checkpoints, "CHECK_RUN_BYTES", 4 * 128 * 4)
+    model = meta_hf("gpt2", torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = builder(backend).wrap(GPT2Block).materialize(FromCheckpoint(tmp_path)).build(model)
+    named = [str(w.message) for w in caught if "NaN or inf" in str(w.message)]
+    if poisoned:
+        assert len(named) == 1 and poisoned_name in named[0], named
+    else:
+        assert not named, named
+    state = full_state_dict(built)
+    expected = saved.state_dict()
+    for name, value in state.items():
+        assert torch.equal(value.isnan(), expected[name].isnan()), name
+        assert torch.equal(value.nan_to_num(), expected[name].nan_to_num()), name

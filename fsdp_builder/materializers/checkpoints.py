@@ -62,6 +62,7 @@ from fsdp_builder.materializers.loading import (
 )
 from fsdp_builder.materializers.nonfinite import (
     check_nonfinite_mode,
+    holds_nonfinite,
     nonfinite_names,
     nonfinite_verdict,
 )
@@ -71,7 +72,7 @@ from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
-from fsdp_builder.sources.base import read_into
+from fsdp_builder.sources.base import Index, ReadsInto, read_into
 
 log = structlog.get_logger(__name__)
 
@@ -387,17 +388,66 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointSource:
 def fill(source: CheckpointSource, targets: Mapping[str, torch.Tensor]) -> None:
     """Write each checkpoint entry into its target (a tensor, or a DTensor whose local part is
     read alone), converting dtypes."""
+    fill_checked(source, targets, check=False)
+
+
+def fill_checked(
+    source: CheckpointSource, targets: Mapping[str, torch.Tensor], *, check: bool = True
+) -> list[str]:
+    """``fill``, returning the keys whose values hold NaN or inf (none when ``check`` is
+    False). A tensor is read in runs of rows, each checked right after its read, while its
+    bytes are still in the cache: checking after the whole unit was read costs a second pass
+    over memory, about half as long again as the read itself."""
     if isinstance(source, FillsTargets):
         source.fill(targets)
-        return
+        return nonfinite_names(targets.items()) if check else []
+    bad: list[str] = []
+    # Whether the source reads in place is asked once: a protocol check costs a Python walk of
+    # the protocol's members, and a large tensor is read in many runs.
+    reader: Callable[[str, Index | None, torch.Tensor], None] = (
+        source.read_into if isinstance(source, ReadsInto) else partial(read_into, source)
+    )
     with torch.no_grad():
         for key, target in targets.items():
             if isinstance(target, DTensor):
                 local = target.to_local()
-                if local.numel():
-                    read_into(source, key, local_index(target), local)
-            else:
-                read_into(source, key, None, target)
+                if local.numel() and _read_rows(reader, key, local_index(target), local, check):
+                    bad.append(key)
+            elif _read_rows(reader, key, None, target, check):
+                bad.append(key)
+    return bad
+
+
+# How much of a tensor is read before that part is checked: well inside a core's share of the
+# last-level cache.
+CHECK_RUN_BYTES = 4 << 20
+
+
+def _read_rows(
+    reader: Callable[[str, Index | None, torch.Tensor], None],
+    key: str,
+    index: Index | None,
+    out: torch.Tensor,
+    check: bool,
+) -> bool:
+    """Read ``key[index]`` into ``out``; with ``check``, in runs of rows of about
+    ``CHECK_RUN_BYTES``, each checked for NaN/inf after its read. True when one holds any."""
+    rows = out.shape[0] if out.dim() else 0
+    row_bytes = out[0].numel() * out.element_size() if rows else 0
+    if not check or rows < 2 or rows * row_bytes <= CHECK_RUN_BYTES or not out.is_contiguous():
+        reader(key, index, out)
+        return check and holds_nonfinite(out)
+    first = index[0] if index else slice(0, rows)
+    base, step = first.start or 0, first.step or 1
+    rest = tuple(index[1:]) if index else ()
+    per_run = max(1, CHECK_RUN_BYTES // max(row_bytes, 1))
+    found = False
+    for a in range(0, rows, per_run):
+        b = min(rows, a + per_run)
+        run = out[a:b]
+        reader(key, (slice(base + a * step, base + b * step, step), *rest), run)
+        found = holds_nonfinite(run) or found
+    return found
 
 
 @define
@@ -431,8 +481,9 @@ class LocalRun:
             local = target.to_local() if isinstance(target, DTensor) else target
             written += local.numel() * local.element_size()
         error: MaterializationError | None = None
+        bad: list[str] = []
         try:
-            fill(self.source, targets)
+            bad = fill_checked(self.source, targets, check=self.nonfinite != "ignore")
         except Exception as exc:
             error = MaterializationError(
                 f"`FromCheckpoint` could not read unit '{unit.label}' out of "
@@ -443,7 +494,7 @@ class LocalRun:
         # (FSDP2) a refusal is agreed, every rank taking part, also one whose read failed.
         verdict = nonfinite_verdict(
             self.nonfinite,
-            [] if error is not None else nonfinite_names(loaded),
+            [] if error is not None else [n for n, t in loaded if self.keys[n] in bad],
             loader="FromCheckpoint",
             unit=unit.label,
             source=self.source.describe,

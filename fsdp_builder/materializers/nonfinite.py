@@ -39,18 +39,23 @@ def check_nonfinite_mode(instance: object, attribute: attrs.Attribute[Any], valu
         )
 
 
+def holds_nonfinite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a plain tensor; not meta) holds NaN or inf. Integer tensors never do."""
+    if not (tensor.is_floating_point() or tensor.is_complex()) or not tensor.numel():
+        return False
+    # A finite sum means no NaN or inf (either would make it non-finite); a sum is one pass
+    # with no allocation, about 20 times cheaper than isfinite(t).all() on the CPU.
+    if bool(torch.isfinite(tensor.sum())):
+        return False
+    return not bool(torch.isfinite(tensor).all())  # the sum may have overflowed: look exactly
+
+
 def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the tensors holding NaN or inf (a DTensor: its local part)."""
     bad = []
     for name, tensor in named:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if local.is_meta or not (local.is_floating_point() or local.is_complex()):
-            continue
-        if not local.numel() or bool(torch.isfinite(local.sum())):
-            # A finite sum means no NaN or inf (either would make it non-finite); a sum is one
-            # pass with no allocation, about 20 times cheaper than isfinite(t).all() on the CPU.
-            continue
-        if not bool(torch.isfinite(local).all()):  # the sum may have overflowed: look exactly
+        if not local.is_meta and holds_nonfinite(local):
             bad.append(name)
     return bad
 
@@ -109,4 +114,10 @@ def _listed(names: list[str]) -> str:
     return shown + (f" ... ({len(names)} in all)" if len(names) > _SHOWN else "")
 
 
-__all__ = ["NONFINITE_MODES", "check_nonfinite_mode", "nonfinite_names", "nonfinite_verdict"]
+__all__ = [
+    "NONFINITE_MODES",
+    "check_nonfinite_mode",
+    "holds_nonfinite",
+    "nonfinite_names",
+    "nonfinite_verdict",
+]
