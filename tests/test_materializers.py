@@ -21,6 +21,7 @@ from fsdp_builder import (
     MaterializationError,
     PlanError,
     ResetParameters,
+    StreamInit,
 )
 from fsdp_builder.materializers.initializers import derived_seed
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
@@ -302,3 +303,33 @@ def test_the_suggested_fix_for_a_module_without_an_initializer_works(
     )
     with pytest.raises(ConfigurationError, match=r"register_initializer.*`module_class`"):
         register_initializer(NoInit.__init__, lambda m: None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_stream_init_build_leaves_torch_as_it_found_it(world1: None, fails: bool) -> None:
+    """StreamInit answers torch.nn.init from its streams and seeds torch's generator for the
+    whole build: after it, built or failed, both are the caller's again (an eager draw after
+    the build continues the caller's stream, and nn.init is torch's own)."""
+    from fsdp_builder import CPUDevice, FullyShardBuilder
+
+    originals = {name: getattr(nn.init, name) for name in ("normal_", "uniform_", "zeros_")}
+    model = on_meta(DemoTransformer, CFG)
+    if fails:  # the last unit (the root) fails after the blocks were initialized
+        model.head.reset_parameters = _raise  # type: ignore[method-assign]
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block)
+    builder.materialize(StreamInit(seed=3))
+    with pytest.warns(UserWarning, match="NO_SHARD"):
+        if fails:
+            with pytest.raises(Exception, match="head is broken"):
+                builder.build(model)
+        else:
+            builder.build(model)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(getattr(nn.init, name) is fn for name, fn in originals.items())
+
+
+def _raise() -> None:
+    raise RuntimeError("head is broken")

@@ -139,6 +139,10 @@ class ShardFirstInit(Protocol):
         """Give ``module`` (on meta before this unit, now with local storage) its values."""
         ...
 
+    def close(self) -> None:
+        """The build is over (or failed): put back whatever the scopes kept for the build."""
+        ...
+
 
 def run_seeded(
     module: nn.Module, fqn: str, lineage: Lineage, seed: int, device: torch.device
@@ -163,6 +167,9 @@ class _PerShardSeed:
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         run_seeded(module, fqn, lineage, shard_seed(self.base_seed, self.index, fqn), self.device)
+
+    def close(self) -> None:
+        pass
 
 
 @define
@@ -210,6 +217,7 @@ class ShardFirstRun:
 
     def close(self) -> None:
         self.computed = {}
+        self.init.close()
 
 
 @frozen

@@ -466,12 +466,21 @@ class _StreamedInit:
     seed: int
     env: Environment
     bindings: list[_Binding] = attrs.field(factory=_bindings)
-    streams: _Streams = attrs.field(init=False, factory=lambda: _Streams(0))
+    streams: _Streams = attrs.field(init=False)
     done: list[_Done] = attrs.field(init=False, factory=list)
+    # What the build holds from its first unit to close(): torch's generators saved and
+    # torch.nn.init answered from the streams. Per unit, both cost more than a small unit's
+    # draws; no other step of a build draws random numbers or initializes.
+    held: contextlib.ExitStack | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self.streams = _Streams(self.seed)
 
     @contextlib.contextmanager
     def scope(self, unit: Unit, modules: list[nn.Module]) -> Iterator[None]:
-        self.streams = streams = _Streams(self.seed)
+        streams = self.streams
+        streams.names.clear()
+        streams.draws.clear()
         self.done = []
         names = module_names(unit.module)
         ignored = self.env.ignored.params
@@ -480,16 +489,22 @@ class _StreamedInit:
             for local_name, param in module._parameters.items():
                 if param is not None and not (ignored and param in ignored):
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
-        # The generators are saved once per unit (each module seeds them before it draws):
-        # saving and restoring them per module costs more than a small module's draws.
+        if self.held is None:
+            held = contextlib.ExitStack()
+            held.enter_context(torch.random.fork_rng(devices=fork_devices(self.env.device)))
+            held.enter_context(streamed_init(streams, self.bindings))
+            self.held = held
         try:
-            with (
-                torch.random.fork_rng(devices=fork_devices(self.env.device)),
-                streamed_init(streams, self.bindings),
-            ):
-                yield
+            yield
         finally:
+            # Between units nothing is named: torch.nn.init answers as torch does.
+            streams.names.clear()
             self.done = []
+
+    def close(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            held.close()
 
     def _seeded(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         seed_generators(derived_seed(self.seed, fqn), self.env.device)
