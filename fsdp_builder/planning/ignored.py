@@ -136,15 +136,11 @@ def validate_ignore_arguments(
     return module_list, state_list
 
 
-def _wrapped_states(root: nn.Module) -> Iterator[Any]:
-    for sub in root.modules():
-        if isinstance(sub, FullyShardedDataParallel):
-            yield sub
-
-
 def _check_in_model(root: nn.Module, modules: list[Any], params: list[nn.Parameter]) -> None:
     """An ignored module or parameter that is not part of ``root`` would be ignored silently:
     it is almost always one of another model (a copy, a model built twice)."""
+    if not modules and not params:
+        return
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     outside = [
         f"{type(m).__name__} module {i}" for i, m in enumerate(modules) if id(m) not in names
@@ -182,7 +178,9 @@ def resolve_ignored(
         module_list = state_list
 
     _check_in_model(root, module_list, params)
-    roots = module_list + [m for m in root.modules() if is_replicated(m)]
+    every = list(root.modules())
+    wrapped_states = [m for m in every if isinstance(m, FullyShardedDataParallel)]
+    roots = module_list + [m for m in every if is_replicated(m)]
     ignored_modules = {
         child
         for m in roots
@@ -194,19 +192,21 @@ def resolve_ignored(
             f"The root module ({type(root).__name__}) is ignored: nothing of the model will be "
             "sharded. Ignore its children instead if that was not the intent."
         )
-    for wrapped in _wrapped_states(root):
+    for wrapped in wrapped_states:
         ignored_modules.update(getattr(wrapped, "_ignored_modules", ()))
 
     ignored_params = {p for m in ignored_modules for p in m.parameters() if not _is_flattened(p)}
     ignored_params.update(p for p in params if not _is_flattened(p))
-    for wrapped in _wrapped_states(root):
+    for wrapped in wrapped_states:
         ignored_params.update(getattr(wrapped, "_ignored_params", ()))
 
     ignored_buffers = {id(b) for m in ignored_modules for b in m.buffers()}
-    buffer_names = {
-        clean_name(name) for name, buf in root.named_buffers() if id(buf) in ignored_buffers
-    }
-    for wrapped in _wrapped_states(root):
+    buffer_names = (
+        {clean_name(name) for name, buf in root.named_buffers() if id(buf) in ignored_buffers}
+        if ignored_buffers
+        else set()
+    )
+    for wrapped in wrapped_states:
         buffer_names.update(getattr(wrapped, "_ignored_buffer_names", ()))
     return IgnoredStates(
         frozenset(ignored_modules), frozenset(ignored_params), frozenset(buffer_names)
@@ -230,6 +230,8 @@ def managed_params(module: nn.Module, ignored: IgnoredStates) -> Iterator[nn.Par
 def check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
     """Ignored states are never materialized: on meta they would be left so; say it now, while
     the model is untouched."""
+    if not ignored.params and not ignored.buffers:
+        return
     buffers = {id(b) for b in ignored.buffers}
     left = [n for n, p in model.named_parameters() if p in ignored.params and p.is_meta]
     left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
