@@ -42,8 +42,9 @@ def nonpersistent_meta(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, st
     return [
         (m, name)
         for m in modules
-        for name, b in m.named_buffers(recurse=False)
-        if name in m._non_persistent_buffers_set and b.is_meta
+        # The module's own dict: named_buffers(recurse=False) builds a generator chain per call.
+        for name, b in m._buffers.items()
+        if b is not None and name in m._non_persistent_buffers_set and b.is_meta
     ]
 
 

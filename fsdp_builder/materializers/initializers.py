@@ -103,10 +103,13 @@ def buffers_to_compute(
     sets (all of them when ``initialized`` is False: a loader runs no initializer), computed by
     the model's whole-model initializer (see ``fsdp_builder.materializers.buffers``). Local."""
     modules = [m for m in model.modules() if m not in ignored.modules]
+    candidates = nonpersistent_meta(modules)
+    if not candidates:
+        return compute_buffers(model, [])
     found = lineages(model) if initialized else {}
     wanted = [
         (m, name)
-        for m, name in nonpersistent_meta(modules)
+        for m, name in candidates
         if not initialized or initializer_of(m, found.get(id(m), NO_LINEAGE)) is None
     ]
     return compute_buffers(model, wanted)
