@@ -795,9 +795,16 @@ def test_checks_for_nonfinite_run_by_run_as_a_gpt2_folder_is_read(
     # Four rows (2 KiB) per run: that weight is read in eight runs, the NaN in the last one.
     monkeypatch.setattr(checkpoints, "CHECK_RUN_BYTES", 4 * 128 * 4)
     model = meta_hf("gpt2", torch.float32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        built = builder(backend).wrap(GPT2Block).materialize(FromCheckpoint(tmp_path)).build(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as launchers set it per rank: the checks then go run by run
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built = (
+                builder(backend).wrap(GPT2Block).materialize(FromCheckpoint(tmp_path)).build(model)
+            )
+    finally:
+        torch.set_num_threads(threads)
     named = [str(w.message) for w in caught if "NaN or inf" in str(w.message)]
     if poisoned:
         assert len(named) == 1 and poisoned_name in named[0], named
