@@ -1,23 +1,58 @@
-import json, statistics, glob, sys
-rows = []
-for side in ("before", "after"):
+"""The before/after table of ab.md from the records next to this file.
+
+Each build's CPU time is divided by the plain build's of the same repeat (the machine's speed
+swings between runs, less within one repeat); medians over every build of a side.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+
+
+def side_rows(side: str, backend: str) -> str:
+    builder_cpu: list[float] = []
+    plain_cpu: list[float] = []
+    builder_wall: list[float] = []
+    plain_wall: list[float] = []
+    paired: list[float] = []
+    for path in sorted(HERE.glob(f"{side}[0-9]*.json")):
+        by_repeat: dict[int, dict[str, Any]] = {}
+        for record in json.loads(path.read_text())["units"]["records"]:
+            if record["backend"] == backend and not record.get("error"):
+                by_repeat.setdefault(record["repeat"], {})[record["family"]] = record
+        for families in by_repeat.values():
+            if "builder" in families and "baseline" in families:
+                built, plain = families["builder"], families["baseline"]
+                builder_cpu.append(built["cpu_seconds"])
+                plain_cpu.append(plain["cpu_seconds"])
+                builder_wall.append(built["seconds"])
+                plain_wall.append(plain["seconds"])
+                paired.append(built["cpu_seconds"] / plain["cpu_seconds"])
+    median = statistics.median
+    low, _, high = statistics.quantiles(paired, n=4)
+    return (
+        f"| {backend} | {side} | {len(paired)} | {median(builder_wall):.2f} | "
+        f"{median(plain_wall):.2f} | {median(builder_cpu):.2f} | {median(plain_cpu):.2f} | "
+        f"{median(builder_cpu) / median(plain_cpu):.2f} | {median(paired):.2f} | "
+        f"{low:.2f}–{high:.2f} |"
+    )
+
+
+def main() -> None:
+    print(
+        "| backend | code | builds | builder wall s | plain wall s | builder CPU s | plain CPU s "
+        "| CPU ratio of medians | median paired CPU ratio | paired ratio, middle half |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for backend in ("fsdp1", "fsdp2"):
-        b_cpu, p_cpu, b_wall, p_wall, paired = [], [], [], [], []
-        for f in sorted(glob.glob(f"benchmarks/results/units/third/{side}[0-9]*.json")):
-            recs = json.load(open(f))["units"]["records"]
-            by = {}
-            for r in recs:
-                if r["backend"] == backend and not r.get("error"):
-                    by.setdefault(r["repeat"], {})[r["family"]] = r
-            for rep, fam in by.items():
-                if "builder" in fam and "baseline" in fam:
-                    b, p = fam["builder"], fam["baseline"]
-                    b_cpu.append(b["cpu_seconds"]); p_cpu.append(p["cpu_seconds"])
-                    b_wall.append(b["seconds"]); p_wall.append(p["seconds"])
-                    paired.append(b["cpu_seconds"] / p["cpu_seconds"])
-        m = statistics.median
-        q = statistics.quantiles(paired, n=4)
-        rows.append(f"| {backend} | {side} | {len(paired)} | {m(b_wall):.2f} | {m(p_wall):.2f} | {m(b_cpu):.2f} | {m(p_cpu):.2f} | {m(b_cpu)/m(p_cpu):.2f} | {m(paired):.2f} | {q[0]:.2f}–{q[2]:.2f} |")
-print("| backend | code | builds | builder wall s | plain wall s | builder CPU s | plain CPU s | CPU ratio of medians | median paired CPU ratio | paired ratio, middle half |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
-print("\n".join(sorted(rows)))
+        for side in ("after", "before"):
+            print(side_rows(side, backend))
+
+
+if __name__ == "__main__":
+    main()
