@@ -39,7 +39,7 @@ def side_rows(side: str, backend: str) -> str:
         f"| {backend} | {side} | {len(paired)} | {median(builder_wall):.2f} | "
         f"{median(plain_wall):.2f} | {median(builder_cpu):.2f} | {median(plain_cpu):.2f} | "
         f"{median(builder_cpu) / median(plain_cpu):.2f} | {median(paired):.2f} | "
-        f"{low:.2f}–{high:.2f} |"
+        f"{low:.2f}\u2013{high:.2f} |"
     )
 
 
