@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -357,10 +358,28 @@ def cases(world: int) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     strategy, groups = _shard_first_layout(world)
     yield ("load", "odd"), lambda: _load_odd(strategy, _groups_of(groups))
     yield ("load", "read_error"), lambda: _load_read_error(strategy, _groups_of(groups))
+    yield "settled_odd", _settled_odd_case
     for name, check in ERRORS.items():
         yield ("errors", name), partial(check, world)
     for name in TIED:
         yield ("tied", name), partial(_tied_case, name)
+
+
+def _settled_odd_case() -> dict[str, Any]:
+    """The default (shard-first) build of uneven shards: what FSDP2 records of each parameter
+    after the build (its padded shard, as ``to_empty`` on the FSDP module leaves it), and the
+    full weights."""
+    model = FullyShardBuilder().device(CPUDevice()).wrap(OddBlock).build(_odd_model("meta"))
+    records = [
+        (
+            not r._sharded_param_data.is_meta,
+            r._sharded_param_data.numel() == math.prod(r.padded_sharded_param_size),
+            r._sharded_param_data.data_ptr() == r.sharded_param._local_tensor.data_ptr()
+            or not r.sharded_param._local_tensor.numel(),
+        )
+        for r in _fsdp_params(model)
+    ]
+    return {"records": records, "state": full_state_dict(model)}
 
 
 def rank_main(world: int) -> Results:
@@ -781,3 +800,18 @@ def test_shard_first_build_leaves_fsdp_state_as_to_empty_does(world1: None) -> N
             local = record.sharded_param._local_tensor
             assert not record._sharded_param_data.is_meta
             assert record._sharded_param_data.data_ptr() == local.data_ptr()
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_uneven_shards_are_settled_and_world_size_invariant(world1: None, size: int) -> None:
+    """Uneven shards (5 and 1 rows over 2 and 4 ranks): after the default build FSDP2 holds
+    each padded shard, and the full weights are those of a one-rank build (in this process)."""
+    ranks = scenario(size, "settled_odd")
+    with pytest.warns(UserWarning, match="NO_SHARD"):
+        one_rank = _settled_odd_case()
+    assert all(all(r) for r in one_rank["records"])
+    for got in ranks:
+        assert got["records"] and all(all(r) for r in got["records"]), got["records"]
+        assert got["state"].keys() == one_rank["state"].keys()
+        for key, value in one_rank["state"].items():
+            assert torch.equal(got["state"][key], value), key

@@ -784,6 +784,7 @@ def test_checks_for_nonfinite_run_by_run_as_a_gpt2_folder_is_read(
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     import fsdp_builder.materializers.checkpoints as checkpoints
+    import fsdp_builder.materializers.nonfinite as nonfinite
 
     torch.manual_seed(0)
     saved = GPT2LMHeadModel(gpt2_config())
@@ -794,6 +795,13 @@ def test_checks_for_nonfinite_run_by_run_as_a_gpt2_folder_is_read(
     saved.save_pretrained(tmp_path)
     # Four rows (2 KiB) per run: that weight is read in eight runs, the NaN in the last one.
     monkeypatch.setattr(checkpoints, "CHECK_RUN_BYTES", 4 * 128 * 4)
+    checked: list[tuple[int, ...]] = []
+
+    def holds_nonfinite(tensor: torch.Tensor) -> bool:
+        checked.append(tuple(tensor.shape))
+        return nonfinite.holds_nonfinite(tensor)
+
+    monkeypatch.setattr(checkpoints, "holds_nonfinite", holds_nonfinite)
     model = meta_hf("gpt2", torch.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as launchers set it per rank: the checks then go run by run
@@ -805,6 +813,8 @@ def test_checks_for_nonfinite_run_by_run_as_a_gpt2_folder_is_read(
             )
     finally:
         torch.set_num_threads(threads)
+    # Each c_fc weight (32 rows of 128) was checked in eight runs of four rows.
+    assert checked.count((4, 128)) >= 2 * 8, checked
     named = [str(w.message) for w in caught if "NaN or inf" in str(w.message)]
     if poisoned:
         assert len(named) == 1 and poisoned_name in named[0], named

@@ -72,7 +72,7 @@ from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
-from fsdp_builder.sources.base import Index, ReadsInto, read_into
+from fsdp_builder.sources.base import Index, ReadsInto
 
 log = structlog.get_logger(__name__)
 
@@ -403,11 +403,13 @@ def fill_checked(
         source.fill(targets)
         return nonfinite_names(targets.items()) if check else []
     bad: list[str] = []
+
     # Whether the source reads in place is asked once: a protocol check costs a Python walk of
     # the protocol's members, and a large tensor is read in many runs.
-    reader: Callable[[str, Index | None, torch.Tensor], None] = (
-        source.read_into if isinstance(source, ReadsInto) else partial(read_into, source)
-    )
+    def copied(key: str, index: Index | None, out: torch.Tensor) -> None:
+        out.copy_(source.read(key, index))
+
+    reader = source.read_into if isinstance(source, ReadsInto) else copied
     with torch.no_grad():
         for key, target in targets.items():
             if isinstance(target, DTensor):
@@ -440,7 +442,12 @@ def _read_rows(
     # Runs pay off for a sum on the reading thread alone: with several threads each run starts
     # a parallel region (with ranks sharing cores, three times slower in all than one sum), and
     # on an accelerator each run's verdict would be a synchronization.
-    by_runs = out.device.type == "cpu" and torch.get_num_threads() == 1 and out.is_contiguous()
+    by_runs = (
+        (out.is_floating_point() or out.is_complex())
+        and out.device.type == "cpu"
+        and torch.get_num_threads() == 1
+        and out.is_contiguous()
+    )
     if not check or not by_runs or rows < 2 or rows * row_bytes <= CHECK_RUN_BYTES:
         reader(key, index, out)
         return check and holds_nonfinite(out)
@@ -488,9 +495,9 @@ class LocalRun:
             local = target.to_local() if isinstance(target, DTensor) else target
             written += local.numel() * local.element_size()
         error: MaterializationError | None = None
-        bad: list[str] = []
+        bad: set[str] = set()
         try:
-            bad = fill_checked(self.source, targets, check=self.nonfinite != "ignore")
+            bad = set(fill_checked(self.source, targets, check=self.nonfinite != "ignore"))
         except Exception as exc:
             error = MaterializationError(
                 f"`FromCheckpoint` could not read unit '{unit.label}' out of "

@@ -490,10 +490,10 @@ class _StreamedInit:
                 if param is not None and not (ignored and param in ignored):
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
         if self.held is None:
-            held = contextlib.ExitStack()
-            held.enter_context(torch.random.fork_rng(devices=fork_devices(self.env.device)))
-            held.enter_context(streamed_init(streams, self.bindings))
-            self.held = held
+            with contextlib.ExitStack() as entering:  # a half-entered pair is undone at once
+                entering.enter_context(torch.random.fork_rng(devices=fork_devices(self.env.device)))
+                entering.enter_context(streamed_init(streams, self.bindings))
+                self.held = entering.pop_all()
         try:
             yield
         finally:
@@ -601,7 +601,10 @@ class StreamInit(ResetParameters):
 
     ``seed=None`` (the default) takes ``torch.initial_seed()`` of the first rank (shared in
     ``prepare``): ``torch.manual_seed(s)`` before the build changes the weights, as it does
-    for an eager model.
+    for an eager model. Torch's generators are saved at the first unit and restored when the
+    build ends (the caller's random stream continues as if the build drew nothing); in
+    between, a synchronizer of one's own that draws random numbers draws from the state the
+    last initialized module left, the same on every rank.
 
     ``FullyShardBuilder``'s default materializer.
 
