@@ -72,7 +72,7 @@ from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
-from fsdp_builder.sources.base import Index, ReadsInto
+from fsdp_builder.sources.base import Index, reader
 
 log = structlog.get_logger(__name__)
 
@@ -403,20 +403,14 @@ def fill_checked(
         source.fill(targets)
         return nonfinite_names(targets.items()) if check else []
     bad: list[str] = []
-
-    # Whether the source reads in place is asked once: a protocol check costs a Python walk of
-    # the protocol's members, and a large tensor is read in many runs.
-    def copied(key: str, index: Index | None, out: torch.Tensor) -> None:
-        out.copy_(source.read(key, index))
-
-    reader = source.read_into if isinstance(source, ReadsInto) else copied
+    read = reader(source)  # a large tensor is read in many runs
     with torch.no_grad():
         for key, target in targets.items():
             if isinstance(target, DTensor):
                 local = target.to_local()
-                if local.numel() and _read_rows(reader, key, local_index(target), local, check):
+                if local.numel() and _read_rows(read, key, local_index(target), local, check):
                     bad.append(key)
-            elif _read_rows(reader, key, None, target, check):
+            elif _read_rows(read, key, None, target, check):
                 bad.append(key)
     return bad
 
@@ -427,7 +421,7 @@ CHECK_RUN_BYTES = 4 << 20
 
 
 def _read_rows(
-    reader: Callable[[str, Index | None, torch.Tensor], None],
+    read: Callable[[str, Index | None, torch.Tensor], None],
     key: str,
     index: Index | None,
     out: torch.Tensor,
@@ -438,28 +432,30 @@ def _read_rows(
     ``CHECK_RUN_BYTES``, each checked after its read; else after the whole read. True when
     some value is NaN or inf."""
     rows = out.shape[0] if out.dim() else 0
-    row_bytes = out[0].numel() * out.element_size() if rows else 0
     # Runs pay off for a sum on the reading thread alone: with several threads each run starts
     # a parallel region (with ranks sharing cores, three times slower in all than one sum), and
     # on an accelerator each run's verdict would be a synchronization.
     by_runs = (
-        (out.is_floating_point() or out.is_complex())
+        check
+        and rows > 1
+        and (out.is_floating_point() or out.is_complex())
         and out.device.type == "cpu"
         and torch.get_num_threads() == 1
         and out.is_contiguous()
+        and out.numel() * out.element_size() > CHECK_RUN_BYTES
     )
-    if not check or not by_runs or rows < 2 or rows * row_bytes <= CHECK_RUN_BYTES:
-        reader(key, index, out)
+    if not by_runs:
+        read(key, index, out)
         return check and holds_nonfinite(out)
     first = index[0] if index else slice(0, rows)
     base, step = first.start or 0, first.step or 1
     rest = tuple(index[1:]) if index else ()
-    per_run = max(1, CHECK_RUN_BYTES // max(row_bytes, 1))
+    per_run = max(1, CHECK_RUN_BYTES * rows // (out.numel() * out.element_size()))
     found = False
     for a in range(0, rows, per_run):
         b = min(rows, a + per_run)
         run = out[a:b]
-        reader(key, (slice(base + a * step, base + b * step, step), *rest), run)
+        read(key, (slice(base + a * step, base + b * step, step), *rest), run)
         found = holds_nonfinite(run) or found
     return found
 

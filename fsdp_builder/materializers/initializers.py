@@ -105,7 +105,7 @@ def buffers_to_compute(
     modules = [m for m in model.modules() if m not in ignored.modules]
     candidates = nonpersistent_meta(modules)
     if not candidates:
-        return compute_buffers(model, [])
+        return {}
     found = lineages(model) if initialized else {}
     wanted = [
         (m, name)

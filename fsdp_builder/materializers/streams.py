@@ -470,7 +470,7 @@ class _StreamedInit:
     done: list[_Done] = attrs.field(init=False, factory=list)
     # What the build holds from its first unit to close(): torch's generators saved and
     # torch.nn.init answered from the streams. Per unit, both cost more than a small unit's
-    # draws; no other step of a build draws random numbers or initializes.
+    # draws; none of the builder's other steps draws random numbers or initializes.
     held: contextlib.ExitStack | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -483,11 +483,11 @@ class _StreamedInit:
         streams.draws.clear()
         self.done = []
         names = module_names(unit.module)
-        ignored = self.env.ignored.params
+        ignored = self.env.ignored
         for module in modules:
             base = qualified(unit.fqn, names.get(id(module), ""))
             for local_name, param in module._parameters.items():
-                if param is not None and not (ignored and param in ignored):
+                if param is not None and not ignored.ignores(param):
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
         if self.held is None:
             with contextlib.ExitStack() as entering:  # a half-entered pair is undone at once

@@ -72,6 +72,11 @@ class IgnoredStates:
     def buffers(self) -> frozenset[torch.Tensor]:
         return frozenset(b for m in self.modules for b in m.buffers())
 
+    def ignores(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is an ignored parameter. Hashing a tensor is a Python call, made
+        only when something is ignored: this runs for every parameter of every unit."""
+        return bool(self.params) and param in self.params
+
 
 def _check_uniform(states: list[Any], as_states: bool) -> None:
     if not states:
@@ -220,19 +225,17 @@ def buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
 
 def managed_params(module: nn.Module, ignored: IgnoredStates) -> Iterator[nn.Parameter]:
     """Parameters of ``module`` the sharding manages: not ignored, not already flattened."""
-    # Hashing a tensor is a Python call: skip the membership test when nothing is ignored.
-    skip = ignored.params
     for p in module.parameters():
-        if not (skip and p in skip) and not _is_flattened(p):
+        if not ignored.ignores(p) and not _is_flattened(p):
             yield p
 
 
 def check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
     """Ignored states are never materialized: on meta they would be left so; say it now, while
     the model is untouched."""
-    if not ignored.params and not ignored.buffers:
-        return
     buffers = {id(b) for b in ignored.buffers}
+    if not ignored.params and not buffers:
+        return
     left = [n for n, p in model.named_parameters() if p in ignored.params and p.is_meta]
     left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
     if left:

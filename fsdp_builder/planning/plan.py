@@ -167,7 +167,7 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
             fqn, module = stack.pop()
             base = f"{fqn}." if fqn else ""
             for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
-                if p is None or (ignored.params and p in ignored.params):
+                if p is None or ignored.ignores(p):
                     continue
                 owner_of.setdefault(p, []).append((unit_fqn, base + pname))
                 if len(owner_of[p]) == 1:

@@ -88,7 +88,7 @@ def needs_materialization(modules: Iterable[nn.Module], ignored: IgnoredStates) 
     """True when a managed parameter or a buffer of these modules is on the meta device."""
     for m in modules:
         params = (p for p in m._parameters.values() if p is not None)
-        if any(p.is_meta for p in params if not (ignored.params and p in ignored.params)):
+        if any(p.is_meta for p in params if not ignored.ignores(p)):
             return True
         if any(b.is_meta for b in m._buffers.values() if b is not None):
             return True

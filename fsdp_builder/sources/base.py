@@ -11,7 +11,7 @@ source turns them into its own ``ConfigurationError`` (its name, its argument, i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -87,13 +87,22 @@ class ReadsInto(Protocol):
         ...
 
 
+def reader(source: CheckpointSource) -> Callable[[str, Index | None, torch.Tensor], None]:
+    """``read_into`` for ``source``, the protocol asked once (a protocol check walks the
+    protocol's members: worth keeping out of a loop over many reads)."""
+    if isinstance(source, ReadsInto):
+        return source.read_into
+
+    def copied(key: str, index: Index | None, out: torch.Tensor) -> None:
+        out.copy_(source.read(key, index))
+
+    return copied
+
+
 def read_into(source: CheckpointSource, key: str, index: Index | None, out: torch.Tensor) -> None:
     """``out.copy_(source.read(key, index))``, without the copy where the source reads into a
     destination itself (:class:`ReadsInto`)."""
-    if isinstance(source, ReadsInto):
-        source.read_into(key, index, out)
-    else:
-        out.copy_(source.read(key, index))
+    reader(source)(key, index, out)
 
 
 @runtime_checkable
@@ -123,4 +132,5 @@ __all__ = [
     "TensorMeta",
     "listed",
     "read_into",
+    "reader",
 ]
