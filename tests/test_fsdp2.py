@@ -802,6 +802,63 @@ def test_shard_first_build_leaves_fsdp_state_as_to_empty_does(world1: None) -> N
             assert record._sharded_param_data.data_ptr() == local.data_ptr()
 
 
+class _TiedNormBlock(nn.Module):
+    # Two Linears sharing one weight, and BatchNorm: parameters and buffers in one module.
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.b(torch.relu(self.a(x))))
+
+
+def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(world1: None) -> None:
+    """The default FSDP2 build gives shards storage without ``to_empty``: each Parameter object
+    stays the one ``fully_shard`` made and FSDP2 records (as ``to_empty`` keeps them), tied
+    slots hold one Parameter, BatchNorm's buffers get storage and their reset values, equal
+    shard layouts share one sharding spec, and the model trains like plain ``fully_shard`` +
+    ``to_empty`` + ``reset_parameters`` given the same weights."""
+
+    def make() -> nn.Sequential:
+        with torch.device("meta"):
+            return nn.Sequential(_TiedNormBlock(), _TiedNormBlock())
+
+    with pytest.warns(UserWarning, match="NO_SHARD"):
+        built = FullyShardBuilder().device(CPUDevice()).wrap(_TiedNormBlock).build(make())
+    for block in built:
+        assert block.b.weight is block.a.weight
+        assert torch.equal(block.norm.running_mean, torch.zeros(8))
+        assert torch.equal(block.norm.running_var, torch.ones(8))
+        assert int(block.norm.num_batches_tracked) == 0
+    records = _fsdp_params(built)
+    assert len(records) == len(list(built.parameters())) == 10  # one record per tied weight
+    for record in records:
+        info = record._module_info
+        assert getattr(info.module, info.param_name) is record.sharded_param
+        local = record.sharded_param._local_tensor
+        assert not local.is_meta and record._sharded_param_data.data_ptr() == local.data_ptr()
+    layouts = {(tuple(p.shape), p.dtype) for p in built.parameters()}
+    assert len({id(cast(DTensor, p)._spec) for p in built.parameters()}) == len(layouts)
+
+    plain = make()
+    for block in plain:
+        fully_shard(block)
+    fully_shard(plain)
+    plain.to_empty(device="cpu")
+    plain.load_state_dict(built.state_dict())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    outputs = [m(x) for m in (built, plain)]
+    assert torch.equal(outputs[0], outputs[1])
+    for out in outputs:
+        out.square().sum().backward()
+    for (name, p), q in zip(built.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_uneven_shards_are_settled_and_world_size_invariant(world1: None, size: int) -> None:
     """Uneven shards (5 and 1 rows over 2 and 4 ranks): after the default build FSDP2 holds

@@ -70,7 +70,7 @@ from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import allocate_empty, unit_modules
+from fsdp_builder.runtime.tree import allocate_unit, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
 from fsdp_builder.sources.base import Index, reader
 
@@ -475,7 +475,7 @@ class LocalRun:
         env = self.env
         assert self.source is not None, "materialize after close"
         modules = unit_modules(unit.module, env.ignored.modules)
-        allocate_empty(modules, env.device)
+        allocate_unit(unit.module, modules, env.device, env.shard_specs)
         targets: dict[str, torch.Tensor] = {}
         loaded: list[tuple[str, torch.Tensor]] = []
         written = 0

@@ -57,12 +57,11 @@ from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.collectives import collective_device
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import (
-    allocate_empty,
+    allocate_unit,
     direct_states,
     has_meta_states,
     local_tensor,
     needs_materialization,
-    settle_fsdp2_shards,
     unit_modules,
 )
 
@@ -194,7 +193,7 @@ class ShardFirstRun:
             return 0
         # Only modules that were on meta are initialized; real ones keep their values.
         pending = {id(m) for m in modules if has_meta_states(m)}
-        allocate_empty(modules, env.device)
+        allocate_unit(unit.module, modules, env.device, env.shard_specs)
         rules = self.rules
 
         def init(module: nn.Module, fqn: str) -> None:
@@ -212,7 +211,6 @@ class ShardFirstRun:
         with self.init.scope(unit, modules):
             initialize_children_first(unit.module, unit.fqn, modules, init, self.who, self.fix)
         fill_buffers(modules, self.computed, env.device)
-        settle_fsdp2_shards(unit.module)
         return _owned_bytes(modules)
 
     def close(self) -> None:
@@ -275,7 +273,7 @@ class _InitWeightsRun:
         env = self.env
         modules = unit_modules(unit.module, env.ignored.modules)
         fresh = [m for m in modules if has_meta_states(m)]
-        allocated = allocate_empty(modules, env.device)
+        allocated = allocate_unit(unit.module, modules, env.device, env.shard_specs)
         with torch.no_grad():
             # Defined values until the root's initializer writes them (a synchronizer may look).
             for module in fresh:

@@ -22,7 +22,7 @@ from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.groups import collective_device
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import allocate_empty, owned_states, unit_modules
+from fsdp_builder.runtime.tree import allocate_unit, owned_states, unit_modules
 
 DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -411,7 +411,7 @@ def scatter_unit_state(
     place), so no rank is left waiting. Returns the bytes received on this rank.
     """
     modules = unit_modules(unit.module, env.ignored.modules)
-    allocate_empty(modules, env.device)
+    allocate_unit(unit.module, modules, env.device, env.shard_specs)
     is_src = env.rank == src
     problems: list[str] = []
 

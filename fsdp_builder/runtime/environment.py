@@ -41,6 +41,10 @@ class Environment:
     # True when the synchronizer gives every rank global rank 0's values after each unit is
     # materialized (BroadcastFromRank0): values materialized on other ranks are never used.
     values_from_rank0: bool = False
+    # Equal DTensor sharding specs of FSDP2 shards, kept once per build (runtime.tree's
+    # allocate_unit): one per distinct shard layout rather than one per parameter, as DTensor's
+    # own cached propagation gives to_empty's tensors.
+    shard_specs: dict[Any, Any] = attrs.field(factory=dict)
     # The build's event logger, bound to rank and world_size (see fsdp_builder.common.logs).
     logger: Any = attrs.field(default=None)
 

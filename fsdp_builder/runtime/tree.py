@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -112,25 +113,115 @@ def allocate_empty(
     ``only_meta`` is False), then re-tie parameters that were shared (``to_empty`` gives every
     module its own new tensor, which would untie them). States that were already real keep
     their values in the new storage: an initializer that does not write them (a buffer filled
-    in ``__init__``) never leaves them uninitialized. Returns the bytes given storage."""
+    in ``__init__``) never leaves them uninitialized. A module whose only meta states are
+    buffers, and whose parameters are already on ``device``, gets storage for those buffers
+    alone (its parameters, such as FSDP2 shards given storage before, are left as they are).
+    Returns the bytes given storage."""
     tied = tied_groups(modules)
     allocated = 0
     for m in modules:
         own = direct_states(m)
-        if own and (not only_meta or any(t.is_meta for t in own)):
-            real = [
-                (name, t)
-                for name, t in [*m._parameters.items(), *m._buffers.items()]
-                if t is not None and not t.is_meta
-            ]
-            m.to_empty(device=device, recurse=False)
-            with torch.no_grad():
-                for name, old in real:
-                    new = getattr(m, name)
-                    if new is not old:
-                        new.copy_(old)
-            allocated += sum(t.numel() * t.element_size() for t in direct_states(m))
+        if not own or (only_meta and not any(t.is_meta for t in own)):
+            continue
+        if only_meta and _only_buffers_on_meta(m, device):
+            allocated += _allocate_buffers(m, device)
+            continue
+        real = [
+            (name, t)
+            for name, t in [*m._parameters.items(), *m._buffers.items()]
+            if t is not None and not t.is_meta
+        ]
+        m.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            for name, old in real:
+                new = getattr(m, name)
+                if new is not old:
+                    new.copy_(old)
+        allocated += sum(t.numel() * t.element_size() for t in direct_states(m))
     retie(tied)
+    return allocated
+
+
+def _only_buffers_on_meta(module: nn.Module, device: torch.device) -> bool:
+    """Every parameter real and on ``device``, and so is every buffer that is not on meta."""
+    return all(
+        p is None or (not p.is_meta and p.device == device) for p in module._parameters.values()
+    ) and all(b is None or b.is_meta or b.device == device for b in module._buffers.values())
+
+
+def _allocate_buffers(module: nn.Module, device: torch.device) -> int:
+    """Storage on ``device`` for the module's meta buffers, as ``to_empty`` gives buffers."""
+    allocated = 0
+    for name, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            new = torch.empty_like(b, device=device)
+            module._buffers[name] = new
+            allocated += new.numel() * new.element_size()
+    return allocated
+
+
+def allocate_unit(
+    root: nn.Module, modules: list[nn.Module], device: torch.device, specs: dict[Any, Any]
+) -> int:
+    """``allocate_empty`` for the owned ``modules`` of a unit whose ``root`` may be an FSDP2
+    module sharded on meta. Its parameters get their local shards directly (``to_empty`` would
+    create each one through DTensor's dispatch, the larger part of a small unit's cost), keep
+    their identity, and FSDP2 points at the new shards, as after ``to_empty`` on the FSDP
+    module. Equal sharding specs are shared through ``specs`` (one dict per build), as
+    DTensor's cached propagation shares them between ``to_empty``'s tensors: a build keeps one
+    per distinct layout, not one per parameter. Returns the bytes given storage on this rank."""
+    params = fsdp2_params(root)
+    if params is None:
+        return allocate_empty(modules, device)
+    allocated = _give_fsdp2_shards(params, device, specs)
+    # Parameters FSDP2 does not manage (none in most models) go through to_empty, which swaps
+    # every parameter of their module, FSDP2's included: point FSDP2 at them again after.
+    leftover = any(p is not None and p.is_meta for m in modules for p in m._parameters.values())
+    allocated += allocate_empty(modules, device)
+    if leftover:
+        settle_fsdp2_shards(root)
+    return allocated
+
+
+def fsdp2_params(root: nn.Module) -> list[Any] | None:
+    """The FSDP2 parameters (``FSDPParam``) of the unit ``root`` shards; None when ``root`` is not
+    an FSDP2 module."""
+    get_state = getattr(root, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch releases with one group per module
+        single = getattr(state, "_fsdp_param_group", None)
+        groups = [] if single is None else [single]
+    return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
+
+
+def _give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any, Any]) -> int:
+    allocated = 0
+    with torch.no_grad():
+        for fsdp_param in params:
+            param = fsdp_param.sharded_param
+            meta = param._local_tensor
+            if not meta.is_meta:
+                continue
+            local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            spec = getattr(fsdp_param, "_sharding_spec", None)
+            if spec is not None:
+                fsdp_param._sharding_spec = specs.setdefault(spec, spec)
+            new = fsdp_param.to_sharded_dtensor(local)
+            new.requires_grad_(param.requires_grad)
+            # What nn.Parameter(dtensor) does, without its detach through DTensor's dispatch
+            # (the new DTensor has no history and no other owner); the slow way if that ever
+            # stops making a Parameter.
+            new._is_param = True
+            if not isinstance(new, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=param.requires_grad)
+            # As to_empty does for tensor subclasses: the Parameter object stays the one every
+            # slot (tied ones included) and FSDP2 hold.
+            torch.utils.swap_tensors(param, new)
+            fsdp_param.reset_sharded_param()
+            allocated += local.numel() * local.element_size()
     return allocated
 
 
@@ -140,18 +231,10 @@ def settle_fsdp2_shards(unit_root: nn.Module) -> None:
     at the new shards, as that ``_apply`` does: the meta shards and their specs are freed now,
     not at the first forward, and the unit is in the state plain ``to_empty`` leaves it in.
     A module that is not an FSDP2 unit is left alone."""
-    get_state = getattr(unit_root, "_get_fsdp_state", None)
-    if get_state is None:
-        return
-    state = get_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch releases with one group per module
-        single = getattr(state, "_fsdp_param_group", None)
-        groups = [] if single is None else [single]
+    params = fsdp2_params(unit_root)
     with torch.no_grad():
-        for group in groups:
-            for fsdp_param in group.fsdp_params:
-                fsdp_param.reset_sharded_param()
+        for fsdp_param in params or ():
+            fsdp_param.reset_sharded_param()
 
 
 def retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
