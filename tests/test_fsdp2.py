@@ -828,7 +828,7 @@ def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(world1
 
     with pytest.warns(UserWarning, match="NO_SHARD"):
         built = FullyShardBuilder().device(CPUDevice()).wrap(_TiedNormBlock).build(make())
-    for block in built:
+    for block in cast(nn.Sequential, built):
         assert block.b.weight is block.a.weight
         assert torch.equal(block.norm.running_mean, torch.zeros(8))
         assert torch.equal(block.norm.running_var, torch.ones(8))
@@ -856,7 +856,9 @@ def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(world1
         out.square().sum().backward()
     for (name, p), q in zip(built.named_parameters(), plain.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name
-        assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
+        assert torch.equal(
+            cast(DTensor, p.grad).full_tensor(), cast(DTensor, q.grad).full_tensor()
+        ), name
 
 
 @pytest.mark.parametrize("size", SIZES)
