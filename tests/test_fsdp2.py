@@ -828,11 +828,13 @@ def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(world1
 
     with pytest.warns(UserWarning, match="NO_SHARD"):
         built = FullyShardBuilder().device(CPUDevice()).wrap(_TiedNormBlock).build(make())
-    for block in cast(nn.Sequential, built):
+    for block in cast(list[_TiedNormBlock], list(built.children())):
         assert block.b.weight is block.a.weight
-        assert torch.equal(block.norm.running_mean, torch.zeros(8))
-        assert torch.equal(block.norm.running_var, torch.ones(8))
-        assert int(block.norm.num_batches_tracked) == 0
+        norm = block.norm
+        assert norm.running_mean is not None and norm.running_var is not None
+        assert torch.equal(norm.running_mean, torch.zeros(8))
+        assert torch.equal(norm.running_var, torch.ones(8))
+        assert int(cast(torch.Tensor, norm.num_batches_tracked)) == 0
     records = _fsdp_params(built)
     assert len(records) == len(list(built.parameters())) == 10  # one record per tied weight
     for record in records:
