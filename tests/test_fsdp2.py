@@ -846,8 +846,8 @@ def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(world1
     assert len({id(cast(DTensor, p)._spec) for p in built.parameters()}) == len(layouts)
 
     plain = make()
-    for block in plain:
-        fully_shard(block)
+    for child in plain:
+        fully_shard(child)
     fully_shard(plain)
     plain.to_empty(device="cpu")
     plain.load_state_dict(built.state_dict())
