@@ -333,3 +333,65 @@ def test_stream_init_build_leaves_torch_as_it_found_it(world1: None, fails: bool
 
 def _raise() -> None:
     raise RuntimeError("head is broken")
+
+
+class _OwnParameter(nn.Parameter):
+    """A Parameter subclass (as quantization libraries define)."""
+
+
+class _Mixed(nn.Module):
+    # Plain parameters, a channels-last weight, a meta buffer next to a real one, a tied slot
+    # and a Parameter subclass: what a unit's allocation must give storage like to_empty.
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.conv.weight = nn.Parameter(self.conv.weight.to(memory_format=torch.channels_last))
+        self.norm = nn.BatchNorm1d(3)
+        self.tied = nn.Linear(4, 3, bias=False)
+        self.tied.weight = self.linear.weight
+        self.odd = nn.Module()
+        self.odd.register_parameter("w", _OwnParameter(torch.empty(2, 2)))
+        self.frozen = nn.Linear(2, 2)
+        self.frozen.weight.requires_grad_(False)
+
+
+def test_allocation_gives_meta_states_what_to_empty_gives() -> None:
+    """``allocate_empty`` makes each meta state directly instead of through ``to_empty``: the
+    same shapes, strides, dtypes, devices, types and ``requires_grad`` as plain ``to_empty``,
+    real buffers keep their values, tied slots stay tied, and it counts the bytes it gave."""
+    from fsdp_builder.runtime.tree import allocate_empty, unit_modules
+
+    with torch.device("meta"):
+        model, reference = _Mixed(), _Mixed()
+    real = torch.arange(3.0)
+    for m in (model, reference):
+        m.norm.register_buffer("running_mean", real.clone())
+    allocated = allocate_empty(unit_modules(model, ()), torch.device("cpu"))
+    for module in reference.modules():
+        module.to_empty(device="cpu", recurse=False)
+    reference.tied.weight = reference.linear.weight
+    ours: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    theirs: dict[str, torch.Tensor] = dict(reference.named_parameters(remove_duplicate=False))
+    ours.update(model.named_buffers())
+    theirs.update(reference.named_buffers())
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        ref = theirs[name]
+        assert not t.is_meta, name
+        assert (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad) == (
+            type(ref),
+            ref.shape,
+            ref.stride(),
+            ref.dtype,
+            ref.device,
+            ref.requires_grad,
+        ), name
+    assert model.conv.weight.stride() != model.conv.weight.contiguous().stride()
+    assert model.norm.running_mean is not None and torch.equal(model.norm.running_mean, real)
+    assert model.tied.weight is model.linear.weight
+    assert allocated == sum(
+        t.numel() * t.element_size()
+        for t in [*model.parameters(), *model.buffers()]
+        if t is not model.norm.running_mean
+    )

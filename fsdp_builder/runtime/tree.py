@@ -109,55 +109,103 @@ def tied_groups(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
 def allocate_empty(
     modules: list[nn.Module], device: torch.device, *, only_meta: bool = True
 ) -> int:
-    """``to_empty`` each module that owns states (only those with a state on meta unless
-    ``only_meta`` is False), then re-tie parameters that were shared (``to_empty`` gives every
-    module its own new tensor, which would untie them). States that were already real keep
-    their values in the new storage: an initializer that does not write them (a buffer filled
-    in ``__init__``) never leaves them uninitialized. A module whose only meta states are
-    buffers, and whose parameters are already on ``device``, gets storage for those buffers
-    alone (its parameters, such as FSDP2 shards given storage before, are left as they are).
-    Returns the bytes given storage."""
+    """Storage on ``device`` for the states of each module that owns states (only those with a
+    state on meta unless ``only_meta`` is False), as ``to_empty(recurse=False)`` gives it, then
+    re-tie parameters that were shared (each slot gets its own new tensor, which would untie
+    them). States that were already real keep their values: an initializer that does not write
+    them (a buffer filled in ``__init__``) never leaves them uninitialized. Returns the bytes
+    given storage.
+
+    A module whose real states are already on ``device`` and whose meta states are plain
+    parameters and tensors gets storage for its meta states alone, each made directly (what
+    ``to_empty`` makes, without its per-tensor dispatch from meta); its real states, such as
+    FSDP2 shards given storage before, stay as they are. Any other module goes through
+    ``to_empty`` itself."""
     tied = tied_groups(modules)
     allocated = 0
+    # Each meta parameter (kept, so its id stays its own) with its replacement, for tied slots.
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for m in modules:
         own = direct_states(m)
         if not own or (only_meta and not any(t.is_meta for t in own)):
             continue
-        if only_meta and _only_buffers_on_meta(m, device):
-            allocated += _allocate_buffers(m, device)
-            continue
-        real = [
-            (name, t)
-            for name, t in [*m._parameters.items(), *m._buffers.items()]
-            if t is not None and not t.is_meta
-        ]
-        m.to_empty(device=device, recurse=False)
-        with torch.no_grad():
-            for name, old in real:
-                new = getattr(m, name)
-                if new is not old:
-                    new.copy_(old)
-        allocated += sum(t.numel() * t.element_size() for t in direct_states(m))
+        if only_meta and _meta_states_alone(m, device):
+            allocated += _allocate_meta_states(m, device, made)
+        else:
+            allocated += _to_empty_keeping_values(m, device)
     retie(tied)
     return allocated
 
 
-def _only_buffers_on_meta(module: nn.Module, device: torch.device) -> bool:
-    """Every parameter real and on ``device``, and so is every buffer that is not on meta."""
-    return all(
-        p is None or (not p.is_meta and p.device == device) for p in module._parameters.values()
-    ) and all(b is None or b.is_meta or b.device == device for b in module._buffers.values())
+def _meta_states_alone(module: nn.Module, device: torch.device) -> bool:
+    """Whether the module's meta states can get storage one by one, as ``to_empty`` would give
+    them: its real states are on ``device``, its meta parameters plain ``Parameter``s without a
+    gradient, its meta buffers plain tensors, and torch does not swap tensors on conversion."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return False
+    for p in module._parameters.values():
+        if p is None:
+            continue
+        if p.is_meta:
+            if type(p) is not nn.Parameter or p.grad is not None:
+                return False
+        elif p.device != device:
+            return False
+    for b in module._buffers.values():
+        if b is None:
+            continue
+        if b.is_meta:
+            if type(b) is not torch.Tensor:
+                return False
+        elif b.device != device:
+            return False
+    return True
 
 
-def _allocate_buffers(module: nn.Module, device: torch.device) -> int:
-    """Storage on ``device`` for the module's meta buffers, as ``to_empty`` gives buffers."""
+def _empty_as(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # torch.empty from the shape is what empty_like gives a contiguous tensor, without the
+    # dispatch from meta; other layouts keep empty_like's strides.
+    if t.is_contiguous():
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return torch.empty_like(t, device=device)
+
+
+def _allocate_meta_states(
+    module: nn.Module, device: torch.device, made: dict[int, tuple[nn.Parameter, nn.Parameter]]
+) -> int:
     allocated = 0
-    for name, b in module._buffers.items():
+    params = module._parameters
+    for name, p in params.items():
+        if p is not None and p.is_meta:
+            if id(p) in made:
+                new = made[id(p)][1]
+            else:
+                # A new Parameter, as to_empty makes for a tensor it cannot convert in place.
+                new = nn.Parameter(_empty_as(p, device), requires_grad=p.requires_grad)
+                made[id(p)] = (p, new)
+                allocated += new.numel() * new.element_size()
+            params[name] = new
+    buffers = module._buffers
+    for name, b in buffers.items():
         if b is not None and b.is_meta:
-            new = torch.empty_like(b, device=device)
-            module._buffers[name] = new
-            allocated += new.numel() * new.element_size()
+            buffers[name] = fresh = _empty_as(b, device)
+            allocated += fresh.numel() * fresh.element_size()
     return allocated
+
+
+def _to_empty_keeping_values(module: nn.Module, device: torch.device) -> int:
+    real = [
+        (name, t)
+        for name, t in [*module._parameters.items(), *module._buffers.items()]
+        if t is not None and not t.is_meta
+    ]
+    module.to_empty(device=device, recurse=False)
+    with torch.no_grad():
+        for name, old in real:
+            new = getattr(module, name)
+            if new is not old:
+                new.copy_(old)
+    return sum(t.numel() * t.element_size() for t in direct_states(module))
 
 
 def allocate_unit(
