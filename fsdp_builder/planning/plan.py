@@ -155,7 +155,8 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
     unit_modules.append(("", model))
     unit_set = {m for _, m in unit_modules}
 
-    owner_of: dict[nn.Parameter, list[tuple[str, str]]] = {}
+    # Keyed by id: a tensor's own __hash__ is a Python call, once per parameter and lookup.
+    owner_of: dict[int, list[tuple[str, str]]] = {}
     # A buffer registered under several modules is owned (and counted) once, by the first unit.
     seen_buffers: set[int] = set()
     owned: dict[nn.Module, tuple[list[TensorInfo], list[TensorInfo]]] = {}
@@ -166,13 +167,16 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
         while stack:
             fqn, module = stack.pop()
             base = f"{fqn}." if fqn else ""
-            for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            # The module's own dicts: named_parameters(recurse=False) and named_buffers build a
+            # generator chain per module and give the same entries (None skipped here).
+            for pname, p in module._parameters.items():
                 if p is None or ignored.ignores(p):
                     continue
-                owner_of.setdefault(p, []).append((unit_fqn, base + pname))
-                if len(owner_of[p]) == 1:
+                owners = owner_of.setdefault(id(p), [])
+                owners.append((unit_fqn, base + pname))
+                if len(owners) == 1:
                     params.append(_info(base + pname, p))
-            for bname, b in module.named_buffers(recurse=False):
+            for bname, b in module._buffers.items():
                 if b is not None and id(b) not in seen_buffers:
                     seen_buffers.add(id(b))
                     buffers.append(_info(base + bname, b))

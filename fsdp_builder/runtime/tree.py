@@ -222,11 +222,11 @@ def allocate_unit(
     if params is None:
         return allocate_empty(modules, device)
     allocated = _give_fsdp2_shards(params, device, specs)
-    # Parameters FSDP2 does not manage (none in most models) go through to_empty, which swaps
-    # every parameter of their module, FSDP2's included: point FSDP2 at them again after.
-    leftover = any(p is not None and p.is_meta for m in modules for p in m._parameters.values())
-    allocated += allocate_empty(modules, device)
-    if leftover:
+    if any(t.is_meta for m in modules for t in direct_states(m)):
+        # Buffers, and parameters FSDP2 does not manage. A module that goes through to_empty
+        # (its real states are elsewhere, e.g. shards offloaded to the CPU) gets new FSDP2
+        # parameters too: point FSDP2 at whatever it holds now.
+        allocated += allocate_empty(modules, device)
         settle_fsdp2_shards(root)
     return allocated
 
