@@ -335,8 +335,7 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
     # (a module shared by two units is named once).
     model = plan.root.module
     found = lineages(model)
-    names = module_names(model)
-    missing: list[str] = []
+    refused: list[nn.Module] = []
     for m in unit_modules(model, ignored.modules):
         own = direct_states(m)
         if not own or (meta_only and not any(t.is_meta for t in own)):
@@ -344,8 +343,11 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
         if _only_nonpersistent_buffers(m):
             continue  # computed for the build (fsdp_builder.materializers.buffers)
         if initializer_of(m, found.get(id(m), NO_LINEAGE)) is None:
-            missing.append(f"{clean_name(names.get(id(m), '')) or '<root>'} ({type(m).__name__})")
-    return missing
+            refused.append(m)
+    if not refused:
+        return []
+    names = module_names(model)  # only to name what is refused
+    return [f"{clean_name(names.get(id(m), '')) or '<root>'} ({type(m).__name__})" for m in refused]
 
 
 def _only_nonpersistent_buffers(module: nn.Module) -> bool:
