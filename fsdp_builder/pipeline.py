@@ -43,11 +43,7 @@ from fsdp_builder.errors import ConfigurationError, FSDPBuilderError
 from fsdp_builder.groups import DefaultGroups, GroupFactory, check_placed_on_other_dims
 from fsdp_builder.materializers.initializers import Materializer, MaterializerRun
 from fsdp_builder.planning.context import ChecksContext, ConfigureContext
-from fsdp_builder.planning.ignored import (
-    IgnoredStates,
-    managed_params,
-    resolve_ignored,
-)
+from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
 from fsdp_builder.planning.plan import (
     PlannedModel,
     Unit,
@@ -62,6 +58,7 @@ from fsdp_builder.runtime.collectives import GroupTimeouts
 from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport
+from fsdp_builder.runtime.tree import unit_modules
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
 # The per-unit steps, in the order they run.
@@ -357,7 +354,7 @@ class _Build:
             with report.measure("move", unit.label, env.device, logger) as m:
                 m.bytes = move_unit_states(unit.module, env.ignored, env.device)
                 check_compute_device(
-                    managed_params(unit.module, env.ignored), env.device, unit.label, env.rank
+                    _own_params(unit.module, env.ignored), env.device, unit.label, env.rank
                 )
 
         def synchronize() -> None:
@@ -384,6 +381,18 @@ class _Build:
             self.agreement.settle(unit.label)
         # Skipped after a local failure on this rank, which the next agreement reports.
         return sharded[0] if sharded else unit.module
+
+
+def _own_params(root: nn.Module, ignored: IgnoredStates) -> list[nn.Parameter]:
+    """The unit's own managed parameters: those of its own modules (the units below were
+    checked with their own unit; walking into them would go through every wrapper's
+    parameter listing again at each unit above)."""
+    return [
+        p
+        for m in unit_modules(root, ignored.modules)
+        for p in m._parameters.values()
+        if p is not None and not ignored.ignores(p)
+    ]
 
 
 def _checked_run(strategy: object, run: Any, run_type: type) -> Any:

@@ -1,26 +1,27 @@
-"""The before/after table of ab.md from the records next to this file.
+"""A before/after table of the many-small-units runs in one folder (``ab.md`` there).
 
-Each build's CPU time is divided by the plain build's of the same repeat (the machine's speed
-swings between runs, less within one repeat); medians over every build of a side.
+The folder holds the JSON records of alternating runs, ``before1.json``, ``after1.json``, ...
+(``python -m benchmarks.harness --units-only --json ...``). Each build's CPU time is divided by
+the plain build's of the same repeat (the machine's speed swings between runs, less within one
+repeat); medians over every build of a side. Usage: ``python -m benchmarks.units_ab FOLDER``.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).parent
 
-
-def side_rows(side: str, backend: str) -> str:
+def side_rows(folder: Path, side: str, backend: str) -> str:
     builder_cpu: list[float] = []
     plain_cpu: list[float] = []
     builder_wall: list[float] = []
     plain_wall: list[float] = []
     paired: list[float] = []
-    for path in sorted(HERE.glob(f"{side}[0-9]*.json")):
+    for path in sorted(folder.glob(f"{side}[0-9]*.json")):
         by_repeat: dict[int, dict[str, Any]] = {}
         for record in json.loads(path.read_text())["units"]["records"]:
             if record["backend"] == backend and not record.get("error"):
@@ -44,6 +45,7 @@ def side_rows(side: str, backend: str) -> str:
 
 
 def main() -> None:
+    folder = Path(sys.argv[1])
     print(
         "| backend | code | builds | builder wall s | plain wall s | builder CPU s | plain CPU s "
         "| CPU ratio of medians | median paired CPU ratio | paired ratio, middle half |"
@@ -51,7 +53,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for backend in ("fsdp1", "fsdp2"):
         for side in ("after", "before"):
-            print(side_rows(side, backend))
+            print(side_rows(folder, side, backend))
 
 
 if __name__ == "__main__":
