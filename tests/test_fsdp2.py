@@ -815,12 +815,18 @@ class _TiedNormBlock(nn.Module):
         return self.norm(self.b(torch.relu(self.a(x))))
 
 
-def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(world1: None) -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "to_empty"])
+def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(
+    world1: None, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The default FSDP2 build gives shards storage without ``to_empty``: each Parameter object
     stays the one ``fully_shard`` made and FSDP2 records (as ``to_empty`` keeps them), tied
     slots hold one Parameter, BatchNorm's buffers get storage and their reset values, equal
     shard layouts share one sharding spec, and the model trains like plain ``fully_shard`` +
-    ``to_empty`` + ``reset_parameters`` given the same weights."""
+    ``to_empty`` + ``reset_parameters`` given the same weights. The same through ``to_empty``,
+    the way taken on a torch whose FSDP2 lacks what the direct way uses."""
+    if not direct:
+        monkeypatch.setattr("fsdp_builder.runtime.tree._FSDP_PARAM_API", "not_in_this_torch")
 
     def make() -> nn.Sequential:
         with torch.device("meta"):

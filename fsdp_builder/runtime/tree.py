@@ -219,8 +219,12 @@ def allocate_unit(
     DTensor's cached propagation shares them between ``to_empty``'s tensors: a build keeps one
     per distinct layout, not one per parameter. Returns the bytes given storage on this rank."""
     params = fsdp2_params(root)
-    if params is None:
-        return allocate_empty(modules, device)
+    if params is None or (params and not hasattr(params[0], _FSDP_PARAM_API)):
+        # Not an FSDP2 unit, or a torch whose FSDP2 names these differently: to_empty, then
+        # FSDP2 pointed at the new shards as its own _apply would.
+        allocated = allocate_empty(modules, device)
+        settle_fsdp2_shards(root)
+        return allocated
     allocated = _give_fsdp2_shards(params, device, specs)
     if any(t.is_meta for m in modules for t in direct_states(m)):
         # Buffers, and parameters FSDP2 does not manage. A module that goes through to_empty
@@ -243,6 +247,10 @@ def fsdp2_params(root: nn.Module) -> list[Any] | None:
         single = getattr(state, "_fsdp_param_group", None)
         groups = [] if single is None else [single]
     return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
+
+
+# The method of FSDP2's per-parameter record the direct path needs (looked up on the first).
+_FSDP_PARAM_API = "to_sharded_dtensor"
 
 
 def _give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any, Any]) -> int:
