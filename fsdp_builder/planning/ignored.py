@@ -7,6 +7,7 @@ FSDP are never ignored themselves but pass on what they already ignore.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -27,21 +28,18 @@ from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import ConfigurationError, config_error
 
 # The attribute names under which wrappers hold the module they wrap: FSDP1, activation
-# checkpointing (checkpoint_wrapper) and torch.compile's OptimizedModule (clean_name tests for
-# each by name, without a generator per call).
+# checkpointing (checkpoint_wrapper) and torch.compile's OptimizedModule.
 WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+# Any of them in a name, found in one call (clean_name runs per state and module).
+_ANY_WRAPPER = re.compile("|".join(re.escape(name) for name in sorted(WRAPPER_NAMES)))
 
 
 def clean_name(name: str) -> str:
     """A module or state name without the parts wrappers insert (as FSDP's
     ``clean_tensor_name``, and also torch.compile's ``_orig_mod``): the name the unwrapped model
     gives it, so seeds and state-dict keys do not change when wrappers are added."""
-    if (
-        "_fsdp_wrapped_module" not in name
-        and "_checkpoint_wrapped_module" not in name
-        and "_orig_mod" not in name
-    ):
-        return name  # the common case, called per state and module: no split and join
+    if _ANY_WRAPPER.search(name) is None:
+        return name  # the common case: no split and join
     return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 

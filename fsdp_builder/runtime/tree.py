@@ -219,9 +219,11 @@ def allocate_unit(
     DTensor's cached propagation shares them between ``to_empty``'s tensors: a build keeps one
     per distinct layout, not one per parameter. Returns the bytes given storage on this rank."""
     params = fsdp2_params(root)
-    if params is None or (params and not hasattr(params[0], _FSDP_PARAM_API)):
-        # Not an FSDP2 unit, or a torch whose FSDP2 names these differently: to_empty, then
-        # FSDP2 pointed at the new shards as its own _apply would.
+    if params is None:
+        return allocate_empty(modules, device)
+    if params and not hasattr(params[0], _FSDP_PARAM_API):
+        # A torch whose FSDP2 names these differently: to_empty, then FSDP2 pointed at the new
+        # shards as its own _apply would.
         allocated = allocate_empty(modules, device)
         settle_fsdp2_shards(root)
         return allocated
