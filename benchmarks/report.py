@@ -91,6 +91,15 @@ def unit_bound(row: dict[str, Any]) -> float:
     return float(row["model_bytes"] / row["world_size"] + row["largest_unit_bytes"])
 
 
+def load_bound(row: dict[str, Any]) -> float:
+    """FSDP1's per-unit floor: its shards plus two units (the unit and its flat copy)."""
+    return unit_bound(row) + float(row["largest_unit_bytes"])
+
+
+def _is_fsdp1(row: dict[str, Any]) -> bool:
+    return "fsdp1" in str(row["recipe"])
+
+
 def _closest_size(rows: dict[Key, dict[str, Any]], world: int) -> str | None:
     sizes = {(row["size"], row["params"]) for row in rows.values() if row["world_size"] == world}
     if not sizes:
@@ -175,15 +184,20 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "=",
                 0,
             )
-            if row["peak_bytes"] is not None:
-                # No communication bucket is used when every rank reads its own shards.
-                add(
-                    f"rank-local load: {row['recipe']} peak ÷ (model/W + largest unit)",
-                    where,
-                    row["peak_bytes"] / unit_bound(row),
-                    "≤",
-                    1.0,
-                )
+            # No communication bucket is used when every rank reads its own shards. FSDP1's
+            # own per-unit floor is two units: it concatenates a unit into a flat parameter
+            # before cutting its shard, as in its own param_init_fn path.
+            units, bound = (2, load_bound(row)) if _is_fsdp1(row) else (1, unit_bound(row))
+            label = "largest unit" if units == 1 else "two largest units"
+            for key, what in (("peak_bytes", "peak"), ("peak_anon_bytes", "anonymous peak")):
+                if row.get(key) is not None:
+                    add(
+                        f"rank-local load: {row['recipe']} {what} ÷ (model/W + {label})",
+                        where,
+                        row[key] / bound,
+                        "≤",
+                        1.0,
+                    )
         load = get("builder_fsdp2_load", size, world)
         if load and load["peak_bytes_nonzero_ranks"] is not None:
             bucket = float(load.get("bucket_bytes") or 0)

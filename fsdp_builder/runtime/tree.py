@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name, is_wrapped
+from fsdp_builder.runtime.pages import prefault
 
 
 def qualified(prefix: str, name: str) -> str:
@@ -166,8 +167,11 @@ def _empty_as(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     # torch.empty from the shape is what empty_like gives a contiguous tensor, without the
     # dispatch from meta; other layouts keep empty_like's strides.
     if t.is_contiguous():
-        return torch.empty(t.shape, dtype=t.dtype, device=device)
-    return torch.empty_like(t, device=device)
+        fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
+    else:
+        fresh = torch.empty_like(t, device=device)
+    prefault(fresh)
+    return fresh
 
 
 def _allocate_meta_states(
@@ -264,6 +268,7 @@ def _give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any,
             if not meta.is_meta:
                 continue
             local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            prefault(local)
             spec = getattr(fsdp_param, "_sharding_spec", None)
             if spec is not None:
                 fsdp_param._sharding_spec = specs.setdefault(spec, spec)
