@@ -176,6 +176,7 @@ class _Build:
             strategy=env.strategy.name,
             units=len(env.plan),
             device=str(env.device),
+            mesh=None if groups.mesh is None else tuple(groups.mesh.shape),
             model_bytes=env.plan.nbytes,
         )
         runs = self.prepare(env)
@@ -333,11 +334,14 @@ class _Build:
         self, model: nn.Module, env: Environment, runs: _Runs, report: BuildReport
     ) -> nn.Module:
         """Every unit, bottom-up; a wrapper that replaces its module takes its parent slot."""
-        slots = _parent_slots(model)
+        # Found on the first replacement: FSDP2 shards in place, and then nothing needs them.
+        slots: dict[int, list[tuple[nn.Module, str]]] | None = None
         result = model
         for unit in env.plan:
             result = self.build_unit(unit, env, runs, report)
             if result is not unit.module:
+                if slots is None:
+                    slots = _parent_slots(model)
                 for parent, name in slots.get(id(unit.module), []):
                     setattr(parent, name, result)
         return result
@@ -420,7 +424,13 @@ def _parent_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 def _check_no_meta(model: nn.Module) -> None:
     # Names only when something is left: naming walks FSDP1's name-cleaning overrides per unit.
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+    # Each module's own dicts: parameters() and buffers() deduplicate through generator chains
+    # per module, and a tensor seen twice answers the same.
+    if not any(
+        t is not None and t.is_meta
+        for m in model.modules()
+        for t in (*m._parameters.values(), *m._buffers.values())
+    ):
         return
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

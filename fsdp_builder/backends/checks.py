@@ -121,6 +121,9 @@ def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
     where = "FullyShardBuilder"
     scalars: list[str] = []
     strided: list[str] = []
+    # Names are looked up only when some parameter of the model could be refused.
+    if not any(p.dim() == 0 or not p.is_contiguous() for p in plan.root.module.parameters()):
+        return
     for unit, name, param in unit_parameters(plan):
         if param.dim() == 0:
             scalars.append(f"'{name}' (unit '{unit.label}')")

@@ -556,7 +556,6 @@ class FullyShardBackend:
         env.logger.debug(
             "fully_shard",
             unit=unit.label,
-            mesh=tuple(kwargs["mesh"].shape),
             reshard_after_forward=kwargs["reshard_after_forward"],
             ignored=len(kwargs.get("ignored_params", ())),
         )

@@ -44,7 +44,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
-    _pop_mode_temporarily,
+    _pop_mode,
+    _push_mode,
 )
 from typing_extensions import override
 
@@ -79,13 +80,20 @@ def _block_seed(key: int, block: int) -> int:
 
 
 def _draw_flat(
-    key: int, out: torch.Tensor, start: int, total: int, draw: Callable[..., object]
+    key: int,
+    out: torch.Tensor,
+    start: int,
+    total: int,
+    draw: Callable[..., object],
+    generator: torch.Generator | None = None,
 ) -> None:
     """Fill ``out`` (1-D, contiguous) with elements ``start .. start + len(out)`` of a tensor of
     ``total`` elements: whole blocks are drawn in place, blocks cut by either end into a
-    scratch tensor of the block's full size (so a block's values never depend on the cut)."""
+    scratch tensor of the block's full size (so a block's values never depend on the cut).
+    ``generator``: one of ``out``'s device to reuse (each block reseeds it), else a new one."""
     stop = start + out.numel()
-    generator = torch.Generator(device=out.device)
+    if generator is None:
+        generator = torch.Generator(device=out.device)
     for block in range(start // BLOCK, (stop - 1) // BLOCK + 1):
         first, last = block * BLOCK, min((block + 1) * BLOCK, total)
         lo, hi = max(first, start), min(last, stop)
@@ -134,6 +142,14 @@ class _Streams:
         self.seed = seed
         self.names: dict[int, str] = {}
         self.draws: dict[str, int] = {}
+        # One per device for the build: every block reseeds it, so no state carries over.
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        found = self.generators.get(device)
+        if found is None:
+            found = self.generators[device] = torch.Generator(device=device)
+        return found
 
     def key(self, tensor: torch.Tensor) -> int | None:
         name = self.names.get(id(tensor))
@@ -154,13 +170,14 @@ class _Streams:
         total = tensor.numel()
         with torch.no_grad(), _unwatched():
             span = _flat_span(tensor)
+            generator = self.generator(local.device)
             if span is not None and local.is_contiguous():
-                _draw_flat(key, local.view(-1), span, total, draw)
+                _draw_flat(key, local.view(-1), span, total, draw, generator)
                 return
             index = global_indices(tensor)
             low, high = int(index.min()), int(index.max()) + 1
             covering = torch.empty(high - low, dtype=local.dtype, device=local.device)
-            _draw_flat(key, covering, low, total, draw)
+            _draw_flat(key, covering, low, total, draw, generator)
             local.copy_(covering[index - low])
 
 
@@ -185,15 +202,20 @@ def _flat_span(tensor: torch.Tensor) -> int | None:
 _SPANS: dict[tuple[Any, ...], int | None] = {}
 
 
-@contextlib.contextmanager
-def _unwatched() -> Iterator[None]:
+class _unwatched:
     """The streams' own work on local shards, outside ``_ShardWatch`` (it has nothing to see
-    there, and each operation it looks at costs a Python call)."""
-    if isinstance(_get_current_dispatch_mode(), _ShardWatch):
-        with _pop_mode_temporarily():
-            yield
-    else:
-        yield
+    there, and each operation it looks at costs a Python call). A plain context manager: it
+    runs on every draw and constant of every module."""
+
+    __slots__ = ("popped",)
+
+    def __enter__(self) -> None:
+        watching = isinstance(_get_current_dispatch_mode(), _ShardWatch)
+        self.popped = _pop_mode() if watching else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.popped is not None:
+            _push_mode(self.popped)
 
 
 _Init = Callable[..., Any]

@@ -51,12 +51,16 @@ def is_wrapped(module: nn.Module) -> bool:
 def is_replicated(module: nn.Module) -> bool:
     """True for a module under torch's composable ``replicate`` (DDP), which cannot also be
     sharded: FSDP ignores its subtree, and so do we."""
-    try:
-        from torch.distributed._composable.contract import _get_registry
-    except ImportError:  # a torch without composable APIs has no replicated modules
+    if _get_registry is None:  # a torch without composable APIs has no replicated modules
         return False
     registry = _get_registry(module)
     return registry is not None and "replicate" in registry
+
+
+try:
+    from torch.distributed._composable.contract import _get_registry
+except ImportError:
+    _get_registry = None  # type: ignore[assignment]
 
 
 def _is_flattened(param: nn.Parameter) -> bool:
