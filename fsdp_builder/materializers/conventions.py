@@ -231,6 +231,14 @@ def torch_initializer(module: nn.Module) -> Callable[[], object] | None:
     registered = _registered(module)
     if registered is not None:
         return lambda: registered(module)
+    # Asked of every module: one without the method would make getattr go through
+    # Module.__getattr__ and raise. Only the class, the instance or a child can provide it.
+    if (
+        getattr(type(module), "reset_parameters", None) is None
+        and "reset_parameters" not in module.__dict__
+        and "reset_parameters" not in module._modules
+    ):
+        return None
     public = getattr(module, "reset_parameters", None)
     return public if callable(public) else None
 

@@ -51,16 +51,19 @@ def is_wrapped(module: nn.Module) -> bool:
 def is_replicated(module: nn.Module) -> bool:
     """True for a module under torch's composable ``replicate`` (DDP), which cannot also be
     sharded: FSDP ignores its subtree, and so do we."""
-    if _get_registry is None:  # a torch without composable APIs has no replicated modules
+    if _REGISTRY_KEY is None:  # a torch without composable APIs has no replicated modules
         return False
-    registry = _get_registry(module)
+    # Where torch's contract keeps it (``_get_registry`` reads it with getattr, which for a
+    # module without one goes through Module.__getattr__ and raises: asked of every module).
+    registry = module.__dict__.get(_REGISTRY_KEY)
     return registry is not None and "replicate" in registry
 
 
+_REGISTRY_KEY: str | None
 try:
-    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
 except ImportError:
-    _get_registry = None  # type: ignore[assignment]
+    _REGISTRY_KEY = None
 
 
 def _is_flattened(param: nn.Parameter) -> bool:
@@ -231,10 +234,18 @@ def buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
 
 
 def managed_params(module: nn.Module, ignored: IgnoredStates) -> Iterator[nn.Parameter]:
-    """Parameters of ``module`` the sharding manages: not ignored, not already flattened."""
-    for p in module.parameters():
-        if not ignored.ignores(p) and not _is_flattened(p):
-            yield p
+    """Parameters of ``module`` the sharding manages: not ignored, not already flattened; each
+    once, in ``parameters()`` order."""
+    # Each module's own dict, deduplicated by id: parameters() hashes every tensor (a Python
+    # call each) through a generator chain per module.
+    seen: set[int] = set()
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if not ignored.ignores(p) and not _is_flattened(p):
+                yield p
 
 
 def check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
