@@ -122,7 +122,12 @@ def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
     scalars: list[str] = []
     strided: list[str] = []
     # Names are looked up only when some parameter of the model could be refused.
-    if not any(p.dim() == 0 or not p.is_contiguous() for p in plan.root.module.parameters()):
+    # (Each module's own dict: parameters() hashes every tensor, a Python call each.)
+    if not any(
+        p is not None and (p.dim() == 0 or not p.is_contiguous())
+        for m in plan.root.module.modules()
+        for p in m._parameters.values()
+    ):
         return
     for unit, name, param in unit_parameters(plan):
         if param.dim() == 0:

@@ -191,8 +191,9 @@ def _step(module: nn.Module, inherited: Lineage) -> tuple[Lineage, Lineage]:
         else Lineage(model_init, inherited.rules, inherited.tied | tie_targets(module))
     )
     own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
-    below = Lineage(lineage.library_init, inherited.rules + own, lineage.tied)
-    return lineage, (below if own else lineage)
+    if not own:
+        return lineage, lineage
+    return lineage, Lineage(lineage.library_init, inherited.rules + own, lineage.tied)
 
 
 def unit_lineages(
