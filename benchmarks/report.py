@@ -91,7 +91,7 @@ def unit_bound(row: dict[str, Any]) -> float:
     return float(row["model_bytes"] / row["world_size"] + row["largest_unit_bytes"])
 
 
-def load_bound(row: dict[str, Any]) -> float:
+def fsdp1_unit_bound(row: dict[str, Any]) -> float:
     """FSDP1's per-unit floor: its shards plus two units (the unit and its flat copy)."""
     return unit_bound(row) + float(row["largest_unit_bytes"])
 
@@ -187,8 +187,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             # No communication bucket is used when every rank reads its own shards. FSDP1's
             # own per-unit floor is two units: it concatenates a unit into a flat parameter
             # before cutting its shard, as in its own param_init_fn path.
-            units, bound = (2, load_bound(row)) if _is_fsdp1(row) else (1, unit_bound(row))
-            label = "largest unit" if units == 1 else "two largest units"
+            if _is_fsdp1(row):
+                bound, label = fsdp1_unit_bound(row), "two largest units"
+            else:
+                bound, label = unit_bound(row), "largest unit"
             for key, what in (("peak_bytes", "peak"), ("peak_anon_bytes", "anonymous peak")):
                 if row.get(key) is not None:
                     add(
