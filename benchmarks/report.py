@@ -431,6 +431,21 @@ def console_summary(result: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _scope(result: dict[str, Any]) -> str:
+    """What the run measured: model sizes and world sizes, or (only the many-small-units case
+    ran) unit counts and world sizes."""
+    s = result["settings"]
+    if result["records"]:
+        return f"sizes {', '.join(s['sizes'])}; world sizes {', '.join(map(str, s['world_sizes']))}"
+    units = result.get("units", {}).get("records", [])
+    counts = sorted({r["units"] for r in units})
+    worlds = sorted({r["world_size"] for r in units})
+    return (
+        f"many small units only: {', '.join(map(str, counts))} units; world sizes "
+        f"{', '.join(map(str, worlds))}"
+    )
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     s = result["settings"]
@@ -438,11 +453,24 @@ def render_markdown(result: dict[str, Any]) -> str:
         "# Benchmark results",
         "",
         f"{m['cpu']}, {m['cpu_count']} cores, {m['memory_bytes'] / 2**30:.0f} GiB; "
-        f"torch {m['torch']}, {m['backend']}; sizes {', '.join(s['sizes'])}; world sizes "
-        f"{', '.join(map(str, s['world_sizes']))}; median of {s['repeats']} interleaved "
-        f"repeat(s); {s['wall_seconds']:.0f} s in all; {result['created']}; load average "
-        f"{m.get('loadavg_start', '?')} before, {m.get('loadavg_end', '?')} after; malloc: "
-        f"{s.get('malloc', 'glibc default')}.",
+        f"torch {m['torch']}, {m['backend']}; {_scope(result)}; median of {s['repeats']} "
+        f"interleaved repeat(s); {s['wall_seconds']:.0f} s in all; {result['created']}; load "
+        f"average {m.get('loadavg_start', '?')} before, {m.get('loadavg_end', '?')} after; "
+        f"malloc: {s.get('malloc', 'glibc default')}.",
+    ]
+    if result["records"]:
+        parts += _model_sections(result)
+    if result.get("units", {}).get("records"):
+        parts += _units_sections(result)
+    if result["notes"]:
+        parts += ["", "## Notes", "", *(f"- {n}" for n in result["notes"])]
+    if result.get("warnings"):
+        parts += ["", "## Warnings", "", *warnings_list(result)]
+    return "\n".join(parts) + "\n"
+
+
+def _model_sections(result: dict[str, Any]) -> list[str]:
+    return [
         "",
         "## Targets",
         "",
@@ -465,25 +493,22 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         recipes_list(result),
     ]
-    if result.get("units", {}).get("records"):
-        parts += [
-            "",
-            "## Many small units",
-            "",
-            f"A stack of {result['units']['block']} (d={result['units']['dim']}), default "
-            "builder path (no `.materialize`, report on) against plain torch: `fully_shard` per "
-            "block on meta + `to_empty` + `reset_parameters` (FSDP2), `FullyShardedDataParallel` "
-            "with auto-wrap and `param_init_fn` (FSDP1). Wall: slowest rank's build time; CPU: "
-            "slowest rank's process CPU time, which other load on the machine distorts less. "
-            f"Target: builder ÷ plain ≤ {UNITS_TARGET:g}.",
-            "",
-            units_section(result),
-        ]
-    if result["notes"]:
-        parts += ["", "## Notes", "", *(f"- {n}" for n in result["notes"])]
-    if result.get("warnings"):
-        parts += ["", "## Warnings", "", *warnings_list(result)]
-    return "\n".join(parts) + "\n"
+
+
+def _units_sections(result: dict[str, Any]) -> list[str]:
+    return [
+        "",
+        "## Many small units",
+        "",
+        f"A stack of {result['units']['block']} (d={result['units']['dim']}), default "
+        "builder path (no `.materialize`, report on) against plain torch: `fully_shard` per "
+        "block on meta + `to_empty` + `reset_parameters` (FSDP2), `FullyShardedDataParallel` "
+        "with auto-wrap and `param_init_fn` (FSDP1). Wall: slowest rank's build time; CPU: "
+        "slowest rank's process CPU time, which other load on the machine distorts less. "
+        f"Target: builder ÷ plain ≤ {UNITS_TARGET:g}.",
+        "",
+        units_section(result),
+    ]
 
 
 def render_plot(result: dict[str, Any], path: Path) -> None:

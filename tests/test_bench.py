@@ -144,6 +144,22 @@ def test_smoke_run_measures_many_small_units(smoke: tuple[int, dict, Path]) -> N
 
 
 @pytest.mark.timeout(30)
+def test_a_units_only_report_describes_that_run(smoke: tuple[int, dict, Path]) -> None:
+    """``--units-only`` records no model recipe: its report names the unit counts and world
+    sizes it measured, not the default model sizes, and has no empty model tables."""
+    from benchmarks.report import render_markdown
+
+    _, result, _ = smoke
+    only_units = {**result, "records": [], "recipes": {}}
+    text = render_markdown(only_units)
+    counts = sorted({r["units"] for r in result["units"]["records"]})
+    assert f"many small units only: {', '.join(map(str, counts))} units; world sizes 2;" in text
+    assert "## Many small units" in text
+    assert "## Targets" not in text and "## Medians" not in text and "sizes 1M" not in text
+    assert "## Targets" in render_markdown(result)  # the control: the full run has them
+
+
+@pytest.mark.timeout(30)
 def test_memory_split_is_recorded_per_rank(smoke: tuple[int, dict, Path]) -> None:
     _, result, _ = smoke
     for r in result["records"]:
