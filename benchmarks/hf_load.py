@@ -216,14 +216,15 @@ def write(
     ]
     for m in METHODS:
         r = median[m]
-        lines.append(f"| {m} | {r['seconds']:.2f} | {r['anon_mib']:.0f} | {r['file_mib']:.0f} |")
+        lines.append(f"| {m} | {r['seconds']:.3f} | {r['anon_mib']:.0f} | {r['file_mib']:.0f} |")
     lines += [
         "",
         f"model / W = {unit:.0f} MiB. Targets: builder time at most 0.75 x the faster "
         "hand-written way, anonymous peak at most model/W + one unit, file-backed at most "
         "from_pretrained_everywhere's.",
         "",
-        f"- builder ÷ faster hand-written way: **{b['seconds'] / faster:.2f}** "
+        # Three digits: a ratio a hair above the target must not print as the target.
+        f"- builder ÷ faster hand-written way: **{b['seconds'] / faster:.3f}** "
         f"({'met' if b['seconds'] <= 0.75 * faster else 'not met'})",
         f"- builder anonymous peak ÷ (model/W): **{b['anon_mib'] / unit:.2f}**",
         f"- builder file-backed ÷ from_pretrained_everywhere's: "
