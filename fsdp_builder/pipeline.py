@@ -57,7 +57,7 @@ from fsdp_builder.runtime.agreement import Agreement
 from fsdp_builder.runtime.collectives import GroupTimeouts
 from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.moving import move_unit_states
-from fsdp_builder.runtime.report import BuildReport
+from fsdp_builder.runtime.report import BuildReport, debug_enabled
 from fsdp_builder.runtime.tree import has_meta_states, unit_modules
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
@@ -349,7 +349,9 @@ class _Build:
     def build_unit(
         self, unit: Unit, env: Environment, runs: _Runs, report: BuildReport
     ) -> nn.Module:
-        logger = env.logger.bind(unit=unit.label)
+        # Four records per unit: building and binding events that the logger drops anyway
+        # costs about as much as the records.
+        logger = env.logger.bind(unit=unit.label) if debug_enabled(env.logger) else None
         sharded: list[nn.Module] = []
 
         def materialize() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 from models import meta_demo
 from torch import nn
@@ -236,6 +237,31 @@ def test_a_configured_structlog_gets_the_events(world1: None) -> None:
     stages = [e for e in events if e["event"] == "build_stage"]
     assert len(stages) == 12
     assert all(e["rank"] == 0 and e["world_size"] == 1 and "unit" in e for e in stages)
+
+
+def test_a_logger_that_drops_debug_gets_no_stage_events_and_the_report_is_whole(
+    world1: None,
+) -> None:
+    """Stage events are built only for a logger that passes debug events on; the records
+    (what ``report`` holds) do not depend on it."""
+    import logging
+
+    from structlog.testing import capture_logs
+
+    # Undone after the test by conftest's _structlog_defaults.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    builder = FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none")
+    with capture_logs() as events:
+        builder.build(DemoTransformer(CFG))
+    assert [e for e in events if e["event"] == "build_stage"] == []
+    assert [e["event"] for e in events if e["event"] == "build_done"] == ["build_done"]
+    records = [(r.unit, r.stage) for r in builder.report.records]
+    assert records == [
+        (unit, stage)
+        for unit in ("blocks.0", "blocks.1", "<root>")
+        for stage in ("materialize", "move", "synchronize", "shard")
+    ]
+    assert all(r.peak_bytes > 0 for r in builder.report.records)
 
 
 def test_deterministic_init_is_unchanged_by_the_logging_route(world1: None) -> None:

@@ -160,12 +160,15 @@ def initialize_children_first(
     init: Callable[[nn.Module, str], None],
     who: str,
     fix: str,
+    names: dict[int, str] | None = None,
 ) -> None:
     """Call ``init(module, clean fqn)`` for ``modules`` (a unit's own, breadth-first from
     ``root``) in reverse, so children come first: a parent's initializer may set its children's
     values (as MultiheadAttention zeroes out_proj.bias) and must win, as at construction.
-    Failures are re-raised naming the module, the materializer ``who`` and the ``fix``."""
-    names = module_names(root)
+    Failures are re-raised naming the module, the materializer ``who`` and the ``fix``.
+    ``names``: ``module_names(root)`` when the caller has it."""
+    if names is None:
+        names = module_names(root)
     with torch.no_grad():
         for module in reversed(modules):
             fqn = clean_name(qualified(root_fqn, names.get(id(module), "")))

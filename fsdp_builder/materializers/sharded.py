@@ -61,6 +61,7 @@ from fsdp_builder.runtime.tree import (
     direct_states,
     has_meta_states,
     local_tensor,
+    module_names,
     needs_materialization,
     unit_modules,
 )
@@ -130,8 +131,11 @@ class ShardFirstInit(Protocol):
     initializers run in (StreamInit's streamed ``torch.nn.init``), and how one module's
     initializer is run (under which seed)."""
 
-    def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
-        """Entered around the initializers of one unit's ``modules`` (storage already given)."""
+    def scope(
+        self, unit: Unit, modules: list[nn.Module], names: dict[int, str]
+    ) -> AbstractContextManager[object]:
+        """Entered around the initializers of one unit's ``modules`` (storage already given;
+        ``names``: ``module_names(unit.module)``)."""
         ...
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
@@ -161,7 +165,9 @@ class _PerShardSeed:
     index: int
     device: torch.device
 
-    def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
+    def scope(
+        self, unit: Unit, modules: list[nn.Module], names: dict[int, str]
+    ) -> AbstractContextManager[object]:
         return contextlib.nullcontext()
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
@@ -208,8 +214,11 @@ class ShardFirstRun:
             ):
                 self.init.init_module(module, fqn, lineage)
 
-        with self.init.scope(unit, modules):
-            initialize_children_first(unit.module, unit.fqn, modules, init, self.who, self.fix)
+        names = module_names(unit.module)  # one walk for the scope and the initializers
+        with self.init.scope(unit, modules, names):
+            initialize_children_first(
+                unit.module, unit.fqn, modules, init, self.who, self.fix, names=names
+            )
         fill_buffers(modules, self.computed, env.device)
         return _owned_bytes(modules)
 

@@ -65,7 +65,7 @@ from fsdp_builder.materializers.sharded import ShardFirstRun, agree_on_seed, for
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import local_tensor, module_names, qualified
+from fsdp_builder.runtime.tree import local_tensor, qualified
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +98,9 @@ def _draw_flat(
         first, last = block * BLOCK, min((block + 1) * BLOCK, total)
         lo, hi = max(first, start), min(last, stop)
         generator.manual_seed(_block_seed(key, block))
-        if (lo, hi) == (first, last):
+        if (lo, hi) == (start, stop) == (first, last):
+            draw(out, generator)  # a small tensor is one whole block: no slice to make
+        elif (lo, hi) == (first, last):
             draw(out[lo - start : hi - start], generator)
         else:
             scratch = torch.empty(last - first, dtype=out.dtype, device=out.device)
@@ -168,7 +170,7 @@ class _Streams:
         if not local.numel():
             return
         total = tensor.numel()
-        with torch.no_grad(), _unwatched():
+        with _unwatched():
             span = _flat_span(tensor)
             generator = self.generator(local.device)
             if span is not None and local.is_contiguous():
@@ -203,19 +205,26 @@ _SPANS: dict[tuple[Any, ...], int | None] = {}
 
 
 class _unwatched:
-    """The streams' own work on local shards, outside ``_ShardWatch`` (it has nothing to see
-    there, and each operation it looks at costs a Python call). A plain context manager: it
-    runs on every draw and constant of every module."""
+    """The streams' own work on local shards: without autograd (it writes parameters in
+    place) and outside ``_ShardWatch`` (it has nothing to see there, and each operation it
+    looks at costs a Python call). A plain context manager that leaves grad mode alone when
+    it is already off (initializers run under ``no_grad``): it runs on every draw and constant
+    of every module."""
 
-    __slots__ = ("popped",)
+    __slots__ = ("grad", "popped")
 
     def __enter__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        if self.grad:
+            torch.set_grad_enabled(False)
         watching = isinstance(_get_current_dispatch_mode(), _ShardWatch)
         self.popped = _pop_mode() if watching else None
 
     def __exit__(self, *exc: object) -> None:
         if self.popped is not None:
             _push_mode(self.popped)
+        if self.grad:
+            torch.set_grad_enabled(True)
 
 
 _Init = Callable[..., Any]
@@ -295,7 +304,7 @@ def _streamed(streams: _Streams) -> dict[str, _Init]:
     def constant_(tensor: torch.Tensor, val: float) -> torch.Tensor:
         if streams.names.get(id(tensor)) is None:
             return original["constant_"](tensor, val)
-        with torch.no_grad(), _unwatched():
+        with _unwatched():
             local_tensor(tensor).fill_(val)
         return tensor
 
@@ -499,12 +508,11 @@ class _StreamedInit:
         self.streams = _Streams(self.seed)
 
     @contextlib.contextmanager
-    def scope(self, unit: Unit, modules: list[nn.Module]) -> Iterator[None]:
+    def scope(self, unit: Unit, modules: list[nn.Module], names: dict[int, str]) -> Iterator[None]:
         streams = self.streams
         streams.names.clear()
         streams.draws.clear()
         self.done = []
-        names = module_names(unit.module)
         ignored = self.env.ignored
         for module in modules:
             base = qualified(unit.fqn, names.get(id(module), ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from contextlib import AbstractContextManager
@@ -59,7 +60,8 @@ class BuildReport:
         self, stage: str, unit: str, device: torch.device, logger: Any
     ) -> AbstractContextManager[StageMeter]:
         """Time the block and record it (not when it raises); ``logger`` (the build's) gets a
-        ``build_stage`` event."""
+        ``build_stage`` event, None sends none (for a logger that drops debug events:
+        ``debug_enabled``)."""
         return _Measurement(self, stage, unit, device, logger)
 
     def stages(self) -> list[dict[str, Any]]:
@@ -112,6 +114,12 @@ class BuildReport:
         return "\n".join(lines)
 
 
+def debug_enabled(logger: Any) -> bool:
+    """Whether ``logger`` passes debug events on (True when it cannot say)."""
+    check = getattr(logger, "is_enabled_for", None)
+    return True if check is None else bool(check(logging.DEBUG))
+
+
 class _Measurement:
     """One ``BuildReport.measure`` block: a plain context manager (runs several times per unit,
     where a generator-based one costs a generator and its frame each time)."""
@@ -148,6 +156,8 @@ class _Measurement:
             peak_bytes=peak_memory_bytes(self.device),
         )
         self.report.records.append(record)
+        if self.logger is None:
+            return
         self.logger.debug(
             "build_stage",
             stage=record.stage,
