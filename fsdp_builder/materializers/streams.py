@@ -98,10 +98,9 @@ def _draw_flat(
         first, last = block * BLOCK, min((block + 1) * BLOCK, total)
         lo, hi = max(first, start), min(last, stop)
         generator.manual_seed(_block_seed(key, block))
-        if (lo, hi) == (start, stop) == (first, last):
-            draw(out, generator)  # a small tensor is one whole block: no slice to make
-        elif (lo, hi) == (first, last):
-            draw(out[lo - start : hi - start], generator)
+        if (lo, hi) == (first, last):
+            # A tensor that is one whole block (a small one) is drawn as it is, not sliced.
+            draw(out if (lo, hi) == (start, stop) else out[lo - start : hi - start], generator)
         else:
             scratch = torch.empty(last - first, dtype=out.dtype, device=out.device)
             draw(scratch, generator)
