@@ -70,7 +70,7 @@ from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import allocate_unit, unit_modules
+from fsdp_builder.runtime.tree import allocate_unit, local_tensor, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
 from fsdp_builder.sources.base import Index, reader
 
@@ -193,7 +193,7 @@ def local_index(tensor: DTensor) -> tuple[slice, ...]:
             raise MaterializationError(
                 f"FromCheckpoint cannot fill a DTensor placed as {tensor.placements}."
             )
-    local = tensor.to_local().shape
+    local = local_tensor(tensor).shape
     return tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))
 
 
@@ -407,7 +407,7 @@ def fill_checked(
     with torch.no_grad():
         for key, target in targets.items():
             if isinstance(target, DTensor):
-                local = target.to_local()
+                local = local_tensor(target)
                 if local.numel() and _read_rows(read, key, local_index(target), local, check):
                     bad.append(key)
             elif _read_rows(read, key, None, target, check):
@@ -488,7 +488,7 @@ class LocalRun:
             )
             targets[self.keys[name]] = target
             loaded.append((name, target))
-            local = target.to_local() if isinstance(target, DTensor) else target
+            local = local_tensor(target)
             written += local.numel() * local.element_size()
         error: MaterializationError | None = None
         bad: set[str] = set()

@@ -202,10 +202,12 @@ def match_source(
     describe: str,
     strict: bool = True,
     every_state: bool = True,
+    entries: Mapping[Unit, list[Entry]] | None = None,
 ) -> Match:
     """Map the source's names and compare them with the plan; raises a ConfigurationError in
     ``spec``'s words naming every problem, capped per kind. ``every_state``: missing keys are
-    errors even when not ``strict``."""
+    errors even when not ``strict``. ``entries``: each unit's ``unit_entries`` (found here
+    when not given)."""
     found = Match(mapped=map_keys(sorted(tensors), mapper, spec))
     by_name: dict[str, str] = {}
     collisions: list[str] = []
@@ -220,7 +222,7 @@ def match_source(
     unfillable: list[str] = []
     matched = 0
     for unit in plan:
-        for entry in unit_entries(unit, ignored, plan):
+        for entry in entries[unit] if entries is not None else unit_entries(unit, ignored, plan):
             present = [n for n in entry.names if n in by_name]
             if not present:
                 found.missing.append(" / ".join(entry.names))
@@ -300,15 +302,18 @@ def _hint(
     return ""
 
 
-def _derived(opened: CheckpointSource, env: Environment, spec: LoaderSpec) -> CheckpointSource:
+def _derived(
+    opened: CheckpointSource,
+    env: Environment,
+    spec: LoaderSpec,
+    entries: Mapping[Unit, list[Entry]],
+) -> CheckpointSource:
     """``opened`` seen through the rules of the model's checkpoint layout (e.g. per-expert
     tensors merged into a mixture-of-experts model's fused ones); see
     ``fsdp_builder.sources.derived``."""
     held = opened.tensors()
     complete = all(
-        any(n in held for n in entry.names)
-        for unit in env.plan
-        for entry in unit_entries(unit, env.ignored, env.plan)
+        any(n in held for n in entry.names) for found in entries.values() for entry in found
     )
     try:
         return derive(opened, checkpoint_rules(env.plan.root.module, complete=complete))
@@ -341,7 +346,9 @@ def open_matched(
         what = f"'{os.fspath(source)}'" if not isinstance(source, Mapping) else "the state dict"
         raise spec.error(f"{what} could not be read ({type(exc).__name__}: {exc})") from exc
     try:
-        opened = _derived(opened, env, spec)
+        # Each unit's states by name, walked once for both the layout rules and the match.
+        entries = {unit: list(unit_entries(unit, env.ignored, env.plan)) for unit in env.plan}
+        opened = _derived(opened, env, spec, entries)
         found = match_source(
             opened.tensors(),
             mapper,
@@ -351,6 +358,7 @@ def open_matched(
             describe=opened.describe,
             strict=strict,
             every_state=every_state,
+            entries=entries,
         )
     except BaseException:
         opened.close()
