@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 
-def side_rows(folder: Path, side: str, backend: str) -> str:
+def side_rows(folder: Path, side: str, backend: str) -> str | None:
+    """The table row of one side and backend; None when the folder has fewer than two builds
+    of it (a re-measurement has only an "after" side)."""
     builder_cpu: list[float] = []
     plain_cpu: list[float] = []
     builder_wall: list[float] = []
@@ -34,6 +36,8 @@ def side_rows(folder: Path, side: str, backend: str) -> str:
                 builder_wall.append(built["seconds"])
                 plain_wall.append(plain["seconds"])
                 paired.append(built["cpu_seconds"] / plain["cpu_seconds"])
+    if len(paired) < 2:
+        return None
     median = statistics.median
     low, _, high = statistics.quantiles(paired, n=4)
     return (
@@ -53,7 +57,9 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for backend in ("fsdp1", "fsdp2"):
         for side in ("after", "before"):
-            print(side_rows(folder, side, backend))
+            row = side_rows(folder, side, backend)
+            if row is not None:
+                print(row)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ One spawn of 2 ranks runs every scenario, each on its own (see ``isolated``)."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, cast
 
@@ -240,6 +242,41 @@ def test_launcher_turns_a_hang_into_an_error() -> None:
     # directly: the harness in ``isolated`` relies on the very deadline this test checks.
     with pytest.raises(RankFailure, match=r"did not finish within 15s|raised"):
         run_ranks(hang_on_rank1, 2, timeout=15)
+
+
+def exit_on_rank1() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)  # no report, no traceback: as a crash or a kill would leave it
+    dist.barrier()  # rank 0 waits for a peer that is gone
+
+
+def exit_on_rank1_while_rank0_blocks() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    threading.Event().wait()  # blocked outside any collective: only the launcher can end it
+
+
+def test_launcher_kills_the_ranks_a_dead_rank_left_waiting() -> None:
+    with pytest.raises(RankFailure) as raised:
+        run_ranks(exit_on_rank1_while_rank0_blocks, 2, timeout=120, grace=1)
+    message = str(raised.value)
+    assert "rank 1 exited with code 3 before reporting a result" in message
+    assert "rank 0 was still running after rank(s) 1 died, and was killed" in message
+
+
+def test_launcher_says_which_rank_died_and_how() -> None:
+    # A rank that exits without reporting ends the run before the deadline, and the error says
+    # which rank ended how, not that every rank ran out of time.
+    with pytest.raises(RankFailure) as raised:
+        run_ranks(exit_on_rank1, 2, timeout=120, grace=1)
+    message = str(raised.value)
+    assert "rank 1 exited with code 3 before reporting a result" in message
+    # Rank 0 either saw its peer's connection close and raised, or was killed while waiting.
+    assert (
+        "rank 0 raised:" in message
+        or "rank 0 was still running after rank(s) 1 died, and was killed" in message
+    )
+    assert "did not finish within" not in message
 
 
 # -- what ranks compare (no process group) ------------------------------------------------------

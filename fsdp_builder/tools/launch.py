@@ -80,6 +80,21 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _missing_story(rank: int, code: int | None, died: list[int], timeout: float) -> str:
+    """Why ``rank`` returned nothing: it exited (``code``), or it was still running when the
+    deadline passed or when the ranks in ``died`` had died."""
+    if code is not None:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return (
+            f"rank {rank} {how} before reporting a result (it crashed, was killed, or failed "
+            "while starting: its own output above says why)"
+        )
+    if died:
+        others = ", ".join(str(r) for r in died if r != rank)
+        return f"rank {rank} was still running after rank(s) {others} died, and was killed"
+    return f"rank {rank} did not finish within {timeout:.0f}s and was killed"
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -120,6 +135,7 @@ def run_ranks(
         p.start()
     deadline = time.monotonic() + timeout
     got: dict[int, tuple[bool, Any]] = {}
+    died: list[int] = []  # ranks that exited without reporting, in the order they were found
     while len(got) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -129,11 +145,15 @@ def run_ranks(
             got[rank] = (ok, payload)
         except queue_mod.Empty:
             dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in got]
-            if dead and all(p.exitcode not in (None, 0) for i, p in enumerate(procs) if i in dead):
-                # A rank died without reporting (segfault, OOM kill): the rest cannot finish.
+            if dead and all(procs[i].exitcode not in (None, 0) for i in dead):
+                # A rank died without reporting (segfault, OOM kill, a failure while starting):
+                # the rest cannot finish.
+                died = dead
                 break
     for p in procs:
         p.join(timeout=max(0.0, min(grace, deadline - time.monotonic())))
+    # Read before the stragglers are killed: how each rank that did not report ended.
+    codes = {i: p.exitcode for i, p in enumerate(procs)}
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -141,7 +161,7 @@ def run_ranks(
     missing = [r for r in range(world_size) if r not in got]
     failed = {r: payload for r, (ok, payload) in got.items() if not ok}
     if missing or failed:
-        parts = [f"rank {r} did not finish within {timeout:.0f}s" for r in missing]
+        parts = [_missing_story(r, codes[r], died, timeout) for r in missing]
         parts += [f"rank {r} raised:\n{tb}" for r, tb in sorted(failed.items())]
         raise RankFailure("\n".join(parts))
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]
