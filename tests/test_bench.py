@@ -144,6 +144,33 @@ def test_smoke_run_measures_many_small_units(smoke: tuple[int, dict, Path]) -> N
 
 
 @pytest.mark.timeout(30)
+def test_units_ab_tables_the_sides_a_folder_holds(
+    smoke: tuple[int, dict, Path], tmp_path: Path
+) -> None:
+    """The A/B table pairs each builder build with the plain build of its repeat; a folder of
+    re-measurements (only "after" runs) gets rows for that side alone."""
+    from benchmarks.units_ab import side_rows
+
+    _, result, _ = smoke
+    text = json.dumps(result)
+    for name in ("after1.json", "after2.json"):
+        (tmp_path / name).write_text(text)
+    records = {(r["backend"], r["family"]): r for r in result["units"]["records"]}
+    for backend in ("fsdp1", "fsdp2"):
+        row = side_rows(tmp_path, "after", backend)
+        assert row is not None and row.startswith(f"| {backend} | after | 2 |")
+        paired = (
+            records[backend, "builder"]["cpu_seconds"] / records[backend, "baseline"]["cpu_seconds"]
+        )
+        assert f"| {paired:.2f} | {paired:.2f}\u2013{paired:.2f} |" in row
+        assert side_rows(tmp_path, "before", backend) is None
+    (tmp_path / "before1.json").write_text(text)  # one build: too few for a row
+    assert side_rows(tmp_path, "before", "fsdp2") is None
+    (tmp_path / "before2.json").write_text(text)
+    assert side_rows(tmp_path, "before", "fsdp2") is not None
+
+
+@pytest.mark.timeout(30)
 def test_a_units_only_report_describes_that_run(smoke: tuple[int, dict, Path]) -> None:
     """``--units-only`` records no model recipe: its report names the unit counts and world
     sizes it measured, not the default model sizes, and has no empty model tables."""
