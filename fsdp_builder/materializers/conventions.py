@@ -177,7 +177,9 @@ def lineages(model: nn.Module) -> dict[int, Lineage]:
     while stack:
         module, inherited = stack.pop()
         found[id(module)], below = _step(module, inherited)
-        stack.extend((child, below) for child in module.children())
+        # The module's own dict rather than children() (two generators per module); a child
+        # registered twice under one parent gets the same lineage both times.
+        stack.extend([(child, below) for child in module._modules.values() if child is not None])
     return found
 
 
@@ -221,8 +223,8 @@ def unit_lineages(
         if parent_gives is None:
             continue
         found[id(module)], below = _step(module, parent_gives)
-        for child in module.children():
-            if id(child) in owned:
+        for child in module._modules.values():
+            if child is not None and id(child) in owned:
                 below_of.setdefault(id(child), below)
     return found
 

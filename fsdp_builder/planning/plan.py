@@ -134,9 +134,11 @@ def _info(name: str, t: torch.Tensor) -> TensorInfo:
 def _post_order(
     module: nn.Module, prefix: str, stop: frozenset[nn.Module], seen: set[int]
 ) -> Iterator[tuple[str, nn.Module]]:
-    for name, child in module.named_children():
+    # The module's own dict (named_children() is a generator with a set of its own; ``seen``
+    # already keeps each module once).
+    for name, child in module._modules.items():
         # An already-sharded child keeps its own units: nothing below it is planned again.
-        if child in stop or id(child) in seen or is_wrapped(child):
+        if child is None or child in stop or id(child) in seen or is_wrapped(child):
             continue
         seen.add(id(child))
         yield from _post_order(child, f"{prefix}{name}.", stop, seen)
@@ -180,8 +182,13 @@ def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> Un
                 if b is not None and id(b) not in seen_buffers:
                     seen_buffers.add(id(b))
                     buffers.append(_info(base + bname, b))
-            for cname, child in reversed(list(module.named_children())):
-                if child in unit_set or child in ignored.modules or is_wrapped(child):
+            for cname, child in reversed(module._modules.items()):
+                if (
+                    child is None
+                    or child in unit_set
+                    or child in ignored.modules
+                    or is_wrapped(child)
+                ):
                     continue
                 stack.append((base + cname, child))
         owned[unit_module] = (params, buffers)

@@ -32,8 +32,10 @@ def unit_modules(root: nn.Module, stop: Iterable[nn.Module]) -> list[nn.Module]:
     seen = {id(root)}
     queue = collections.deque([root])
     while queue:
-        for child in queue.popleft().children():
-            if id(child) in seen or child in stops or is_wrapped(child):
+        # The module's own dict: children() is two generators per module (and a set of its
+        # own), walked by every step of every unit.
+        for child in queue.popleft()._modules.values():
+            if child is None or id(child) in seen or child in stops or is_wrapped(child):
                 continue
             seen.add(id(child))
             order.append(child)
