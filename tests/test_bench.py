@@ -246,3 +246,26 @@ def test_rss_split_tells_heap_from_mapped_file(tmp_path: Path) -> None:
     assert file >= size * 0.9  # the mapping's pages are file-backed
     assert anon >= size * 0.9  # the bytearray's are anonymous
     assert anon_after_map - split.baseline[0] < size * 0.5  # mapping did not count as heap
+
+
+@pytest.mark.timeout(300)
+def test_call_counts_split_a_build_by_stage() -> None:
+    """Counted on fresh ranks: FSDP2's ``fully_shard`` makes the same calls on both paths (to
+    within 1 %: torch's caches decide a few dozen), only the builder has configure, prepare
+    and finish stages, and counts repeat between runs."""
+    from benchmarks.calls import count_calls
+    from benchmarks.harness import launch
+
+    def counted(name: str) -> dict[str, int]:
+        ranks = launch(count_calls, 2, name, 8, 16, timeout=240, backend="gloo")
+        return dict(ranks[0])
+
+    plain, built = counted("plain_fsdp2"), counted("builder_fsdp2")
+    assert plain["fully_shard"] > 0
+    assert abs(plain["fully_shard"] - built["fully_shard"]) <= plain["fully_shard"] // 100
+    assert plain["make_stack"] == built["make_stack"] > 0
+    assert not {"configure", "prepare", "finish"} & set(plain)
+    assert built["configure"] > 0 and built["prepare"] > 0 and built["finish"] > 0
+    again = counted("builder_fsdp2")
+    total, total_again = sum(built.values()), sum(again.values())
+    assert abs(total - total_again) <= total // 100, (total, total_again)
