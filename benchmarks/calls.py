@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import sys
 from collections import Counter
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from benchmarks.common import Job
 from benchmarks.harness import launch
-from benchmarks.scaling import RECIPES, WARMUP_UNITS, _runner
+from benchmarks.scaling import RECIPES, warmed_rank
 from benchmarks.units import UnitsConfig
 
 STAGES = ("fully_shard", "make_stack", "configure", "prepare", "groups", "finish", "other")
@@ -52,16 +49,11 @@ def _label(owner: Any, attr: str, stage: str, stack: list[str]) -> None:
 
 def count_calls(name: str, units: int, dim: int) -> dict[str, int]:
     """One rank of one count (runs inside a fresh rank): calls per stage of one build."""
-    import logging
-
-    import structlog
-
     import benchmarks.units as plain
     import fsdp_builder.backends.fsdp2 as fsdp2
     import fsdp_builder.pipeline as pipeline
     import fsdp_builder.runtime.agreement as agreement
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     stack = ["other"]
     _label(pipeline._Build, "configure", "configure", stack)
     _label(pipeline._Build, "prepare", "prepare", stack)
@@ -70,16 +62,7 @@ def count_calls(name: str, units: int, dim: int) -> dict[str, int]:
     _label(plain, "make_stack", "make_stack", stack)
     for module in (plain, fsdp2):
         _label(module, "fully_shard", "fully_shard", stack)
-    run = _runner(name)
-    job = Job(
-        cfg=None,  # type: ignore[arg-type]  # the units recipes take their own config
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        device=torch.device("cpu"),
-    )
-    run(UnitsConfig(units=WARMUP_UNITS, dim=dim), job)
-    gc.collect()
-    dist.barrier()
+    run, job = warmed_rank(name, dim)
     counts: Counter[str] = Counter()
 
     def profile(frame: FrameType, event: str, arg: object) -> None:

@@ -42,8 +42,10 @@ def _runner(name: str) -> Callable[[UnitsConfig, Job], Outcome]:
     return plain_fsdp2 if backend == "fsdp2" else plain_fsdp1
 
 
-def measure_units(name: str, units: int, dim: int) -> dict[str, Any]:
-    """One rank of one measurement (runs inside a fresh rank)."""
+def warmed_rank(name: str, dim: int) -> tuple[Callable[[UnitsConfig, Job], Outcome], Job]:
+    """Inside a fresh rank: the recipe ``name`` and this rank's job, after one tiny build, so
+    that one-time costs (lazy imports, first-call caches) are not measured, as in the main
+    harness; every rank is past it when this returns."""
     import logging
 
     import structlog
@@ -56,11 +58,15 @@ def measure_units(name: str, units: int, dim: int) -> dict[str, Any]:
         world_size=dist.get_world_size(),
         device=torch.device("cpu"),
     )
-    # One tiny build first, so that one-time costs (lazy imports, first-call caches) are not
-    # timed, as in the main harness.
     run(UnitsConfig(units=WARMUP_UNITS, dim=dim), job)
     gc.collect()
     dist.barrier()
+    return run, job
+
+
+def measure_units(name: str, units: int, dim: int) -> dict[str, Any]:
+    """One rank of one measurement (runs inside a fresh rank)."""
+    run, job = warmed_rank(name, dim)
     wall, cpu = time.perf_counter(), time.process_time()
     run(UnitsConfig(units=units, dim=dim), job)
     dist.barrier()
