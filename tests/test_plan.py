@@ -158,3 +158,25 @@ def test_already_sharded_children_are_not_planned_again(world1: None) -> None:
     plan = plan_units(model, WrapPolicy.of(nn.Linear), resolve_ignored(model))
     assert [u.fqn for u in plan] == ["1", ""]
     assert not any(t.name.startswith("0.") for u in plan for t in u.params)
+
+
+def test_a_module_under_two_names_is_planned_once_under_its_first() -> None:
+    """A module registered twice (under one parent, and under another parent) is owned once,
+    named as ``named_modules()`` first reaches it, with an empty slot in between skipped."""
+    shared = nn.Linear(4, 4)
+    block = nn.Module()
+    block.first = shared
+    block.register_module("gap", None)
+    block.second = shared  # the same module, same parent
+    model = nn.Module()
+    model.block = block
+    model.other = shared  # and under another parent
+    model.head = nn.Linear(4, 2)
+    plan = plan_units(model, WrapPolicy(), IgnoredStates())
+    (root,) = plan.units
+    names = [p.name for p in root.params]
+    assert names == ["block.first.weight", "block.first.bias", "head.weight", "head.bias"]
+    assert [n for n, _ in model.named_parameters()] == names  # torch's own naming agrees
+    # As units: the shared module is its own unit, once, under its first name.
+    wrapped = plan_units(model, WrapPolicy(classes=(nn.Linear,)), IgnoredStates())
+    assert [u.fqn for u in wrapped.units] == ["block.first", "head", ""]
