@@ -58,7 +58,7 @@ from fsdp_builder.runtime.collectives import GroupTimeouts
 from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport, debug_enabled
-from fsdp_builder.runtime.tree import unit_modules
+from fsdp_builder.runtime.tree import has_meta_states, unit_modules
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
 # The per-unit steps, in the order they run.
@@ -424,19 +424,9 @@ def _parent_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return slots
 
 
-def _holds_meta(model: nn.Module) -> bool:
-    # Each module's own dicts, read in place: no list per module, no generator per state.
-    for m in model.modules():
-        for states in (m._parameters, m._buffers):
-            for t in states.values():
-                if t is not None and t.is_meta:
-                    return True
-    return False
-
-
 def _check_no_meta(model: nn.Module) -> None:
     # Names only when something is left: naming walks FSDP1's name-cleaning overrides per unit.
-    if not _holds_meta(model):
+    if not any(has_meta_states(m) for m in model.modules()):
         return
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

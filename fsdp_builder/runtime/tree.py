@@ -85,7 +85,14 @@ def direct_states(module: nn.Module) -> list[torch.Tensor]:
 
 
 def has_meta_states(module: nn.Module) -> bool:
-    return any(t.is_meta for t in direct_states(module))
+    """Whether a parameter or buffer ``module`` registers itself is on the meta device. Read in
+    place from the module's own dicts (asked of every module of every unit, and of the whole
+    model after the build): no list per module, no generator per state."""
+    for states in (module._parameters, module._buffers):
+        for t in states.values():
+            if t is not None and t.is_meta:
+                return True
+    return False
 
 
 def needs_materialization(modules: Iterable[nn.Module], ignored: IgnoredStates) -> bool:
