@@ -8,7 +8,7 @@ Each check is local and pure (no collective, no mutation), so every rank raises 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -116,18 +116,16 @@ def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
             )
 
 
-def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
-    """What ``fully_shard`` refuses: scalar (0-dim) and non-contiguous parameters."""
+def check_fsdp2_plan(
+    plan: UnitPlan, options: ShardingOptions, managed: Iterable[nn.Parameter]
+) -> None:
+    """What ``fully_shard`` refuses: scalar (0-dim) and non-contiguous parameters.
+    ``managed``: every parameter the sharding manages (a superset of the plan's)."""
     where = "FullyShardBuilder"
     scalars: list[str] = []
     strided: list[str] = []
     # Names are looked up only when some parameter of the model could be refused.
-    # (Each module's own dict: parameters() hashes every tensor, a Python call each.)
-    if not any(
-        p is not None and (p.dim() == 0 or not p.is_contiguous())
-        for m in plan.root.module.modules()
-        for p in m._parameters.values()
-    ):
+    if not any(p.dim() == 0 or not p.is_contiguous() for p in managed):
         return
     for unit, name, param in unit_parameters(plan):
         if param.dim() == 0:

@@ -47,6 +47,8 @@ from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import (
     allocate_empty,
     direct_states,
+    has_meta_states,
+    has_states,
     module_names,
     needs_materialization,
     qualified,
@@ -247,7 +249,7 @@ class BaseMaterializer(DeclaredHooks):
 
     def wants(self, module: nn.Module, owned: list[nn.Module]) -> bool:
         """Whether ``init_module`` is called for ``module``."""
-        return bool(direct_states(module))
+        return has_states(module)
 
     def materialize(self, unit: Unit, env: Environment) -> int:
         return self.materialize_modules(
@@ -340,8 +342,7 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
     found = lineages(model)
     refused: list[nn.Module] = []
     for m in unit_modules(model, ignored.modules):
-        own = direct_states(m)
-        if not own or (meta_only and not any(t.is_meta for t in own)):
+        if not (has_meta_states(m) if meta_only else has_states(m)):
             continue
         if _only_nonpersistent_buffers(m):
             continue  # computed for the build (fsdp_builder.materializers.buffers)

@@ -8,8 +8,8 @@ FSDP are never ignored themselves but pass on what they already ignore.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeAlias
 
 import attrs
 import torch
@@ -32,6 +32,11 @@ from fsdp_builder.errors import ConfigurationError, config_error
 WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 # Any of them in a name, found in one call (clean_name runs per state and module).
 _ANY_WRAPPER = re.compile("|".join(re.escape(name) for name in sorted(WRAPPER_NAMES)))
+
+
+# ``list(root.named_modules())``, taken once per plan and read by each step of planning (every
+# walk of a model is a generator per module; planning used to take six).
+NamedModules: TypeAlias = Sequence[tuple[str, nn.Module]]
 
 
 def clean_name(name: str) -> str:
@@ -183,8 +188,10 @@ def resolve_ignored(
     root: nn.Module,
     modules: Iterable[nn.Module] | None = None,
     states: Iterable[Any] | None = None,
+    named: NamedModules | None = None,
 ) -> IgnoredStates:
-    """Expand the user's ignore arguments over ``root``. Pure: no process group, no mutation."""
+    """Expand the user's ignore arguments over ``root`` (``named``: its ``named_modules()``,
+    when already taken). Pure: no process group, no mutation."""
     module_list, state_list = validate_ignore_arguments(modules, states)
     params: list[nn.Parameter] = []
     if state_list and isinstance(state_list[0], nn.Parameter):
@@ -193,7 +200,7 @@ def resolve_ignored(
         module_list = state_list
 
     _check_in_model(root, module_list, params)
-    every = list(root.modules())
+    every = [m for _, m in (root.named_modules() if named is None else named)]
     wrapped_states = [m for m in every if isinstance(m, FullyShardedDataParallel)]
     roots = module_list + [m for m in every if is_replicated(m)]
     ignored_modules = {
@@ -228,18 +235,29 @@ def resolve_ignored(
     )
 
 
-def buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
-    """Clean buffer name → original dtype, to restore dtypes when buffers are cast for compute."""
-    return {clean_name(name): buf.dtype for name, buf in root.named_buffers()}
+def buffer_dtypes(root: nn.Module, named: NamedModules | None = None) -> dict[str, torch.dtype]:
+    """Clean buffer name → original dtype, to restore dtypes when buffers are cast for compute;
+    named as ``named_buffers()`` names them (``named``: ``root.named_modules()``)."""
+    found: dict[str, torch.dtype] = {}
+    seen: set[int] = set()
+    for prefix, m in root.named_modules() if named is None else named:
+        for name, buf in m._buffers.items():
+            if buf is None or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            found[clean_name(f"{prefix}.{name}" if prefix else name)] = buf.dtype
+    return found
 
 
-def managed_params(module: nn.Module, ignored: IgnoredStates) -> Iterator[nn.Parameter]:
+def managed_params(
+    module: nn.Module, ignored: IgnoredStates, named: NamedModules | None = None
+) -> Iterator[nn.Parameter]:
     """Parameters of ``module`` the sharding manages: not ignored, not already flattened; each
-    once, in ``parameters()`` order."""
+    once, in ``parameters()`` order (``named``: ``module.named_modules()``, when taken)."""
     # Each module's own dict, deduplicated by id: parameters() hashes every tensor (a Python
     # call each) through a generator chain per module.
     seen: set[int] = set()
-    for m in module.modules():
+    for _, m in module.named_modules() if named is None else named:
         for p in m._parameters.values():
             if p is None or id(p) in seen:
                 continue

@@ -18,6 +18,7 @@ from fsdp_builder.common.hashing import digest63
 from fsdp_builder.errors import PlanError
 from fsdp_builder.planning.ignored import (
     IgnoredStates,
+    NamedModules,
     buffer_dtypes,
     check_ignored_real,
     clean_name,
@@ -145,12 +146,18 @@ def _post_order(
         yield f"{prefix}{name}", child
 
 
-def plan_units(model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates) -> UnitPlan:
+def plan_units(
+    model: nn.Module,
+    wrap: WrapPolicy,
+    ignored: IgnoredStates,
+    named: NamedModules | None = None,
+) -> UnitPlan:
     """Split ``model`` into units: modules chosen by ``wrap`` (not ignored, not already wrapped)
     and the root, bottom-up. Each unit owns the states of its subtree minus nested units, ignored
     modules and ignored parameters. A parameter reachable from two units is a PlanError.
+    ``named``: ``list(model.named_modules())``, when the caller already took it.
     """
-    chosen = wrap.select(model, ignored.modules)
+    chosen = wrap.select(model, ignored.modules, named)
     overrides = wrap.overrides(model, ignored.modules)
     order = [(clean_name(fqn), m) for fqn, m in _post_order(model, "", ignored.modules, set())]
     unit_modules = [(fqn, m) for fqn, m in order if m in chosen and not is_wrapped(m)]
@@ -239,12 +246,14 @@ def plan_model(
     """Resolve what is ignored, plan the units and check the ignored states are real, in one
     pass of the builder over the model (local, the model untouched). Raises the
     ``ConfigurationError``/``PlanError`` of the first problem."""
-    ignored = resolve_ignored(model, ignored_modules, ignored_states)
-    plan = plan_units(model, wrap, ignored)
+    # One walk of the model, read by every step below.
+    named = list(model.named_modules())
+    ignored = resolve_ignored(model, ignored_modules, ignored_states, named)
+    plan = plan_units(model, wrap, ignored, named)
     check_ignored_real(model, ignored)
     return PlannedModel(
         ignored=ignored,
         plan=plan,
-        managed=tuple(managed_params(model, ignored)),
-        buffer_dtypes=buffer_dtypes(model),
+        managed=tuple(managed_params(model, ignored, named)),
+        buffer_dtypes=buffer_dtypes(model, named),
     )

@@ -20,7 +20,7 @@ from torch.distributed.fsdp.wrap import _Policy
 from fsdp_builder.common.logs import build_logger
 from fsdp_builder.config import CheckpointPredicate, PerUnitFn
 from fsdp_builder.errors import config_error
-from fsdp_builder.planning.ignored import is_wrapped
+from fsdp_builder.planning.ignored import NamedModules, is_wrapped
 
 WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
 
@@ -39,11 +39,12 @@ class NoSplitModules:
     """
 
 
-def no_split_class_names(model: nn.Module) -> tuple[str, ...]:
+def no_split_class_names(model: nn.Module, named: NamedModules | None = None) -> tuple[str, ...]:
     """The class names in ``_no_split_modules`` of ``model`` and of every module below it that
-    declares one (transformers' own collection rule), in first-seen order."""
+    declares one (transformers' own collection rule), in first-seen order. ``named``: the
+    model's ``named_modules()``, when already taken."""
     names: dict[str, None] = {}
-    for module in model.modules():
+    for _, module in model.named_modules() if named is None else named:
         declared = getattr(module, "_no_split_modules", None)
         if isinstance(declared, list | tuple | set):
             names.update((str(n), None) for n in declared)
@@ -116,34 +117,44 @@ class WrapPolicy:
     def is_default(self) -> bool:
         return self == WrapPolicy()
 
-    def _by_names(self, root: nn.Module) -> tuple[type[nn.Module], ...]:
-        """The classes of ``root``'s modules named by its ``_no_split_modules``."""
-        names = set(no_split_class_names(root))
+    def _by_names(
+        self, root: nn.Module, named: NamedModules, declared: tuple[str, ...]
+    ) -> tuple[type[nn.Module], ...]:
+        """The classes of ``root``'s modules named by its ``_no_split_modules`` (``declared``)."""
+        names = set(declared)
         found: dict[type[nn.Module], None] = {}
-        for module in root.modules():
+        for _, module in named:
             if type(module).__name__ in names:
                 found[type(module)] = None
         return tuple(found)
 
-    def select(self, root: nn.Module, ignored_modules: frozenset[nn.Module]) -> set[nn.Module]:
-        """The modules of ``root`` (root excluded) that this policy makes units. Raises a
+    def select(
+        self,
+        root: nn.Module,
+        ignored_modules: frozenset[nn.Module],
+        named: NamedModules | None = None,
+    ) -> set[nn.Module]:
+        """The modules of ``root`` (root excluded) that this policy makes units. ``named``:
+        ``list(root.named_modules())``, when the caller already took it. Raises a
         ConfigurationError when module classes are given and the model has none of them."""
-        if self.no_split or (self.is_default() and no_split_class_names(root)):
-            classes = self._by_names(root)
+        named = list(root.named_modules()) if named is None else named
+        declared = no_split_class_names(root, named) if self.no_split or self.is_default() else ()
+        if self.no_split or declared:
+            classes = self._by_names(root, named, declared)
             if not classes:
                 raise config_error(
                     "ShardingBuilder.wrap",
                     "policy",
                     f"NoSplitModules() found no module of the classes "
-                    f"{list(no_split_class_names(root)) or '(none declared)'} that "
+                    f"{list(declared) or '(none declared)'} that "
                     f"{type(root).__name__}._no_split_modules names",
                     _wrap_fix(root),
                 )
-            picked = WrapPolicy(classes=classes).select(root, ignored_modules)
+            picked = WrapPolicy(classes=classes).select(root, ignored_modules, named)
             # A block whose parameter is tied to one outside it (BERT's word embeddings and its
             # MLM decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
             # transformer-based wrap leaves tied modules to the root.
-            tied = _tied_outside(root, picked)
+            tied = _tied_outside(named, picked)
             build_logger(__name__).info(
                 "wrap_no_split_modules",
                 classes=[c.__name__ for c in classes],
@@ -159,14 +170,19 @@ class WrapPolicy:
         if self.legacy_policy is not None:
             return _legacy_select(root, self.legacy_policy, ignored_modules)
         selected: set[nn.Module] = set()
-        for fqn, module in root.named_modules():
-            if module is root or module in ignored_modules:
-                continue
+        # Whether the model has a module of the classes at all (the root and ignored ones too):
+        # none at all is a policy written for another model.
+        has_class = False
+        for fqn, module in named:
             if self.classes and isinstance(module, self.classes):
-                selected.add(module)
+                has_class = True
+                if module is not root and module not in ignored_modules:
+                    selected.add(module)
+            elif module is root or module in ignored_modules:
+                continue
             elif self.predicate is not None and self.predicate(module, fqn):
                 selected.add(module)
-        if self.classes and not any(isinstance(m, self.classes) for m in root.modules()):
+        if self.classes and not has_class:
             raise config_error(
                 "ShardingBuilder.wrap",
                 "policy",
@@ -216,15 +232,15 @@ class WrapPolicy:
         return "root-only"
 
 
-def _tied_outside(root: nn.Module, chosen: set[nn.Module]) -> dict[nn.Module, str]:
+def _tied_outside(named: NamedModules, chosen: set[nn.Module]) -> dict[nn.Module, str]:
     """The modules of ``chosen`` holding a parameter that is also registered outside them,
-    with their qualified names."""
+    with their qualified names (``named``: the root's ``named_modules()``)."""
     registrations: dict[int, int] = {}
-    for module in root.modules():
+    for _, module in named:
         for p in module._parameters.values():
             if p is not None:
                 registrations[id(p)] = registrations.get(id(p), 0) + 1
-    names = {m: n for n, m in root.named_modules()}
+    names = {m: n for n, m in named}
     out: dict[nn.Module, str] = {}
     for module in chosen:
         inside: dict[int, int] = {}

@@ -84,6 +84,16 @@ def direct_states(module: nn.Module) -> list[torch.Tensor]:
     return found
 
 
+def has_states(module: nn.Module) -> bool:
+    """Whether ``module`` registers a parameter or buffer itself (read in place, as
+    :func:`has_meta_states`)."""
+    for states in (module._parameters, module._buffers):
+        for t in states.values():
+            if t is not None:
+                return True
+    return False
+
+
 def has_meta_states(module: nn.Module) -> bool:
     """Whether a parameter or buffer ``module`` registers itself is on the meta device. Read in
     place from the module's own dicts (asked of every module of every unit, and of the whole
