@@ -241,7 +241,6 @@ class _Build:
                     rank=self.rank,
                     world_size=dist.get_world_size() if dist.is_initialized() else 1,
                     timeout=cfg.timeout,
-                    managed=planned.managed,
                 )
             )
             description = {"config": self.settings(), "plan": plan.signature()}

@@ -18,7 +18,7 @@ from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.materializers.initializers import Materializer
 from fsdp_builder.planning.context import BackendCapabilities, ConfigureContext
-from fsdp_builder.planning.ignored import IgnoredStates, managed_params
+from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.environment import Environment
 
@@ -109,16 +109,14 @@ def check_model(
     """``backend.check_context`` for ``plan`` alone (no process group, CPU device): what the
     configure stage refuses about the model. Raises ``ConfigurationError`` naming the parameter
     or module and the fix."""
-    ignored = ignored or IgnoredStates()
     backend.check_context(
         ConfigureContext(
             model=plan.root.module,
             plan=plan,
-            ignored=ignored,
+            ignored=ignored or IgnoredStates(),
             options=options,
             backend=capabilities(backend),
             device=torch.device("cpu"),
-            managed=tuple(managed_params(plan.root.module, ignored)),
         )
     )
 

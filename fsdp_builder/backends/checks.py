@@ -8,7 +8,7 @@ Each check is local and pure (no collective, no mutation), so every rank raises 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -71,14 +71,17 @@ def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
     scalars: list[str] = []
     dtypes: dict[Unit, dict[torch.dtype, str]] = {}
     grads: dict[Unit, dict[bool, str]] = {}
-    for unit, name, param in unit_parameters(plan):
-        if not param.dtype.is_floating_point and not param.dtype.is_complex:
-            integers.append(f"'{name}' ({param.dtype}, unit '{unit.label}')")
-            continue
-        if param.dim() == 0:
-            scalars.append(f"'{name}' (unit '{unit.label}')")
-        dtypes.setdefault(unit, {}).setdefault(param.dtype, name)
-        grads.setdefault(unit, {}).setdefault(param.requires_grad, name)
+    # The plan's own record of each parameter: no walk of the model for the tensors.
+    for unit in plan:
+        for info in unit.params:
+            name = info.name
+            if not info.dtype.is_floating_point and not info.dtype.is_complex:
+                integers.append(f"'{name}' ({info.dtype}, unit '{unit.label}')")
+                continue
+            if not info.shape:
+                scalars.append(f"'{name}' (unit '{unit.label}')")
+            dtypes.setdefault(unit, {}).setdefault(info.dtype, name)
+            grads.setdefault(unit, {}).setdefault(info.requires_grad, name)
     if integers:
         raise ConfigurationError(
             f"`{where}.build`: FullyShardedDataParallel flattens each unit's parameters into one "
@@ -116,24 +119,24 @@ def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
             )
 
 
-def check_fsdp2_plan(
-    plan: UnitPlan, options: ShardingOptions, managed: Iterable[nn.Parameter]
-) -> None:
-    """What ``fully_shard`` refuses: scalar (0-dim) and non-contiguous parameters.
-    ``managed``: every parameter the sharding manages (a superset of the plan's)."""
+def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
+    """What ``fully_shard`` refuses: scalar (0-dim) and non-contiguous parameters."""
     where = "FullyShardBuilder"
     scalars: list[str] = []
     strided: list[str] = []
-    # Names are looked up only when some parameter of the model could be refused.
-    if not any(p.dim() == 0 or not p.is_contiguous() for p in managed):
-        return
-    for unit, name, param in unit_parameters(plan):
-        if param.dim() == 0:
-            scalars.append(f"'{name}' (unit '{unit.label}')")
-        elif not param.is_contiguous():
+    odd: set[str] = set()
+    for unit in plan:
+        for info in unit.params:
+            if not info.shape:
+                scalars.append(f"'{info.name}' (unit '{unit.label}')")
+            elif not info.contiguous:
+                odd.add(info.name)
+    # The strides a message shows are read from the tensors only when one is refused.
+    for unit, name, param in unit_parameters(plan) if odd else ():
+        if name in odd:
             strided.append(
-                f"'{name}' (shape {list(param.shape)}, stride {list(param.stride())}, unit "
-                f"'{unit.label}')"
+                f"'{name}' (shape {list(param.shape)}, stride {list(param.stride())}, "
+                f"unit '{unit.label}')"
             )
     if scalars:
         raise ConfigurationError(

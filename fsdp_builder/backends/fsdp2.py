@@ -487,7 +487,7 @@ class FullyShardBackend:
         options = context.options
         check_fully_shard(options.strategy, context.device, context.ignored.params)
         check_root_not_wrapped(context.plan, _WHERE)
-        check_fsdp2_plan(context.plan, options, context.managed)
+        check_fsdp2_plan(context.plan, options)
         if context.ignored.params and not supports_ignored_params():
             ignored_params_kwargs(context.model, context.ignored.params)  # raises, naming why
         # The shard group spans the world or a divisor of it: a size that does not divide the

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-import attrs
 import torch
 from attrs import frozen
 from torch import nn
@@ -50,9 +49,6 @@ class ConfigureContext:
     rank: int = 0
     world_size: int = 1
     timeout: float | None = None
-    # The parameters the sharding manages (not ignored, not already flattened), each once, in
-    # ``parameters()`` order: what a check over every parameter reads instead of a walk.
-    managed: tuple[nn.Parameter, ...] = attrs.field(kw_only=True)
 
 
 @runtime_checkable

@@ -37,6 +37,10 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     numel: int
+    # What the backends' checks refuse, recorded here so that they need no walk for the
+    # tensors (not part of the signature ranks compare).
+    contiguous: bool = True
+    requires_grad: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +133,9 @@ def fingerprint_of(description: object) -> int:
 
 
 def _info(name: str, t: torch.Tensor) -> TensorInfo:
-    return TensorInfo(clean_name(name), tuple(t.shape), t.dtype, t.numel())
+    return TensorInfo(
+        clean_name(name), tuple(t.shape), t.dtype, t.numel(), t.is_contiguous(), t.requires_grad
+    )
 
 
 def _post_order(
