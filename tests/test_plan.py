@@ -9,6 +9,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp_builder import PlanError, WrapPolicy, plan_units, resolve_ignored
 from fsdp_builder.planning.ignored import IgnoredStates
+from fsdp_builder.planning.plan import plan_model
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 
 
@@ -180,3 +181,54 @@ def test_a_module_under_two_names_is_planned_once_under_its_first() -> None:
     # As units: the shared module is its own unit, once, under its first name.
     wrapped = plan_units(model, WrapPolicy(classes=(nn.Linear,)), IgnoredStates())
     assert [u.fqn for u in wrapped.units] == ["block.first", "head", ""]
+
+
+def _counting_walks(model: nn.Module) -> list[int]:
+    """Counts the walks of ``model`` that go through its own ``named_modules`` (``modules()``,
+    ``named_parameters()`` and ``named_buffers()`` do too); children are not counted."""
+    calls = [0]
+    walk = model.named_modules
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return walk(*args, **kwargs)  # type: ignore[arg-type]
+
+    model.named_modules = counted  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("source", ["demo_by_class", "transformers_default"])
+def test_planning_walks_the_model_once_and_agrees_with_torchs_own_walks(source: str) -> None:
+    """``plan_model`` takes one ``named_modules()`` walk and every step of planning reads it; what
+    it finds is what torch's own walks of the model give (and the steps called alone give)."""
+    if source == "demo_by_class":
+        model: nn.Module = demo("meta")
+        wrap = WrapPolicy.of(Block)
+    else:
+        transformers = pytest.importorskip("transformers", reason="part of the test extra")
+        config = transformers.LlamaConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        wrap = WrapPolicy()  # the default: the model's _no_split_modules, tied blocks left out
+    calls = _counting_walks(model)
+    planned = plan_model(model, wrap)
+    assert calls[0] == 1
+    del model.named_modules  # the class's own method again
+    alone = plan_units(model, wrap, IgnoredStates())
+    assert [u.fqn for u in planned.plan] == [u.fqn for u in alone]
+    assert list(planned.managed) == list(model.parameters())
+    assert planned.buffer_dtypes == {n: b.dtype for n, b in model.named_buffers()}
+    if source == "transformers_default":
+        assert [u.fqn for u in planned.plan] == ["model.layers.0", "model.layers.1", ""]
+    infos = {t.name: t for u in planned.plan for t in u.params}
+    assert {n: (t.requires_grad, t.contiguous) for n, t in infos.items()} == {
+        n: (p.requires_grad, p.is_contiguous()) for n, p in model.named_parameters()
+    }
