@@ -35,7 +35,7 @@ _ANY_WRAPPER = re.compile("|".join(re.escape(name) for name in sorted(WRAPPER_NA
 
 
 # ``list(root.named_modules())``, taken once per plan and read by each step of planning (every
-# walk of a model is a generator per module; planning used to take six).
+# walk of a model is a generator per module; planning took five, ten for a transformers model).
 NamedModules: TypeAlias = Sequence[tuple[str, nn.Module]]
 
 
