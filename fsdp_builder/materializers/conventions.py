@@ -174,17 +174,21 @@ def lineages(model: nn.Module) -> dict[int, Lineage]:
     """Module id → its :class:`Lineage`, for every module of ``model`` (one walk)."""
     found: dict[int, Lineage] = {}
     stack: list[tuple[nn.Module, Lineage]] = [(model, NO_LINEAGE)]
+    ruled = tuple(_SUBTREE_RULES)
     while stack:
         module, inherited = stack.pop()
-        found[id(module)], below = _step(module, inherited)
+        found[id(module)], below = _step(module, inherited, ruled)
         # The module's own dict rather than children() (two generators per module); a child
         # registered twice under one parent gets the same lineage both times.
         stack.extend([(child, below) for child in module._modules.values() if child is not None])
     return found
 
 
-def _step(module: nn.Module, inherited: Lineage) -> tuple[Lineage, Lineage]:
-    """A module's own lineage and the one its children inherit."""
+def _step(
+    module: nn.Module, inherited: Lineage, ruled: tuple[type[nn.Module], ...]
+) -> tuple[Lineage, Lineage]:
+    """A module's own lineage and the one its children inherit (``ruled``: the classes with a
+    registered subtree rule, taken once per walk)."""
     model_init = library_initializer(module)
     # Most modules inherit their parent's lineage unchanged: share it rather than copy it.
     lineage = (
@@ -192,9 +196,10 @@ def _step(module: nn.Module, inherited: Lineage) -> tuple[Lineage, Lineage]:
         if model_init is None
         else Lineage(model_init, inherited.rules, inherited.tied | tie_targets(module))
     )
-    own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
-    if not own:
+    # One isinstance for the common module (no rule) instead of one per registered class.
+    if not isinstance(module, ruled):
         return lineage, lineage
+    own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
     return lineage, Lineage(lineage.library_init, inherited.rules + own, lineage.tied)
 
 
@@ -207,9 +212,10 @@ def unit_lineages(
     walk when ``root_fqn`` does not lead to ``root`` (a wrapper renamed the path)."""
     inherited = NO_LINEAGE
     current: nn.Module | None = model
+    ruled = tuple(_SUBTREE_RULES)
     for name in root_fqn.split(".") if root_fqn else ():
         assert current is not None
-        inherited = _step(current, inherited)[1]
+        inherited = _step(current, inherited, ruled)[1]
         current = current._modules.get(name)
         if current is None:
             return lineages(model)
@@ -222,7 +228,7 @@ def unit_lineages(
         parent_gives = below_of.get(id(module))
         if parent_gives is None:
             continue
-        found[id(module)], below = _step(module, parent_gives)
+        found[id(module)], below = _step(module, parent_gives, ruled)
         for child in module._modules.values():
             if child is not None and id(child) in owned:
                 below_of.setdefault(id(child), below)

@@ -344,9 +344,9 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
     for m in unit_modules(model, ignored.modules):
         if not (has_meta_states(m) if meta_only else has_states(m)):
             continue
-        if _only_nonpersistent_buffers(m):
-            continue  # computed for the build (fsdp_builder.materializers.buffers)
-        if initializer_of(m, found.get(id(m), NO_LINEAGE)) is None:
+        if initializer_of(m, found.get(id(m), NO_LINEAGE)) is not None:
+            continue
+        if not _only_nonpersistent_buffers(m):  # those are computed for the build
             refused.append(m)
     if not refused:
         return []

@@ -90,7 +90,7 @@ class IgnoredStates:
     def ignores(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is an ignored parameter. Hashing a tensor is a Python call, made
         only when something is ignored: this runs for every parameter of every unit."""
-        return bool(self.params) and param in self.params
+        return param in self.params if self.params else False
 
 
 def _check_uniform(states: list[Any], as_states: bool) -> None:
