@@ -314,3 +314,54 @@ def test_a_parent_initializer_that_cannot_reach_its_units_is_a_warning(world1: N
     builder = FSDPBuilder().device(CPUDevice()).wrap(LAYERS).materialize(InitFn(init))
     with pytest.warns(UserWarning, match=r"subtree initializer of '<root>'.*encoder\.layers\.0"):
         builder.build(model)
+
+
+# -- a registered subtree rule: what a parent's constructor does to its subtree -------------------
+
+
+def _quarter_matrices(param: torch.Tensor) -> None:
+    if param.dim() > 1:
+        nn.init.constant_(param, 0.25)
+
+
+class Tower(nn.Module):
+    """A parent whose constructor overwrites its subtree's matrices, as ``nn.Transformer``
+    does with Xavier: eager construction is the reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        with torch.no_grad():
+            for p in self.parameters():
+                _quarter_matrices(p)
+
+
+@pytest.mark.parametrize("name", ["fsdp1_reset", "fsdp2_default"])
+def test_a_registered_subtree_rule_reaches_every_unit_below_its_parent(
+    world1: None, name: str
+) -> None:
+    from fsdp_builder import register_subtree_rule
+    from fsdp_builder.materializers import conventions
+
+    eager = nn.Sequential(Tower(), nn.Linear(8, 4))
+    register_subtree_rule(Tower, _quarter_matrices)
+    try:
+        with torch.device("meta"):
+            model = nn.Sequential(Tower(), nn.Linear(8, 4))
+        builder = (
+            FSDPBuilder().materialize(ResetParameters())
+            if name == "fsdp1_reset"
+            else FullyShardBuilder()
+        )
+        state = full_state_dict(builder.device(CPUDevice()).wrap(nn.Linear).build(model))
+    finally:
+        del conventions._SUBTREE_RULES[Tower]
+    reference = eager.state_dict()
+    assert state.keys() == reference.keys()
+    for key, value in reference.items():
+        got = state[key]
+        if key.startswith("0.") and key.endswith("weight"):  # the rule's, in both
+            assert torch.equal(got, value), key
+        else:  # the module's own initializer (random draws), not the rule's
+            assert not torch.all(got == 0.25), key
+            assert got.std() > 0, key
