@@ -102,7 +102,10 @@ def main() -> None:
     )
     model = build(mesh)
     losses = train(model, mesh)
-    print(f"rank {rank}/{world} losses: " + " ".join(f"{x:.4f}" for x in losses), flush=True)
+    # One write per line: ranks share stdout, where print() writes the text and its newline
+    # apart, so two ranks' lines can run together.
+    sys.stdout.write(f"rank {rank}/{world} losses: " + " ".join(f"{x:.4f}" for x in losses) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         losses, _ = train(args.folder, args.steps)
         shown = " ".join(f"{x:.6f}" for x in losses)
-        print(f"rank {dist.get_rank()}/{dist.get_world_size()} losses: {shown}", flush=True)
+        # One write per line: ranks share stdout, where print() writes the text and its newline
+        # apart, so two ranks' lines can run together.
+        sys.stdout.write(f"rank {dist.get_rank()}/{dist.get_world_size()} losses: {shown}\n")
+        sys.stdout.flush()
     finally:
         dist.destroy_process_group()
     return 0

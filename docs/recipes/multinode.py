@@ -17,6 +17,7 @@ each shard group would have one rank, and the builder would replicate over all r
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -66,11 +67,13 @@ def main(steps: int = 3) -> None:
             opt.step()
             losses.append(loss.item())
         node = os.environ.get("GROUP_RANK", "?")
-        print(
+        # One write per line: a node's ranks share its stdout, where print() writes the text
+        # and its newline apart, so two ranks' lines can run together.
+        sys.stdout.write(
             f"node {node} rank {rank}/{world}: {strategy} over groups of {shard} ranks, "
-            "losses: " + " ".join(f"{v:.4f}" for v in losses),
-            flush=True,
+            "losses: " + " ".join(f"{v:.4f}" for v in losses) + "\n"
         )
+        sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 
