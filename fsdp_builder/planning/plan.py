@@ -39,8 +39,8 @@ class TensorInfo:
     numel: int
     # What the backends' checks refuse, recorded here so that they need no walk for the
     # tensors (not part of the signature ranks compare).
-    contiguous: bool = True
-    requires_grad: bool = False
+    contiguous: bool
+    requires_grad: bool
 
     @property
     def nbytes(self) -> int:

@@ -137,31 +137,32 @@ class WrapPolicy:
         """The modules of ``root`` (root excluded) that this policy makes units. ``named``:
         ``list(root.named_modules())``, when the caller already took it. Raises a
         ConfigurationError when module classes are given and the model has none of them."""
-        named = list(root.named_modules()) if named is None else named
-        declared = no_split_class_names(root, named) if self.no_split or self.is_default() else ()
-        if self.no_split or declared:
-            classes = self._by_names(root, named, declared)
-            if not classes:
-                raise config_error(
-                    "ShardingBuilder.wrap",
-                    "policy",
-                    f"NoSplitModules() found no module of the classes "
-                    f"{list(declared) or '(none declared)'} that "
-                    f"{type(root).__name__}._no_split_modules names",
-                    _wrap_fix(root),
+        if self.no_split or self.is_default():
+            named = list(root.named_modules()) if named is None else named
+            declared = no_split_class_names(root, named)
+            if self.no_split or declared:
+                classes = self._by_names(root, named, declared)
+                if not classes:
+                    raise config_error(
+                        "ShardingBuilder.wrap",
+                        "policy",
+                        f"NoSplitModules() found no module of the classes "
+                        f"{list(declared) or '(none declared)'} that "
+                        f"{type(root).__name__}._no_split_modules names",
+                        _wrap_fix(root),
+                    )
+                picked = WrapPolicy(classes=classes).select(root, ignored_modules, named)
+                # A block whose parameter is tied to one outside it (BERT's word embeddings and its
+                # MLM decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
+                # transformer-based wrap leaves tied modules to the root.
+                tied = _tied_outside(named, picked)
+                build_logger(__name__).info(
+                    "wrap_no_split_modules",
+                    classes=[c.__name__ for c in classes],
+                    explicit=self.no_split,
+                    left_to_parent=sorted(tied.values()),
                 )
-            picked = WrapPolicy(classes=classes).select(root, ignored_modules, named)
-            # A block whose parameter is tied to one outside it (BERT's word embeddings and its
-            # MLM decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
-            # transformer-based wrap leaves tied modules to the root.
-            tied = _tied_outside(named, picked)
-            build_logger(__name__).info(
-                "wrap_no_split_modules",
-                classes=[c.__name__ for c in classes],
-                explicit=self.no_split,
-                left_to_parent=sorted(tied.values()),
-            )
-            return picked - set(tied)
+                return picked - set(tied)
         if self.torch_policy is not None:
             # torch's policies answer for a root; their target kwargs are FSDP1 overrides we
             # do not apply per unit, so only the selected modules matter here.
@@ -169,6 +170,8 @@ class WrapPolicy:
             return {m for m in chosen if m is not root}
         if self.legacy_policy is not None:
             return _legacy_select(root, self.legacy_policy, ignored_modules)
+        # torch's and legacy policies walk the model themselves: the list is taken only here.
+        named = list(root.named_modules()) if named is None else named
         selected: set[nn.Module] = set()
         # Whether the model has a module of the classes at all (the root and ignored ones too):
         # none at all is a policy written for another model.
