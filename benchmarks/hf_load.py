@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         count = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp, max_shard_size="200MB")
         del model
+        os.sync()  # the folder's writeback is not left to run during the first measurements
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
         for _ in range(args.repeats):
             for method in METHODS:
