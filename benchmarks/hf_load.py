@@ -11,7 +11,8 @@ builder (meta model + ``FromCheckpoint(folder)``) against the two ways people wr
 
 Per rank: seconds to a sharded model, and the peaks of anonymous (heap) and file-backed resident
 memory (``RssAnon`` / ``RssFile`` of ``/proc/self/status``, sampled every 5 ms), so the pages of
-a mapped file do not hide what a loader holds. Runs are interleaved and repeated; medians.
+a mapped file do not hide what a loader holds. Runs are interleaved (the order rotated each
+repeat) and repeated; medians.
 
     python -m benchmarks.hf_load [--params 200] [--world 2] [--repeats 3]
 """
@@ -168,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         del model
         os.sync()  # the folder's writeback is not left to run during the first measurements
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
-        for _ in range(args.repeats):
-            for method in METHODS:
+        for repeat in range(args.repeats):
+            # Rotated each repeat: on a virtual machine a method that follows one that touched
+            # much memory finds it cheaper to fault in (rank0_broadcast touches the most), so no
+            # method always runs right after the same neighbour.
+            shift = repeat % len(METHODS)
+            for method in METHODS[shift:] + METHODS[:shift]:
                 per_rank = run_ranks(_load, args.world, method, tmp, timeout=600)
                 runs[method].append(
                     {
@@ -208,9 +213,9 @@ def write(
         f"`save_pretrained` shards) into FSDP2 on {args.world} gloo ranks",
         "",
         f"`python -m benchmarks.hf_load --params {args.params} --world {args.world} "
-        f"--repeats {args.repeats}`; medians of {args.repeats} interleaved runs; per rank, the "
-        "slowest rank's time and the largest peaks (RssAnon / RssFile above the rank's "
-        "resident memory before the load).",
+        f"--repeats {args.repeats}`; medians of {args.repeats} interleaved runs (the order "
+        "rotated each repeat); per rank, the slowest rank's time and the largest peaks (RssAnon "
+        "/ RssFile above the rank's resident memory before the load).",
         "",
         "| method | seconds | anonymous peak MiB | file-backed peak MiB |",
         "|---|---:|---:|---:|",
