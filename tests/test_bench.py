@@ -252,20 +252,33 @@ def test_rss_split_tells_heap_from_mapped_file(tmp_path: Path) -> None:
 def test_call_counts_split_a_build_by_stage() -> None:
     """Counted on fresh ranks: FSDP2's ``fully_shard`` makes the same calls on both paths (to
     within 1 %: torch's caches decide a few dozen), only the builder has configure, prepare
-    and finish stages, and counts repeat between runs."""
-    from benchmarks.calls import count_calls
+    and finish stages, and counts repeat between runs. Timed (``--cpu``), each further build's
+    thread CPU seconds are split over the same stages."""
+    from benchmarks.calls import STAGES, count_calls
     from benchmarks.harness import launch
 
-    def counted(name: str) -> dict[str, int]:
-        ranks = launch(count_calls, 2, name, 8, 16, timeout=240, backend="gloo")
-        return dict(ranks[0])
+    timed: dict[str, list[dict[str, float]]] = {}
 
-    plain, built = counted("plain_fsdp2"), counted("builder_fsdp2")
+    def counted(name: str, builds: int = 0) -> dict[str, int]:
+        ranks = launch(count_calls, 2, name, 8, 16, builds, timeout=240, backend="gloo")
+        counts = dict(ranks[0])
+        timed[name] = counts.pop("cpu_seconds", [])
+        return counts
+
+    plain, built = counted("plain_fsdp2", builds=2), counted("builder_fsdp2")
+    assert len(timed["plain_fsdp2"]) == 2 and timed["builder_fsdp2"] == []
+    for seconds in timed["plain_fsdp2"]:
+        assert set(seconds) <= set(STAGES) and min(seconds.values()) >= 0
+        assert seconds["fully_shard"] > 0 and seconds["make_stack"] > 0
+        assert not {"configure", "prepare", "finish"} & set(seconds)
     assert plain["fully_shard"] > 0
     assert abs(plain["fully_shard"] - built["fully_shard"]) <= plain["fully_shard"] // 100
     assert plain["make_stack"] == built["make_stack"] > 0
     assert not {"configure", "prepare", "finish"} & set(plain)
     assert built["configure"] > 0 and built["prepare"] > 0 and built["finish"] > 0
-    again = counted("builder_fsdp2")
+    again = counted("builder_fsdp2", builds=2)
     total, total_again = sum(built.values()), sum(again.values())
     assert abs(total - total_again) <= total // 100, (total, total_again)
+    for seconds in timed["builder_fsdp2"]:
+        assert set(seconds) <= set(STAGES) and min(seconds.values()) >= 0
+        assert seconds["configure"] > 0 and seconds["fully_shard"] > 0
