@@ -1,4 +1,5 @@
-"""Many small units, counted instead of timed: function calls per build stage.
+"""Many small units, counted (and, with ``--cpu``, timed on the CPU): function calls per build
+stage.
 
 A build of 400 small units costs a few hundred milliseconds of Python around torch's own work,
 and on a shared machine its time swings by more than that between runs. The number of Python
@@ -10,9 +11,10 @@ final check, the model's construction, and everything else (the per-unit steps; 
 ``to_empty`` and ``reset_parameters``; with FSDP1, ``FullyShardedDataParallel`` itself, inside
 which plain FSDP1 also initializes, so only its totals compare).
 
-``--cpu N`` also times each stage: the thread CPU seconds rank 0 spends in it (the builder's
-collectives wait off the CPU, so a slower peer does not count), medians of N builds in one rank
-after the counted one, with no profiler attached.
+``--cpu N`` also times each stage: the CPU seconds of rank 0's main thread in it (a collective
+waits off the CPU, so a slower peer does not count; what gloo's own threads spend on a
+collective is not counted either), medians of N builds in the same ranks after the counted one,
+each after a garbage collection, with no profiler attached.
 
 Usage: ``python -m benchmarks.calls [--units 400] [--recipes plain_fsdp2,builder_fsdp2,...]
 [--cpu 5]``.

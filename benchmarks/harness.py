@@ -650,7 +650,8 @@ def _run(args: argparse.Namespace, caught: list[warnings.WarningMessage]) -> int
             del weights
     if sources or want_file or want_dcp:
         # Written back now, not by the kernel during the first measurements: the first slot of
-        # a run (always the first recipe's) paid for that writeback, up to 2.7 x its median.
+        # a run (always the first recipe's) paid for that writeback
+        # (benchmarks/results/measurement_order/).
         os.sync()
     labels = {size: label for size, label in zip(sizes, sizes_text.split(","), strict=True)}
     order = _plan(recipes, sizes, worlds, repeats) if recipes else []

@@ -11,8 +11,8 @@ builder (meta model + ``FromCheckpoint(folder)``) against the two ways people wr
 
 Per rank: seconds to a sharded model, and the peaks of anonymous (heap) and file-backed resident
 memory (``RssAnon`` / ``RssFile`` of ``/proc/self/status``, sampled every 5 ms), so the pages of
-a mapped file do not hide what a loader holds. Runs are interleaved (the order rotated each
-repeat) and repeated; medians.
+a mapped file do not hide what a loader holds. After one unrecorded run of each way, runs are
+interleaved (each repeat in the next of the six orders) and repeated; medians.
 
     python -m benchmarks.hf_load [--params 200] [--world 2] [--repeats 3]
 """
@@ -20,6 +20,7 @@ repeat) and repeated; medians.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -169,12 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         del model
         os.sync()  # the folder's writeback is not left to run during the first measurements
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+        # Each repeat runs the next ordering of the three ways: a way that follows one that
+        # touched much memory may find pages cheaper to fault in (rank0_broadcast touches the
+        # most), and over six repeats each way follows each other way equally often.
+        orders = list(itertools.permutations(METHODS))
+        # One unrecorded run of each way first: the first load after the folder was written
+        # took up to 1.7 x its way's median, whichever way ran first.
+        for method in METHODS:
+            run_ranks(_load, args.world, method, tmp, timeout=600)
         for repeat in range(args.repeats):
-            # Rotated each repeat: on a virtual machine a method that follows one that touched
-            # much memory finds it cheaper to fault in (rank0_broadcast touches the most), so no
-            # method always runs right after the same neighbour.
-            shift = repeat % len(METHODS)
-            for method in METHODS[shift:] + METHODS[:shift]:
+            for method in orders[repeat % len(orders)]:
                 per_rank = run_ranks(_load, args.world, method, tmp, timeout=600)
                 runs[method].append(
                     {
@@ -213,9 +218,10 @@ def write(
         f"`save_pretrained` shards) into FSDP2 on {args.world} gloo ranks",
         "",
         f"`python -m benchmarks.hf_load --params {args.params} --world {args.world} "
-        f"--repeats {args.repeats}`; medians of {args.repeats} interleaved runs (the order "
-        "rotated each repeat); per rank, the slowest rank's time and the largest peaks (RssAnon "
-        "/ RssFile above the rank's resident memory before the load).",
+        f"--repeats {args.repeats}`; medians of {args.repeats} interleaved runs (after one "
+        "unrecorded run of each way; each repeat in the next of the six orders); per rank, the "
+        "slowest rank's time and the largest peaks (RssAnon / RssFile above the rank's "
+        "resident memory before the load).",
         "",
         "| method | seconds | anonymous peak MiB | file-backed peak MiB |",
         "|---|---:|---:|---:|",

@@ -827,28 +827,34 @@ def test_checks_for_nonfinite_run_by_run_as_a_gpt2_folder_is_read(
         assert torch.equal(value.nan_to_num(), expected[name].nan_to_num()), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.complex64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64]
+)
 def test_the_nonfinite_check_agrees_with_torchs_exact_answer(dtype: torch.dtype) -> None:
     """The one-sum check says what ``~torch.isfinite(t).all()`` says: for finite tensors
-    whose sum overflows (it must then look exactly), a NaN or inf in any place, complex parts,
-    and tensors with no elements."""
+    whose sum overflows (it must then look exactly), a NaN or inf in any place (either part of
+    a complex value), single values (0-d) and tensors with no elements."""
     from fsdp_builder.materializers.nonfinite import holds_nonfinite
 
-    big = torch.finfo(dtype).max if not dtype.is_complex else torch.finfo(torch.float32).max
+    real = torch.float32 if dtype.is_complex else dtype
+    big = torch.finfo(real).max
     cases = [
         torch.randn(64, 8, generator=torch.Generator().manual_seed(0)).to(dtype),
-        torch.full((16,), big / 2).to(dtype),  # finite, but its sum overflows to inf
-        torch.full((16,), -big / 2).to(dtype),
+        torch.full((16,), big / 2, dtype=real).to(dtype),  # finite, but its sum overflows
+        torch.full((16,), -big / 2, dtype=real).to(dtype),
         torch.empty(0, 4, dtype=dtype),
+        torch.tensor(1.5).to(dtype),
+        torch.tensor(float("nan")).to(dtype),
     ]
     for bad in (float("nan"), float("inf"), float("-inf")):
         for place in (0, 511):
             t = torch.randn(512).to(dtype)
-            if dtype.is_complex:
-                t[place] = torch.tensor(complex(0.5, bad))
-            else:
-                t[place] = bad
+            t[place] = bad
             cases.append(t)
+            if dtype.is_complex:
+                t = t.clone()
+                t[place] = torch.tensor(complex(0.5, bad))
+                cases.append(t)
     for case in cases:
         exact = bool(case.numel()) and not bool(torch.isfinite(case).all())
         assert holds_nonfinite(case) is exact, (case.dtype, case.flatten()[:3])
