@@ -170,14 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         del model
         os.sync()  # the folder's writeback is not left to run during the first measurements
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
-        # Each repeat runs the next ordering of the three ways: a way that follows one that
-        # touched much memory may find pages cheaper to fault in (rank0_broadcast touches the
-        # most), and over six repeats each way follows each other way equally often.
-        orders = list(itertools.permutations(METHODS))
         # One unrecorded run of each way first: the first load after the folder was written
-        # took up to 1.7 x its way's median, whichever way ran first.
+        # was slow whichever way ran it (benchmarks/results/measurement_order/).
         for method in METHODS:
             run_ranks(_load, args.world, method, tmp, timeout=600)
+        # Each repeat runs the next ordering of the three ways, so that over six repeats each
+        # way follows each other one equally often and no neighbour can favour one of them.
+        orders = list(itertools.permutations(METHODS))
         for repeat in range(args.repeats):
             for method in orders[repeat % len(orders)]:
                 per_rank = run_ranks(_load, args.world, method, tmp, timeout=600)

@@ -141,28 +141,7 @@ class WrapPolicy:
             named = list(root.named_modules()) if named is None else named
             declared = no_split_class_names(root, named)
             if self.no_split or declared:
-                classes = self._by_names(root, named, declared)
-                if not classes:
-                    raise config_error(
-                        "ShardingBuilder.wrap",
-                        "policy",
-                        f"NoSplitModules() found no module of the classes "
-                        f"{list(declared) or '(none declared)'} that "
-                        f"{type(root).__name__}._no_split_modules names",
-                        _wrap_fix(root),
-                    )
-                picked = WrapPolicy(classes=classes).select(root, ignored_modules, named)
-                # A block whose parameter is tied to one outside it (BERT's word embeddings and its
-                # MLM decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
-                # transformer-based wrap leaves tied modules to the root.
-                tied = _tied_outside(named, picked)
-                build_logger(__name__).info(
-                    "wrap_no_split_modules",
-                    classes=[c.__name__ for c in classes],
-                    explicit=self.no_split,
-                    left_to_parent=sorted(tied.values()),
-                )
-                return picked - set(tied)
+                return self._select_no_split(root, ignored_modules, named, declared)
         if self.torch_policy is not None:
             # torch's policies answer for a root; their target kwargs are FSDP1 overrides we
             # do not apply per unit, so only the selected modules matter here.
@@ -194,6 +173,37 @@ class WrapPolicy:
                 _wrap_fix(root),
             )
         return selected
+
+    def _select_no_split(
+        self,
+        root: nn.Module,
+        ignored_modules: frozenset[nn.Module],
+        named: NamedModules,
+        declared: tuple[str, ...],
+    ) -> set[nn.Module]:
+        """``select`` by the model's ``_no_split_modules`` (``declared``; explicit or default)."""
+        classes = self._by_names(root, named, declared)
+        if not classes:
+            raise config_error(
+                "ShardingBuilder.wrap",
+                "policy",
+                f"NoSplitModules() found no module of the classes "
+                f"{list(declared) or '(none declared)'} that "
+                f"{type(root).__name__}._no_split_modules names",
+                _wrap_fix(root),
+            )
+        picked = WrapPolicy(classes=classes).select(root, ignored_modules, named)
+        # A block whose parameter is tied to one outside it (BERT's word embeddings and its MLM
+        # decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
+        # transformer-based wrap leaves tied modules to the root.
+        tied = _tied_outside(named, picked)
+        build_logger(__name__).info(
+            "wrap_no_split_modules",
+            classes=[c.__name__ for c in classes],
+            explicit=self.no_split,
+            left_to_parent=sorted(tied.values()),
+        )
+        return picked - set(tied)
 
     def overrides(
         self, root: nn.Module, ignored_modules: frozenset[nn.Module]
