@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
 
 from benchmarks.common import CollectiveBytes, Job, Outcome, Recipe
 from benchmarks.models import BenchTransformer, Block, make_model, reset_module
@@ -128,6 +129,29 @@ def fsdp2_dcp_load(job: Job) -> Outcome:
         dcp.load(state, checkpoint_id=job.dcp)
         set_model_state_dict(model, state)
     return Outcome(module=model, comm_bytes=counted.total, weight_comm_bytes=counted.floating)
+
+
+def fsdp2_file_slices(job: Job) -> Outcome:
+    """The rank-local load written by hand: FSDP2 on meta, ``to_empty``, then each rank copies
+    its own rows of every tensor from the .safetensors file (``safe_open(...).get_slice``) into
+    its local shard (``fully_shard`` keeps rows ``[rank * ceil(n / W), ...)``), with no
+    communication; buffers whole."""
+    from safetensors import safe_open
+
+    assert job.checkpoint is not None
+    model = _fully_shard_meta(job)
+    states = [*model.named_parameters(), *model.named_buffers()]
+    with torch.no_grad(), safe_open(job.checkpoint, framework="pt", device="cpu") as handle:
+        for name, state in states:
+            piece = handle.get_slice(name)
+            if isinstance(state, DTensor):
+                local = state.to_local()
+                start = job.rank * -(-piece.get_shape()[0] // job.world_size)
+                if local.numel():
+                    local.copy_(piece[start : start + local.shape[0]])
+            else:
+                state.copy_(piece[:])
+    return Outcome(module=model, comm_bytes=0)
 
 
 def read_floor(job: Job) -> Outcome:
@@ -259,6 +283,16 @@ BASELINES: tuple[Recipe, ...] = (
         fsdp2_dcp_load,
         "FSDP2 on meta + to_empty + dcp.load(sharded state dict) from a DCP folder (torchtitan)",
         needs_dcp=True,
+        deterministic=True,
+    ),
+    Recipe(
+        "fsdp2_file_slices",
+        "baseline",
+        "load_file",
+        fsdp2_file_slices,
+        "FSDP2 on meta + to_empty + each rank copies its rows from the .safetensors file "
+        "(rank-local load by hand)",
+        needs_checkpoint=True,
         deterministic=True,
     ),
     Recipe(

@@ -266,6 +266,16 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "≤",
                 1.2,
             )
+        by_hand = get("fsdp2_file_slices", size, world)
+        if local and by_hand and by_hand["seconds"]:
+            add(
+                "overhead: builder_fsdp2_checkpoint ÷ fsdp2_file_slices (the same rank-local "
+                "load by hand) time",
+                where,
+                local["seconds"] / by_hand["seconds"],
+                "≤",
+                1.05,
+            )
         dcp_builder, dcp_plain = (
             get("builder_fsdp2_dcp", size, world),
             get("fsdp2_dcp_load", size, world),

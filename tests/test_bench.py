@@ -61,8 +61,8 @@ def test_deterministic_recipes_agree(smoke: tuple[int, dict, Path]) -> None:
     ]
     assert len(loaded) >= 2 and len(set(loaded)) == 1, sums
     # So does reading the same weights from a .safetensors file or a DCP folder, by any recipe.
-    files = ("fsdp2_file_bcast", "builder_fsdp2_checkpoint", "builder_fsdp1_checkpoint",
-             "fsdp2_dcp_load", "builder_fsdp2_dcp")  # fmt: skip
+    files = ("fsdp2_file_bcast", "fsdp2_file_slices", "builder_fsdp2_checkpoint",
+             "builder_fsdp1_checkpoint", "fsdp2_dcp_load", "builder_fsdp2_dcp")  # fmt: skip
     missing_files = [n for n in files if n not in sums]
     assert not missing_files, missing_files
     assert {sums[n] for n in files} == {loaded[0]}, sums
