@@ -131,26 +131,30 @@ def fsdp2_dcp_load(job: Job) -> Outcome:
     return Outcome(module=model, comm_bytes=counted.total, weight_comm_bytes=counted.floating)
 
 
+def _own_rows(job: Job, rows: int) -> slice:
+    """The rows of a ``rows``-row tensor that ``fully_shard`` keeps on this rank: ``ceil(rows /
+    W)`` per rank, the last ranks shorter or empty."""
+    per = -(-rows // job.world_size)
+    start = min(job.rank * per, rows)
+    return slice(start, min(start + per, rows))
+
+
 def fsdp2_file_slices(job: Job) -> Outcome:
     """The rank-local load written by hand: FSDP2 on meta, ``to_empty``, then each rank copies
-    its own rows of every tensor from the .safetensors file (``safe_open(...).get_slice``) into
-    its local shard (``fully_shard`` keeps rows ``[rank * ceil(n / W), ...)``), with no
-    communication; buffers whole."""
+    its own rows of every parameter from the .safetensors file (``safe_open(...).get_slice``)
+    into its local shard, with no communication. (The bench model has no buffers; were one
+    added, it would stay unwritten here and the smoke run's checksum check would say so.)"""
     from safetensors import safe_open
 
     assert job.checkpoint is not None
     model = _fully_shard_meta(job)
-    states = [*model.named_parameters(), *model.named_buffers()]
     with torch.no_grad(), safe_open(job.checkpoint, framework="pt", device="cpu") as handle:
-        for name, state in states:
-            piece = handle.get_slice(name)
-            if isinstance(state, DTensor):
-                local = state.to_local()
-                start = job.rank * -(-piece.get_shape()[0] // job.world_size)
-                if local.numel():
-                    local.copy_(piece[start : start + local.shape[0]])
-            else:
-                state.copy_(piece[:])
+        for name, param in model.named_parameters():
+            assert isinstance(param, DTensor)
+            local = param.to_local()
+            if local.numel():
+                piece = handle.get_slice(name)
+                local.copy_(piece[_own_rows(job, piece.get_shape()[0])])
     return Outcome(module=model, comm_bytes=0)
 
 
@@ -164,10 +168,7 @@ def read_floor(job: Job) -> Outcome:
     with safe_open(job.checkpoint, framework="pt", device="cpu") as handle:
         for name in handle.keys():
             piece = handle.get_slice(name)
-            rows = piece.get_shape()[0]
-            per = -(-rows // job.world_size)
-            start = min(job.rank * per, rows)
-            rows_read = piece[start : min(start + per, rows)]
+            rows_read = piece[_own_rows(job, piece.get_shape()[0])]
             # Into storage of its own, as a model's shard: a slice may view the file's mapping.
             kept[name] = torch.empty_like(rows_read, device=job.device).copy_(rows_read)
     outcome = Outcome(comm_bytes=0)
