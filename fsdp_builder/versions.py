@@ -18,14 +18,14 @@ import re
 from collections.abc import Iterable
 from typing import Final
 
-import structlog
 import torch
 from attrs import frozen
 from torch.distributed.fsdp import ShardingStrategy
 
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import config_error
 
-logger = structlog.get_logger(__name__)
+logger = get_logger(__name__)
 
 Release = tuple[int, int]
 

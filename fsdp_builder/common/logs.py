@@ -4,10 +4,14 @@ Events are structlog events with flat snake_case keys; every event of a build ca
 and ``world_size`` (and ``unit`` for per-unit events). The library never configures structlog:
 
 - an application that configured structlog gets the events through its own configuration;
-- otherwise they go to the standard ``logging`` module, logger ``fsdp_builder.pipeline``,
-  rendered as ``key=value`` text. Its level and handlers decide: with no logging configured the
-  build prints nothing (the library installs a ``NullHandler``, as libraries should), and
-  ``logging.basicConfig(level=logging.DEBUG)`` shows every stage.
+- otherwise they go to the standard ``logging`` module, to the logger named after the module
+  that emits them (``fsdp_builder.pipeline``, ``fsdp_builder.sources.registry``, ...), rendered
+  as ``key=value`` text. Its level and handlers decide: with no logging configured the library
+  prints nothing (it installs a ``NullHandler``, as libraries should), and
+  ``logging.basicConfig(level=logging.DEBUG)`` shows every event.
+
+Modules log through :func:`get_logger`, never ``structlog.get_logger``: structlog's own default,
+when nothing is configured, prints every debug event to standard output.
 """
 
 from __future__ import annotations
@@ -37,6 +41,54 @@ def build_logger(name: str, **values: Any) -> Any:
         wrapper_class=structlog.make_filtering_bound_logger(target.getEffectiveLevel()),
         context_class=dict,
     ).bind(**values)
+
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+class LibraryLogger:
+    """A module-level logger that picks the route of :func:`build_logger` at every call, so
+    that an application configuring structlog or logging after the import is still obeyed."""
+
+    __slots__ = ("_name", "_values")
+
+    def __init__(self, name: str, values: dict[str, Any] | None = None) -> None:
+        self._name = name
+        self._values = values or {}
+
+    def bind(self, **values: Any) -> LibraryLogger:
+        return LibraryLogger(self._name, {**self._values, **values})
+
+    def _emit(self, method: str, event: str, values: dict[str, Any]) -> None:
+        # The common case, nothing configured, costs no logger construction.
+        if not structlog.is_configured() and not logging.getLogger(self._name).isEnabledFor(
+            _LEVELS[method]
+        ):
+            return
+        getattr(build_logger(self._name, **self._values), method)(event, **values)
+
+    def debug(self, event: str, **values: Any) -> None:
+        self._emit("debug", event, values)
+
+    def info(self, event: str, **values: Any) -> None:
+        self._emit("info", event, values)
+
+    def warning(self, event: str, **values: Any) -> None:
+        self._emit("warning", event, values)
+
+    def error(self, event: str, **values: Any) -> None:
+        self._emit("error", event, values)
+
+
+def get_logger(name: str) -> LibraryLogger:
+    """The logger for module ``name`` (``log = get_logger(__name__)``): its events take the
+    library's route, never structlog's unconfigured default."""
+    return LibraryLogger(name)
 
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:

@@ -36,7 +36,6 @@ from functools import partial
 from typing import Any, ClassVar
 
 import attrs
-import structlog
 import torch
 from attrs import define, frozen
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -44,6 +43,7 @@ from typing_extensions import override
 
 from fsdp_builder.common.describe import describe as describe_value
 from fsdp_builder.common.hashing import digest63
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
 from fsdp_builder.materializers.initializers import (
@@ -74,7 +74,7 @@ from fsdp_builder.runtime.tree import allocate_unit, local_tensor, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
 from fsdp_builder.sources.base import Index, reader
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 KeyMap = Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[str], "str | None"] | None
 

@@ -19,12 +19,12 @@ from functools import partial
 from typing import Any, ClassVar
 
 import attrs
-import structlog
 import torch
 import torch.distributed as dist
 from attrs import define, frozen
 from typing_extensions import override
 
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
 from fsdp_builder.materializers.initializers import (
@@ -55,7 +55,7 @@ from fsdp_builder.sources.base import listed, read_into
 from fsdp_builder.sources.derived import derive
 from fsdp_builder.sources.model_rules import checkpoint_rules
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Mapper = Callable[[str], "str | None"]
 

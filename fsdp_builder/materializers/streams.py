@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import attrs
-import structlog
 import torch
 from attrs import define, frozen
 from torch import nn
@@ -50,6 +49,7 @@ from torch.utils._python_dispatch import (
 from typing_extensions import override
 
 from fsdp_builder.common.hashing import digest63
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.materializers.conventions import Lineage, lineages
 from fsdp_builder.materializers.initializers import (
@@ -67,7 +67,7 @@ from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import local_tensor, qualified
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 # Elements per generator: element ``i`` of a parameter is drawn by generator ``i // BLOCK`` of

@@ -14,15 +14,15 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-import structlog
 import torch
 from torch.distributed.tensor import DTensor
 
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
 from fsdp_builder.versions import DCP_NO_DIST, require
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def _checkpoint_exception() -> tuple[type[BaseException], ...]:

@@ -21,13 +21,13 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import structlog
 import torch
 from attrs import frozen
 
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _DTYPES = {
     "F64": torch.float64,

@@ -19,12 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
-
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import config_error
 from fsdp_builder.sources.derived import MergeExperts, Rename, Rule
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _MIXTRAL: tuple[Rule, ...] = (
     Rename(r"\.block_sparse_moe\.", ".mlp."),

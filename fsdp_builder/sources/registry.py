@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch.distributed as dist
 from attrs import frozen
 
@@ -21,10 +20,11 @@ import fsdp_builder.sources.dcp_folder as dcp_folder
 import fsdp_builder.sources.hf_safetensors as hf_safetensors
 import fsdp_builder.sources.memory as memory
 import fsdp_builder.sources.torch_files as torch_files
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.sources.base import CheckpointSource, MissingPath, SourceError
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @frozen

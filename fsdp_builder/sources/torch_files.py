@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
+from fsdp_builder.common.logs import get_logger
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
 from fsdp_builder.sources.hf_safetensors import only_index, read_weight_map, refuse_a_shard
 from fsdp_builder.sources.memory import StateDictSource, check_state_dict
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def load_state_dict_file(path: Path, describe: str) -> Mapping[str, torch.Tensor]:
