@@ -18,13 +18,19 @@ How the states are gathered:
 
 Rank 0 copies each tensor into the current file's buffer and writes the file (with
 ``safetensors.torch.save_file``) before the buffer would pass ``max_shard_bytes``, so its peak
-is one unit plus one file buffer. Files are written under temporary names and renamed once
-their number is known, then the index is written under a temporary name and renamed last. A
-failure on rank 0 (a name collision, a key map that raises, a full disk, a folder that cannot be
+is one unit plus one file buffer. Every file (shards, index, ``config.json``) is written into a
+staging folder inside the export folder (``.save_hf_checkpoint-*.tmp``); only once the export is
+complete are an earlier export's files moved aside and the new ones moved in (renames in one
+file system, the index last), and the earlier files are deleted only after the last collective
+succeeded. A failure at any point before that puts the earlier export back as it was.
+
+A failure on rank 0 (a name collision, a key map that raises, a full disk, a folder that cannot be
 written) removes every file the export wrote and is raised on every rank after the last
 collective, as the same library error (ConfigurationError or ExportError) with the same message
-and rank 0's own error as ``__cause__``, so no rank is left waiting. A model that was not built
-(states on the meta device) is refused on every rank before any collective.
+and rank 0's own error as ``__cause__``, so no rank is left waiting. A collective that fails (a
+peer rank died or failed mid-export) is raised by each survivor as an ExportError saying so, its
+cause the backend's error, after the same clean-up. A model that was not built (states on the
+meta device) is refused on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import json
 import os
 import pickle
 import re
+import shutil
+import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -57,6 +65,8 @@ SINGLE_NAME = "model.safetensors"  # a model that fits one file: no index, as tr
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _FLAT_PARAM = "_flat_param"
+# The staging folder's name in the export folder; a rank 0 that was killed leaves it behind.
+_STAGING_PREFIX = ".save_hf_checkpoint-"
 
 
 @frozen
@@ -103,7 +113,11 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class _Writer:
-    """Rank 0's file buffer: tensors of the current file, written when the next would not fit."""
+    """Rank 0's file buffer: tensors of the current file, written when the next would not fit.
+
+    Every file goes to a staging folder inside ``folder`` first; an earlier export's files are
+    touched only by :meth:`commit`, once the new export is complete, and put back by
+    :meth:`settle` when the export fails after that."""
 
     def __init__(self, folder: Path, max_shard_bytes: int, tally: _Tally) -> None:
         self.folder = folder
@@ -112,10 +126,20 @@ class _Writer:
         self.buffer: dict[str, torch.Tensor] = {}
         self.buffered = 0
         self.parts: list[tuple[Path, list[str]]] = []
-        self.written: list[Path] = []  # every file this export created, to remove on failure
         self.total = 0
         self.sources: dict[str, str] = {}  # checkpoint name → model name, for collisions
         self.error: BaseException | None = None
+        self.staging: Path | None = None
+        self.placed: list[Path] = []  # new files moved into ``folder``
+        self.replaced: list[Path] = []  # earlier files moved aside, under ``staging / "old"``
+
+    def open(self) -> None:
+        """Create ``folder`` (if needed) and the staging folder in it."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, suffix=".tmp", dir=self.folder)
+        self.staging = Path(staging)
+        (self.staging / "new").mkdir()
+        (self.staging / "old").mkdir()
 
     def add(self, model_name: str, name: str, tensor: torch.Tensor, owned: bool) -> None:
         """Buffer ``tensor`` under ``name``; a tensor not ``owned`` (a view of an unsharded
@@ -140,19 +164,20 @@ class _Writer:
             return
         from safetensors.torch import save_file
 
-        path = self.folder / f"model-{len(self.parts) + 1:05d}.safetensors.tmp"
-        self.written.append(path)
+        assert self.staging is not None
+        path = self.staging / f"part-{len(self.parts) + 1:05d}.safetensors"
         save_file(self.buffer, str(path), metadata={"format": "pt"})
         self.parts.append((path, list(self.buffer)))
         self.buffer = {}
         self.buffered = 0
 
     def finish(self) -> tuple[str, ...]:
-        """Name the files as transformers' ``save_pretrained`` does: one file is
+        """Name the staged files as transformers' ``save_pretrained`` does: one file is
         ``model.safetensors`` with no index; several are ``model-0000k-of-0000n.safetensors``
-        with ``model.safetensors.index.json``. Then remove what an earlier export left that the
-        new one does not name (its shards, its index or its single file)."""
+        with ``model.safetensors.index.json``."""
         self.flush()
+        assert self.staging is not None
+        new = self.staging / "new"
         count = len(self.parts)
         single = count == 1
         names = (
@@ -162,35 +187,67 @@ class _Writer:
         )
         weight_map: dict[str, str] = {}
         for (path, keys), name in zip(self.parts, names, strict=True):
-            self.written.append(self.folder / name)
-            os.replace(path, self.folder / name)
+            os.replace(path, new / name)
             weight_map.update(dict.fromkeys(keys, name))
         if not single:
             index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-            staged = self.folder / f"{INDEX_NAME}.tmp"
-            self.written.append(staged)
-            _write_index(staged, index)
-            self.written.append(self.folder / INDEX_NAME)
-            os.replace(staged, self.folder / INDEX_NAME)
-        # Only a complete export replaces an earlier one's files.
-        keep = {*names} if single else {*names, INDEX_NAME}
-        for stale in self.folder.iterdir():
-            ours = _SHARD.match(stale.name) or stale.name in (SINGLE_NAME, INDEX_NAME)
-            if ours and stale.name not in keep:
-                stale.unlink()
+            _write_index(new / INDEX_NAME, index)
         return tuple(names)
 
-    def abandon(self) -> None:
+    def commit(self) -> None:
+        """Replace an earlier export with the complete new one: the earlier one's files
+        (shards, index, single file, and any file the new one also writes) are moved aside,
+        the new files moved in. Renames in one folder only, undone by :meth:`settle`."""
+        assert self.staging is not None
+        new, old = self.staging / "new", self.staging / "old"
+        incoming = sorted(p.name for p in new.iterdir())
+        for present in sorted(self.folder.iterdir()):
+            ours = _SHARD.match(present.name) or present.name in (SINGLE_NAME, INDEX_NAME)
+            if (ours or present.name in incoming) and not present.is_dir():
+                os.replace(present, old / present.name)
+                self.replaced.append(present)
+        # The index last: a reader that opens it finds every shard it names.
+        for name in sorted(incoming, key=lambda n: n == INDEX_NAME):
+            os.replace(new / name, self.folder / name)
+            self.placed.append(self.folder / name)
+
+    def settle(self, done: bool) -> None:
+        """Remove the staging folder; unless ``done``, first take the new files out of
+        ``folder`` and put the earlier export's back, byte for byte (renames)."""
         self.buffer = {}
-        for path in self.written:
-            path.unlink(missing_ok=True)
+        if self.staging is None:
+            return
+        if not done:
+            for path in reversed(self.placed):
+                path.unlink(missing_ok=True)
+            kept = False
+            for path in reversed(self.replaced):
+                try:
+                    os.replace(self.staging / "old" / path.name, path)
+                except OSError:
+                    kept = True
+            if kept:
+                # Never delete an earlier export's file: what could not be put back stays in
+                # the staging folder.
+                return
+        self.placed, self.replaced = [], []
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging = None
 
 
 def _write_index(path: Path, index: dict[str, Any]) -> None:
     path.write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _check_arguments(key_map: KeyMap, max_shard_bytes: int) -> None:
+def _check_arguments(folder: object, key_map: KeyMap, max_shard_bytes: int) -> None:
+    if not isinstance(folder, str | os.PathLike) or folder == "":
+        raise config_error(
+            "save_hf_checkpoint",
+            "folder",
+            f"expected a folder path (a str or os.PathLike), got {type(folder).__name__} "
+            f"{folder!r}",
+            "Pass the folder to write into, e.g. save_hf_checkpoint(model, 'out/model')",
+        )
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
         raise config_error(
             "save_hf_checkpoint",
@@ -310,8 +367,11 @@ def save_hf_checkpoint(
     (created if needed) what transformers' ``save_pretrained`` writes: ``model.safetensors``
     alone when the model fits one file of ``max_shard_bytes``, else
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``
-    (``metadata.total_size``, ``weight_map``). Files of an earlier export that the new one does
-    not name (shards, index, single file) are removed. ``FromCheckpoint(folder)`` loads it back;
+    (``metadata.total_size``, ``weight_map``). Only a complete export replaces an earlier one:
+    the files are written beside it first (so the disk needs room for both), and a failure at any
+    point leaves the earlier export's files as they were. Files of an earlier export that the
+    new one does not name (shards, index, single file) are removed. ``FromCheckpoint(folder)``
+    loads it back;
     for a transformers model (one with a ``config``) rank 0 also writes its ``config.json``, so
     ``from_pretrained(folder)`` loads it too. A mixture-of-experts model is written with its
     fused expert tensors (``mlp.experts.gate_up_proj``), which ``from_pretrained`` and
@@ -347,9 +407,11 @@ def save_hf_checkpoint(
             collective, with no file left behind).
         ExportError: rank 0 could not write the files (``folder`` is a file, no permission, a
             full disk) or gather a state; raised on every rank with rank 0's error as
-            ``__cause__``, after removing every file the export wrote.
+            ``__cause__``, after removing every file the export wrote. Also raised by every
+            surviving rank when a collective of the export fails (a peer rank died or failed),
+            with the backend's error as ``__cause__``, after the same clean-up.
     """
-    _check_arguments(key_map, max_shard_bytes)
+    _check_arguments(folder, key_map, max_shard_bytes)
     try:
         mapper: Callable[[str], str | None] = key_mapper(key_map)
     except re.error as exc:
@@ -362,16 +424,48 @@ def save_hf_checkpoint(
     target = Path(folder)
     tally = _Tally()
     writer = _Writer(target, max_shard_bytes, tally)
+    try:
+        outcome = _export(model, rank, distributed, mapper, writer)
+    except BaseException as exc:
+        # A collective failed (a peer died or failed) or the rank was interrupted: the
+        # earlier export is put back, the staged files go.
+        writer.settle(done=False)
+        if isinstance(exc, Exception) and distributed:
+            raise _peer_lost(target, rank, exc) from exc
+        raise
+    writer.settle(done=True)
+    files, total, failure = outcome
+    if failure is not None:
+        kind, message, cause = failure
+        if isinstance(writer.error, FSDPBuilderError):
+            raise writer.error  # rank 0's own, with its cause
+        if writer.error is not None:
+            cause = writer.error
+        error_type = ConfigurationError if kind == ConfigurationError.__name__ else ExportError
+        raise error_type(message) from cause
+    return HFExport(files=files, total_size=total, peak_bytes=tally.peak if rank == 0 else 0)
+
+
+def _export(
+    model: nn.Module,
+    rank: int,
+    distributed: bool,
+    mapper: Callable[[str], str | None],
+    writer: _Writer,
+) -> tuple[tuple[str, ...], int, tuple[str, str, BaseException | None] | None]:
+    """Every rank's collectives of the export and rank 0's writes; the files, the total size
+    and rank 0's failure (or None), as rank 0 broadcast them. On rank 0 the new export is in
+    place (the earlier one moved aside) when this returns without a failure."""
     if rank == 0:
         try:
-            target.mkdir(parents=True, exist_ok=True)
+            writer.open()
         except OSError as exc:
             writer.error = exc
     fsdp1 = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
     states = _fsdp1_states if fsdp1 else _dtensor_states
     with torch.no_grad():
         # Every rank runs the whole loop (its collectives), even after rank 0 failed.
-        for model_name, tensor, owned in states(model, rank, tally):
+        for model_name, tensor, owned in states(model, rank, writer.tally):
             if writer.error is not None:
                 continue
             try:
@@ -385,26 +479,33 @@ def save_hf_checkpoint(
     if rank == 0 and writer.error is None:
         try:
             files = writer.finish()
-            _save_config(model, target)
+            assert writer.staging is not None
+            _save_config(model, writer.staging / "new")
+            writer.commit()
         except (Exception, CheckpointException) as exc:
             writer.error = exc
     failure: tuple[str, str, BaseException | None] | None = None
     if rank == 0 and writer.error is not None:
-        writer.abandon()
-        failure = _failure(writer.error, target)
+        writer.settle(done=False)
+        failure = _failure(writer.error, writer.folder)
     outcome: list[Any] = [(files, writer.total, failure)]
     if distributed:
+        # The last collective: a peer that dies here undoes rank 0's commit (in the caller).
         dist.broadcast_object_list(outcome, src=0)
     files, total, failure = outcome[0]
-    if failure is not None:
-        kind, message, cause = failure
-        if isinstance(writer.error, FSDPBuilderError):
-            raise writer.error  # rank 0's own, with its cause
-        if writer.error is not None:
-            cause = writer.error
-        error_type = ConfigurationError if kind == ConfigurationError.__name__ else ExportError
-        raise error_type(message) from cause
-    return HFExport(files=files, total_size=total, peak_bytes=tally.peak if rank == 0 else 0)
+    return files, total, failure
+
+
+def _peer_lost(folder: Path, rank: int, error: BaseException) -> ExportError:
+    """The survivor's error when a collective of the export failed."""
+    text = str(error).strip()
+    detail = text.splitlines()[0] if text else ""
+    return ExportError(
+        f"`save_hf_checkpoint` into '{folder}' stopped on rank {rank}: a peer rank died or "
+        f"failed during the export (a collective failed: {type(error).__name__}: {detail}). "
+        "Its own log says why; run the export again on every rank. Nothing of this export was "
+        "kept, and an earlier export in that folder is left as it was."
+    )
 
 
 def _unbuilt(model: nn.Module) -> ConfigurationError | None:

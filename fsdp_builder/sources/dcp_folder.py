@@ -6,13 +6,23 @@ Opening checks that every data file the metadata names is there and long enough:
 cut file is then a problem of the path, found before any unit is loaded, instead of torch's
 ``CheckpointException`` in the middle of a build (which is a ``BaseException``, not an
 ``Exception``, and is caught here for that reason).
+
+``.metadata`` is a pickle, which plain ``FileSystemReader.read_metadata`` loads with
+``pickle.load``: whoever wrote the folder can make that run any code. It is read here with an
+unpickler that admits only what DCP's metadata is made of (its dataclasses, ``torch.Size``,
+dtypes, layouts, paths), for the check when the source opens and for every ``dcp.load`` after.
+Only tensor entries are ever requested, so DCP never unpickles a non-tensor entry's bytes (which
+it does without ``weights_only``).
 """
 
 from __future__ import annotations
 
+import functools
+import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -20,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
+from fsdp_builder.sources.hf_safetensors import inside_folder
 from fsdp_builder.versions import DCP_NO_DIST, require
 
 log = get_logger(__name__)
@@ -33,22 +44,108 @@ def _checkpoint_exception() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_PATHS = ("Path", "PurePath", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+# Names outside the metadata module that DCP's metadata pickles refer to.
+_ADMITTED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a lookup of a layout by its name
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in _PATHS),
+}
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A ``.metadata`` pickle referred to something that is no part of DCP's metadata."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+        super().__init__(f"{module}.{name}")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: any other global (a function to call, a class
+    with a reduce of its own) is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ADMITTED:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+                return value
+        elif module == _METADATA_MODULE:
+            from torch.distributed.checkpoint import metadata
+
+            value = getattr(metadata, name, None)
+            # Its own classes only: not what it imports (``Any``, ``Enum``...).
+            if isinstance(value, type) and value.__module__ == _METADATA_MODULE:
+                return value
+        raise RefusedGlobal(module, name)
+
+
+def read_metadata(folder: Path) -> Any:
+    """The ``Metadata`` of the DCP folder ``folder``, unpickled with only DCP's metadata classes
+    admitted (``RefusedGlobal`` for anything else)."""
+    with open(folder / ".metadata", "rb") as file:
+        return _MetadataUnpickler(file).load()
+
+
+@functools.cache
+def _reader_class() -> type:
+    """``FileSystemReader`` with its metadata read by ``read_metadata`` (imported on first use,
+    as the rest of DCP)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeMetadataReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            # What FileSystemReader.read_metadata does after its pickle.load.
+            metadata = read_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeMetadataReader
+
+
+def _reader(folder: Path) -> Any:
+    return _reader_class()(str(folder))
+
+
 class DCPSource:
     """A DCP folder: its metadata when opened, values per request."""
 
     def __init__(self, folder: Path) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         require(DCP_NO_DIST, "FromCheckpoint", "path")
         self.describe = f"the DCP folder '{folder}'"
         self.folder = folder
         try:
-            metadata = FileSystemReader(str(folder)).read_metadata()
+            metadata = _reader(folder).read_metadata()
+        except RefusedGlobal as exc:
+            raise SourceError(
+                f"{self.describe} has a .metadata ('{folder / '.metadata'}') that refers to "
+                f"`{exc.module}.{exc.name}`, which is no part of a DCP checkpoint's metadata: "
+                "it was refused before anything it names was called, so no code in it ran",
+                fix="Load only checkpoints from a source you trust; if you trust this one, "
+                "save it again with torch.distributed.checkpoint.save",
+            ) from exc
         except _checkpoint_exception() as exc:
             raise SourceError(
                 f"{self.describe} has an unreadable .metadata ({type(exc).__name__}: {exc})"
             ) from exc
+        if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+            raise SourceError(
+                f"{self.describe} has a .metadata that holds {type(metadata).__name__}, not "
+                "the Metadata torch.distributed.checkpoint.save writes"
+            )
         self._check_data_files(metadata)
         self._meta = {
             key: TensorMeta(tuple(item.size), item.properties.dtype)
@@ -64,6 +161,14 @@ class DCPSource:
             if isinstance(name, str):
                 end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
                 needed[name] = max(needed.get(name, 0), end)
+        outside = sorted(n for n in needed if not inside_folder(n))
+        if outside:
+            raise SourceError(
+                f"{self.describe} has a .metadata that names data file(s) outside the folder: "
+                f"{listed(outside)}; data files are read from the checkpoint's folder only",
+                fix="Save the checkpoint again with torch.distributed.checkpoint.save, which "
+                "names its data files inside the folder",
+            )
         absent = sorted(n for n in needed if not (self.folder / n).is_file())
         if absent:
             raise SourceError(
@@ -114,7 +219,7 @@ class DCPSource:
             with torch.no_grad(), warnings.catch_warnings():
                 # Reading without collectives is the point, not a fallback to warn about.
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.load(request, checkpoint_id=str(self.folder), no_dist=True)
+                dcp.load(request, storage_reader=_reader(self.folder), no_dist=True)
         except _checkpoint_exception() as exc:
             raise MaterializationError(
                 f"{self.describe} could not be read: {type(exc).__name__}: {exc}"
@@ -141,4 +246,4 @@ def is_dcp_folder(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
 
 
-__all__ = ["DCPSource", "is_dcp_folder"]
+__all__ = ["DCPSource", "RefusedGlobal", "is_dcp_folder", "read_metadata"]

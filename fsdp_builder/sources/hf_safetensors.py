@@ -19,7 +19,7 @@ import os
 import struct
 import sys
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 from attrs import frozen
@@ -317,7 +317,26 @@ def read_weight_map(index: Path) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise SourceError(f"{where} has no `weight_map` of tensor names to file names")
+    for key, name in weight_map.items():
+        if not inside_folder(name):
+            raise SourceError(
+                f"{where} names the shard file '{name}' for '{key}', which lies outside the "
+                f"index's folder '{index.parent}'; shard files are read from that folder only",
+                fix="Put the shard files next to the index and name each by its file name in "
+                "`weight_map` (e.g. 'model-00001-of-00002.safetensors')",
+            )
     return weight_map
+
+
+def inside_folder(name: str) -> bool:
+    """Whether the relative file name ``name`` (from a checkpoint's own listing) stays inside
+    the folder it is relative to. Checked on the name, not on the resolved path: a folder of
+    links to files elsewhere (the Hugging Face cache's snapshots) is a folder of its own files,
+    while an absolute name or one that climbs out with ``..`` reads what the folder's owner did
+    not put there."""
+    path = PurePath(name)
+    climbs = PurePath(os.path.normpath(path)).parts[:1] == ("..",)
+    return bool(name) and not path.is_absolute() and not climbs
 
 
 def open_index(index: Path) -> SafetensorsSource:
@@ -361,6 +380,7 @@ def open_single_file_folder(folder: Path) -> SafetensorsSource:
 __all__ = [
     "SafetensorsSource",
     "index_of_shard",
+    "inside_folder",
     "is_index_folder",
     "is_single_file_folder",
     "only_index",
