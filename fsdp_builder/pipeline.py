@@ -211,6 +211,19 @@ class _Build:
         )
         for field in attrs.fields(ShardingOptions):
             items[field.name] = getattr(cfg.options, field.name)
+        # The process-wide registries decide values too: a rank that registered another
+        # initializer, format or rule set would build another model. Named by the call that
+        # fills each, so a difference names the call to make on every rank.
+        from fsdp_builder.materializers.conventions import _REGISTERED, _SUBTREE_RULES
+        from fsdp_builder.sources.model_rules import registered_rules
+        from fsdp_builder.sources.registry import registered_formats
+
+        items.update(
+            register_initializer=dict(_REGISTERED),
+            register_subtree_rule=dict(_SUBTREE_RULES),
+            register_format=registered_formats(),
+            register_checkpoint_rules=registered_rules(),
+        )
         return describe_settings(items)
 
     # -- stages, in order ---------------------------------------------------------------

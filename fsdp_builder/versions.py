@@ -9,12 +9,16 @@ builder refuses it in the configure stage (before any collective, the model unto
 in the middle of a build.
 
 Only the release (major, minor) is compared: nightlies and vendor builds such as
-``2.8.0a0+git1234`` or ``2.8.0a0+nv25.05`` count as 2.8.
+``2.8.0a0+git1234`` or ``2.8.0a0+nv25.05`` count as 2.8. A version that does not start with
+``major.minor`` (some custom builds) is taken for the newest release the gates know, with a
+warning.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Final
 
@@ -104,9 +108,34 @@ def parse_release(version: str) -> Release:
     return int(match.group(1)), int(match.group(2))
 
 
+def newest_known() -> Release:
+    """The newest release any feature of :data:`FEATURES` needs: one that can do them all."""
+    return max(f.minimum for f in FEATURES.values())
+
+
 def torch_release() -> Release:
-    """The (major, minor) release of the torch imported here."""
-    return parse_release(str(torch.__version__))
+    """The (major, minor) release of the torch imported here. A custom build whose
+    ``__version__`` does not start with ``major.minor`` is taken for :func:`newest_known`
+    (every gate open), with a warning, rather than refused: such builds are usually recent."""
+    return _release_of(str(torch.__version__))
+
+
+@functools.cache
+def _release_of(version: str) -> Release:
+    try:
+        return parse_release(version)
+    except ValueError:
+        assumed = newest_known()
+        warnings.warn(
+            f"fsdp_builder cannot read the torch version {version!r} (expected "
+            f"'major.minor...', e.g. '2.8.0+cu128'); it assumes torch "
+            f"{assumed[0]}.{assumed[1]}, the newest release its version gates know. If this "
+            "torch is older, a feature it lacks fails inside torch instead of being refused "
+            "in the configure stage.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return assumed
 
 
 def supports(feature: str, release: Release | None = None) -> bool:
@@ -186,5 +215,6 @@ __all__ = [
     "parse_release",
     "require",
     "supports",
+    "newest_known",
     "torch_release",
 ]

@@ -216,10 +216,18 @@ def check_checkpointing_chooses(
         if blocks
         else "Pass a module class the model contains, or a callable (module, fqn) -> bool"
     )
+    classes = getattr(chosen, "classes", None)
+    given = (
+        f"no module is a {' or '.join(c.__name__ for c in classes)}"
+        if isinstance(classes, tuple)
+        else f"the predicate {getattr(chosen, '__name__', type(chosen).__name__)} is false for "
+        "every module"
+    )
     raise config_error(
         f"{where}.activation_checkpointing",
         "policy",
-        f"it chooses no module of {type(context.model).__name__}, so nothing would be checkpointed",
+        f"it chooses no module of {type(context.model).__name__} ({given}), so nothing would "
+        "be checkpointed",
         f"{hint}; or drop the activation_checkpointing(...) call.",
     )
 

@@ -12,8 +12,9 @@ between builders.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import attrs
 import torch
@@ -36,8 +37,14 @@ from fsdp_builder.materializers.conventions import (
     _SUBTREE_RULES,
     NO_LINEAGE,
     Lineage,
+    ModuleInitializer,
+    _direct,
+    _registered,
+    _unwritten,
+    _version,
     initializer_of,
     lineages,
+    torch_initializer,
     unit_lineages,
 )
 from fsdp_builder.planning.context import ConfigureContext
@@ -336,22 +343,96 @@ class BaseMaterializer(DeclaredHooks):
 
 
 def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) -> list[str]:
+    """The modules (named) that have states to initialize and no initializer. Raises the
+    refusal of a library initializer that leaves a state unwritten (``_library_gaps``)."""
     # One walk of the model: every unit's own modules are below the root, each reached once
     # (a module shared by two units is named once).
     model = plan.root.module
     found = lineages(model)
     refused: list[nn.Module] = []
+    gaps: list[tuple[nn.Module, list[str], ModuleInitializer]] = []
     for m in unit_modules(model, ignored.modules):
         if not (has_meta_states(m) if meta_only else has_states(m)):
             continue
-        if initializer_of(m, found.get(id(m), NO_LINEAGE)) is not None:
+        lineage = found.get(id(m), NO_LINEAGE)
+        if initializer_of(m, lineage) is not None:
+            left = _library_gaps(m, lineage, ignored)
+            if left and lineage.library_init is not None:
+                gaps.append((m, left, lineage.library_init))
             continue
         if not _only_nonpersistent_buffers(m):  # those are computed for the build
             refused.append(m)
-    if not refused:
+    if not refused and not gaps:
         return []
     names = module_names(model)  # only to name what is refused
+    if not refused:
+        m, left, library = gaps[0]
+        owner = getattr(library, "__self__", None)
+        kind = type(m).__name__
+        raise MaterializationError(
+            f"{type(owner).__name__ if owner is not None else 'The model'}._init_weights does not "
+            f"set {', '.join(left)} of {kind} ('{clean_name(names.get(id(m), '')) or '<root>'}'), "
+            f"which has no reset_parameters()"
+            + (f" (nor do {len(gaps) - 1} more modules' states)" if len(gaps) > 1 else "")
+            + f". Register one: `register_initializer({kind}, fn)`, or load the values with "
+            "FromCheckpoint(...)."
+        )
     return [f"{clean_name(names.get(id(m), '')) or '<root>'} ({type(m).__name__})" for m in refused]
+
+
+def _library_gaps(module: nn.Module, lineage: Lineage, ignored: IgnoredStates) -> list[str]:
+    """The direct states of ``module`` that its library's model-level initializer
+    (``_init_weights``) leaves unwritten where nothing else would write them (no registered
+    initializer, no ``reset_parameters``): what the build refuses when it gets there, found in
+    the configure stage. The initializer runs on a stand-in of the module on meta, so neither
+    the module nor its model changes; one that cannot run on meta is left to the build."""
+    library = lineage.library_init
+    if library is None or _registered(module) is not None or torch_initializer(module):
+        return []
+    states = _direct(module)
+    tied = [n for n, _ in states if (id(module), n) in lineage.tied]
+    if not states or len(tied) == len(states):  # a tied-only module is not initialized at all
+        return []
+    settled = {id(p) for p in ignored.params}  # ignored parameters keep their own values
+    probe = _meta_stand_in(module, {})
+    versions = {n: _version(t) for n, t in _direct(probe)}
+    try:
+        with torch.no_grad():
+            library(probe)
+    except Exception:
+        return []
+    own = dict(states)
+    return [n for n in _unwritten(probe, versions) if id(own.get(n)) not in settled]
+
+
+def _meta_stand_in(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A copy of ``module`` and its subtree whose states are new tensors on meta (a tensor
+    shared by two places stays shared); everything else is the module's own."""
+    if id(module) in memo:
+        return cast(nn.Module, memo[id(module)])
+    probe = copy.copy(module)
+    memo[id(module)] = probe
+    probe.__dict__["_parameters"] = {
+        n: None if t is None else _meta_like(t, memo) for n, t in module._parameters.items()
+    }
+    probe.__dict__["_buffers"] = {
+        n: None if t is None else _meta_like(t, memo) for n, t in module._buffers.items()
+    }
+    probe.__dict__["_modules"] = {
+        n: None if c is None else _meta_stand_in(c, memo) for n, c in module._modules.items()
+    }
+    return probe
+
+
+def _meta_like(tensor: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+    if id(tensor) not in memo:
+        fresh = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(fresh, requires_grad=tensor.requires_grad)
+            if isinstance(tensor, nn.Parameter)
+            else fresh
+        )
+    return cast(torch.Tensor, memo[id(tensor)])
 
 
 def _only_nonpersistent_buffers(module: nn.Module) -> bool:

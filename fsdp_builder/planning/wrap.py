@@ -10,7 +10,7 @@ by them; any other model is one unit.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
 from attrs import frozen
@@ -77,6 +77,13 @@ class WrapPolicy:
             return cls()
         if isinstance(spec, NoSplitModules):
             return cls(no_split=True)
+        if spec is NoSplitModules:
+            raise config_error(
+                "ShardingBuilder.wrap",
+                "policy",
+                "the class NoSplitModules was given, not an instance of it",
+                "Call it: `.wrap(NoSplitModules())`.",
+            )
         if isinstance(spec, _Policy):
             return cls(torch_policy=spec)
         if _is_module_class(spec):
@@ -89,8 +96,8 @@ class WrapPolicy:
                 "Pass module classes such as `.wrap(TransformerBlock)` (the classes whose "
                 "instances become units), or a callable (module, fqn) -> bool.",
             )
-        if isinstance(spec, list | tuple | set | frozenset):
-            items = list(spec)
+        if isinstance(spec, Iterable) and not isinstance(spec, str | bytes | Mapping | nn.Module):
+            items = list(spec)  # taken once: a generator is empty the second time
             bad = [repr(i) for i in items if not _is_module_class(i)]
             if not items or bad:
                 raise config_error(
@@ -354,11 +361,18 @@ def checkpoint_predicate(spec: Any) -> CheckpointPredicate:
             "Pass module classes or a callable (module, fqn) -> bool.",
         )
 
-    def is_chosen(module: nn.Module, fqn: str) -> bool:
-        return isinstance(module, classes)
+    return ChosenClasses(classes)
 
-    is_chosen.__name__ = ",".join(c.__name__ for c in classes)
-    return is_chosen
+
+@frozen
+class ChosenClasses:
+    """``.activation_checkpointing(classes)`` as a predicate: the modules of those classes.
+    Ranks compare it (and messages name it) by its classes."""
+
+    classes: tuple[type[nn.Module], ...]
+
+    def __call__(self, module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, self.classes)
 
 
 def checkpoint_unit(
@@ -445,6 +459,7 @@ def _legacy_select(
 
 
 __all__ = [
+    "ChosenClasses",
     "NoSplitModules",
     "WrapPolicy",
     "block_like_classes",

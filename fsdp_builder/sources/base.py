@@ -12,7 +12,7 @@ source turns them into its own ``ConfigurationError`` (its name, its argument, i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from attrs import frozen
@@ -115,6 +115,97 @@ class FillsTargets(Protocol):
         ...
 
 
+class _Checked:
+    """A registered format's source whose reads are held to its own listing: a read of another
+    shape would be broadcast into the destination (one row copied into every row) and one of
+    another dtype converted without a word, so both are refused, naming the format."""
+
+    def __init__(self, format_name: str, source: CheckpointSource) -> None:
+        self._format = format_name
+        self._source = source
+        self._listing: Mapping[str, TensorMeta] | None = None
+        self.describe = source.describe
+
+    def tensors(self) -> Mapping[str, TensorMeta]:
+        self._listing = self._source.tensors()
+        return self._listing
+
+    def read(self, key: str, index: Index | None = None) -> torch.Tensor:
+        got = self._source.read(key, index)
+        if self._listing is None:
+            self._listing = self._source.tensors()
+        meta = self._listing.get(key)
+        if meta is None:
+            return got
+        # Raised in the middle of a load, where the loader names the source and quotes the
+        # error: the fix goes into the message itself.
+        where = f"the checkpoint format '{self._format}' read '{key}'"
+        if not isinstance(got, torch.Tensor):
+            raise SourceError(
+                f"{where} as a {type(got).__name__}, not a torch.Tensor; make the format's "
+                "read() return a tensor"
+            )
+        want = tuple(meta.shape)
+        if index:
+            want = tuple(torch.empty(meta.shape, device="meta")[index].shape)
+        if tuple(got.shape) != want:
+            part = "" if want == tuple(meta.shape) else f" (rows {_rows(index)} of it)"
+            raise SourceError(
+                f"{where} as shape {list(got.shape)} where its tensors() listed "
+                f"{list(meta.shape)}{part}, which the loader would broadcast into every row; "
+                f"make the format's read() return exactly the {list(want)} asked for, or fix "
+                "its tensors()"
+            )
+        if got.dtype != meta.dtype:
+            raise SourceError(
+                f"{where} as {got.dtype} where its tensors() listed {meta.dtype}, which the "
+                "loader would convert without a word; make the format's read() return the "
+                "listed dtype, or list the dtype it stores"
+            )
+        return got
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def _rows(index: Index | None) -> str:
+    return ", ".join(
+        f"{s.start or 0}:{'' if s.stop is None else s.stop}" if isinstance(s, slice) else repr(s)
+        for s in index or ()
+    )
+
+
+class _CheckedReadsInto(_Checked):
+    def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
+        cast(ReadsInto, self._source).read_into(key, index, out)
+
+
+class _CheckedFills(_Checked):
+    def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
+        cast(FillsTargets, self._source).fill(targets)
+
+
+class _CheckedBoth(_CheckedReadsInto, _CheckedFills):
+    pass
+
+
+def checked_source(format_name: str, source: CheckpointSource) -> CheckpointSource:
+    """``source``, opened by the registered format ``format_name``, with each ``read`` checked
+    against its ``tensors()`` listing (shape and dtype); a ``read_into`` or ``fill`` it
+    defines is kept as it is (it writes into the loader's destination itself)."""
+    into, fills = isinstance(source, ReadsInto), isinstance(source, FillsTargets)
+    kind = (
+        _CheckedBoth
+        if into and fills
+        else _CheckedReadsInto
+        if into
+        else _CheckedFills
+        if fills
+        else _Checked
+    )
+    return kind(format_name, source)
+
+
 def listed(items: list[str], shown: int = 8, sep: str = ", ") -> str:
     """The first ``shown`` distinct items, and how many more there are."""
     unique = list(dict.fromkeys(items))
@@ -130,6 +221,7 @@ __all__ = [
     "ReadsInto",
     "SourceError",
     "TensorMeta",
+    "checked_source",
     "listed",
     "read_into",
     "reader",

@@ -16,7 +16,7 @@ none), in this order:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from fsdp_builder.common.logs import get_logger
@@ -46,15 +46,17 @@ _BUILT_IN: dict[str, tuple[Rule, ...]] = {
 _USER: dict[str, tuple[Rule, ...]] = {}
 
 
-def register_checkpoint_rules(model_type: str, rules: Sequence[Rule]) -> None:
+def register_checkpoint_rules(model_type: str, rules: Iterable[Rule]) -> None:
     """Read the checkpoints of models whose ``config.model_type`` is ``model_type`` through
     ``rules`` (:class:`~fsdp_builder.sources.derived.Rename` and
     :class:`~fsdp_builder.sources.derived.MergeExperts`, applied renames first); they replace
     what transformers' mapping or the built-in rules would give. An empty sequence turns
-    derivation off for that model type. Register on every rank before the build.
+    derivation off for that model type. Any iterable of rules is taken (once). Register on
+    every rank before the build: ranks compare their registered rules in the configure stage.
 
     Raises:
-        ConfigurationError: ``model_type`` is not a non-empty string, or a rule is neither a
+        ConfigurationError: ``model_type`` is not a non-empty string, ``rules`` is not an
+            iterable of rules (None, a string, a single rule), or a rule is neither a
             ``Rename`` nor a ``MergeExperts``.
 
     Example:
@@ -72,16 +74,31 @@ def register_checkpoint_rules(model_type: str, rules: Sequence[Rule]) -> None:
             f"expected a model type such as 'mixtral', got {model_type!r}",
             "Pass the model's config.model_type",
         )
-    bad = [r for r in rules if not isinstance(r, Rename | MergeExperts)]
-    if bad or isinstance(rules, str):
+    fix = "Pass a list such as [Rename(r'\\.moe\\.', '.mlp.')] (an empty list turns derivation off)"
+    if isinstance(rules, str | bytes | Rename | MergeExperts) or not isinstance(rules, Iterable):
         raise config_error(
             "register_checkpoint_rules",
             "rules",
-            f"expected Rename and MergeExperts rules, got {bad[0]!r}" if bad else "got a string",
-            "Pass a list such as [Rename(r'\\.moe\\.', '.mlp.')]",
+            f"expected a sequence of Rename and MergeExperts rules, got {type(rules).__name__} "
+            f"{rules!r}",
+            fix,
         )
-    _USER[model_type] = tuple(rules)
-    log.debug("checkpoint_rules_registered", model_type=model_type, rules=len(rules))
+    items = tuple(rules)  # taken once: a generator would be empty the second time
+    bad = [r for r in items if not isinstance(r, Rename | MergeExperts)]
+    if bad:
+        raise config_error(
+            "register_checkpoint_rules",
+            "rules",
+            f"expected Rename and MergeExperts rules, got {type(bad[0]).__name__} {bad[0]!r}",
+            fix,
+        )
+    _USER[model_type] = items
+    log.debug("checkpoint_rules_registered", model_type=model_type, rules=len(items))
+
+
+def registered_rules() -> dict[str, tuple[Rule, ...]]:
+    """The rules registered with :func:`register_checkpoint_rules`, by model type."""
+    return dict(_USER)
 
 
 def unregister_checkpoint_rules(model_type: str) -> None:
@@ -159,4 +176,9 @@ def checkpoint_rules(model: Any, *, complete: bool = False) -> tuple[Rule, ...]:
     return _BUILT_IN.get(model_type, ())
 
 
-__all__ = ["checkpoint_rules", "register_checkpoint_rules", "unregister_checkpoint_rules"]
+__all__ = [
+    "checkpoint_rules",
+    "register_checkpoint_rules",
+    "registered_rules",
+    "unregister_checkpoint_rules",
+]

@@ -22,7 +22,7 @@ import fsdp_builder.sources.memory as memory
 import fsdp_builder.sources.torch_files as torch_files
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, config_error
-from fsdp_builder.sources.base import CheckpointSource, MissingPath, SourceError
+from fsdp_builder.sources.base import CheckpointSource, MissingPath, SourceError, checked_source
 
 log = get_logger(__name__)
 
@@ -78,7 +78,12 @@ def register_format(
 
     ``detect(path)`` says whether a path holds your format; ``open(path)`` returns a
     :class:`~fsdp_builder.sources.CheckpointSource`. Registering a name again replaces it.
-    Register on every rank before the build (e.g. at import of the module defining it).
+    Register on every rank before the build (e.g. at import of the module defining it): ranks
+    compare their registered formats in the configure stage.
+
+    What ``detect`` or ``open`` raises is reported naming the format. Each ``read`` is held to
+    the source's ``tensors()`` listing: a tensor of another shape (which would be broadcast
+    into every row) or another dtype (which would be converted) is refused, naming both.
 
     Raises:
         ConfigurationError: ``name`` is empty, or ``detect`` / ``open`` is not callable.
@@ -114,6 +119,11 @@ def unregister_format(name: str) -> None:
     _USER[:] = [f for f in _USER if f.name != name]
 
 
+def registered_formats() -> list[Format]:
+    """The formats registered with :func:`register_format`, in the order they are tried."""
+    return list(_USER)
+
+
 def formats() -> list[str]:
     """The formats' names, in the order they are tried."""
     return [f.name for f in (*_USER, *_BUILT_IN)]
@@ -135,19 +145,47 @@ def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> Checkpoin
     path = Path(os.fspath(source))
     if not path.exists():
         raise _missing(path)
-    for fmt in (*_USER, *_BUILT_IN):
+    for fmt in _USER:
+        if _user_call(fmt, "detect", path):
+            opened = _user_call(fmt, "open", path)
+            _check_opened(fmt, path, opened)
+            log.debug("checkpoint_opened", format=fmt.name, path=str(path))
+            return checked_source(fmt.name, opened)
+    for fmt in _BUILT_IN:
         if fmt.detect(path):
             opened = fmt.open(path)
-            if not isinstance(opened, CheckpointSource):
-                raise ConfigurationError(
-                    f"The checkpoint format '{fmt.name}' opened '{path}' as a "
-                    f"{type(opened).__name__}, which lacks what a CheckpointSource has "
-                    "(describe, tensors(), read(key, index), close()). Fix the format's open "
-                    "function."
-                )
+            _check_opened(fmt, path, opened)
             log.debug("checkpoint_opened", format=fmt.name, path=str(path))
             return opened
     raise SourceError(_unknown_folder(path))
+
+
+def _user_call(fmt: Format, step: str, path: Path) -> Any:
+    """``fmt.detect(path)`` or ``fmt.open(path)`` of a registered format; what it raises
+    (other than the library's own errors) is reported naming the format and the step."""
+    detect = step == "detect"
+    try:
+        return (fmt.detect if detect else fmt.open)(path)
+    except ConfigurationError:
+        raise
+    except Exception as exc:
+        raise SourceError(
+            f"'{path}' could not be read: the checkpoint format '{fmt.name}' (registered with "
+            f"register_format) raised {type(exc).__name__}: {exc} in its {step} function",
+            f"Fix the {step} function of the format '{fmt.name}'"
+            + (" (it should only look at the path and say True or False)" if detect else "")
+            + f", or remove the format with unregister_format('{fmt.name}')",
+        ) from exc
+
+
+def _check_opened(fmt: Format, path: Path, opened: object) -> None:
+    if not isinstance(opened, CheckpointSource):
+        raise ConfigurationError(
+            f"The checkpoint format '{fmt.name}' opened '{path}' as a "
+            f"{type(opened).__name__}, which lacks what a CheckpointSource has "
+            "(describe, tensors(), read(key, index), close()). Fix the format's open "
+            "function."
+        )
 
 
 def _missing(path: Path) -> MissingPath:
@@ -173,4 +211,11 @@ def _unknown_folder(path: Path) -> str:
     )
 
 
-__all__ = ["Format", "formats", "open_source", "register_format", "unregister_format"]
+__all__ = [
+    "Format",
+    "formats",
+    "open_source",
+    "register_format",
+    "registered_formats",
+    "unregister_format",
+]

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from fsdp_builder import AutoHybridGroups, DeterministicInit, ShardingBuilder
 from fsdp_builder.builder import builder_for
+from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
 from fsdp_builder.tools.estimate import BACKENDS, OPTIMIZER_STATES, PARAM_DTYPES, local_node_size
 
@@ -256,7 +257,6 @@ def load_factory(spec: str) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fsdp_builder.errors import ConfigurationError
     from fsdp_builder.planning.ignored import IgnoredStates
     from fsdp_builder.planning.plan import plan_units
     from fsdp_builder.planning.wrap import WrapPolicy
@@ -515,7 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--world-size must be at least 1")
     if args.devices_per_node is not None and args.devices_per_node < 1:
         parser.error("--devices-per-node must be at least 1")
-    return cmd_plan(args)
+    try:
+        return cmd_plan(args)
+    except ConfigurationError as exc:  # the library's message says what to fix: no traceback
+        raise SystemExit(str(exc)) from exc
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,9 @@ def meta_model_from_config(spec: str | os.PathLike[str]) -> nn.Module:
             of the ``.json`` file itself.
 
     Raises:
-        ConfigurationError: transformers is not installed, there is no ``config.json``, or the
-            file is not a configuration transformers knows.
+        ConfigurationError: transformers is not installed, there is no ``config.json``, a
+            size in it is not a whole number of 0 or more (the key is named), or the file is not
+            a configuration transformers accepts or can build a model from.
     """
     path = config_file(spec)
     try:
@@ -81,17 +83,91 @@ def meta_model_from_config(spec: str | os.PathLike[str]) -> nn.Module:
             "installed",
             "Install it (`pip install transformers`), or pass MODULE:FACTORY",
         ) from exc
+    check_sizes(path)
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+    except Exception as exc:  # transformers' and huggingface_hub's validators raise their own
         raise config_error(
             _WHERE,
             _ARGUMENT,
-            f"{str(path)!r} is not a transformers configuration ({type(exc).__name__}: {exc})",
-            "Pass the config.json that `save_pretrained` wrote, with its `model_type`",
+            f"{str(path)!r} is not a configuration transformers accepts "
+            f"({type(exc).__name__}: {_one_line(exc)})",
+            "Fix the value it names in the config.json (as `save_pretrained` writes it, with its "
+            "`model_type`)",
         ) from exc
-    with torch.device("meta"):
-        return _model_class(transformers, config, path)(config)
+    cls = _model_class(transformers, config, path)
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    except Exception as exc:  # a value no validator caught, met by a layer's constructor
+        raise config_error(
+            _WHERE,
+            _ARGUMENT,
+            f"{cls.__name__} cannot be created from {str(path)!r} "
+            f"({type(exc).__name__}: {_one_line(exc)})",
+            "Fix the sizes in the config.json: they must be the model's real dimensions",
+        ) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+# Keys whose values are sizes or counts (hidden_size, num_hidden_layers, n_embd, head_dim,
+# vocab_size, d_model...): an int, a list of ints (image sizes), or null.
+_SIZE_KEY = re.compile(r"^(num_|n_)|(_size|_dim|_layers|_heads|_embd|_positions)$|^d_(model|ff)$")
+
+
+def check_sizes(path: Path) -> None:
+    """Refuse a size or count in the config.json at ``path`` that cannot be one
+    (``hidden_size: -64``, ``num_hidden_layers: "two"``), naming the key: what transformers or
+    a layer's constructor would otherwise raise without the key's name. -1 (a sentinel some
+    configs use) and null are left to transformers."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise config_error(
+            _WHERE,
+            _ARGUMENT,
+            f"{str(path)!r} is not a JSON file ({type(exc).__name__}: {_one_line(exc)})",
+            "Pass the config.json that `save_pretrained` wrote",
+        ) from exc
+    if not isinstance(raw, dict):
+        raise config_error(
+            _WHERE,
+            _ARGUMENT,
+            f"{str(path)!r} holds a JSON {type(raw).__name__}, not an object of settings",
+            "Pass the config.json that `save_pretrained` wrote",
+        )
+    for key, value in _sizes(raw, ""):
+        values = value if isinstance(value, list) else [value]
+        if not all(_may_be_size(v) for v in values):
+            raise config_error(
+                _WHERE,
+                _ARGUMENT,
+                f"{str(path)!r} sets {key}={value!r}, which is not a size: sizes and counts "
+                "are whole numbers of 0 or more",
+                f"Set {key} in the config.json to the model's own value, a whole number",
+            )
+
+
+def _sizes(settings: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    """The size-like settings of ``settings`` and of the configs nested in it
+    (``text_config.hidden_size``), with their dotted names."""
+    found: list[tuple[str, Any]] = []
+    for key, value in settings.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found.extend(_sizes(value, f"{name}."))
+        elif _SIZE_KEY.search(str(key)):
+            found.append((name, value))
+    return found
+
+
+def _may_be_size(value: Any) -> bool:
+    if value is None or isinstance(value, float):
+        return True  # null: derived by the config; a float: transformers' own check decides
+    return isinstance(value, int) and not isinstance(value, bool) and value >= -1
 
 
 def _model_class(transformers: Any, config: Any, path: Path) -> type[nn.Module]:
@@ -120,4 +196,10 @@ def _model_class(transformers: Any, config: Any, path: Path) -> type[nn.Module]:
     )
 
 
-__all__ = ["CONFIG_NAME", "config_file", "is_config_path", "meta_model_from_config"]
+__all__ = [
+    "CONFIG_NAME",
+    "check_sizes",
+    "config_file",
+    "is_config_path",
+    "meta_model_from_config",
+]
