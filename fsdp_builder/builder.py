@@ -236,6 +236,11 @@ class ShardingBuilder:
     ) -> B:
         """Leave modules (whole subtrees) or parameters out of sharding.
 
+        Ignored states stay unsharded, unmoved and unsynchronized, and loaders write their full
+        checkpoint values on every rank. A parameter ignored on the meta device is materialized
+        with its module (the value ``Model(config)`` gives it); a real one keeps its value.
+        States of ignored modules must be real.
+
         Raises:
             ConfigurationError: both arguments, a mix of modules and parameters, a sharded wrapper;
                 at build, an ignored module or parameter not in the model; called twice.

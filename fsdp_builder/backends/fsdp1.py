@@ -195,13 +195,21 @@ def fsdp1_kwargs(env: Environment, unit: Unit | None = None) -> dict[str, Any]:
         kwargs["process_group"] = (groups.shard_group, groups.replicate_group)
     else:
         kwargs["process_group"] = groups.shard_group
-    if env.ignored.modules:
-        kwargs["ignored_modules"] = list(env.ignored.modules)
-    elif env.ignored.params:
-        kwargs["ignored_states"] = list(env.ignored.params)
+    ignored = env.ignored
+    # As FSDP1's own auto-wrap passes them to each unit: ignored modules as modules (their
+    # buffers are ignored too), and every ignored parameter as states when some are ignored
+    # one by one (modules' parameters included: torch takes only one of the two arguments).
+    if ignored.params and not ignored.params <= _module_params(ignored.modules):
+        kwargs["ignored_states"] = list(ignored.params)
+    elif ignored.modules:
+        kwargs["ignored_modules"] = list(ignored.modules)
     if unit is not None:
         kwargs.update(fsdp1_unit_overrides(unit, opts))
     return kwargs
+
+
+def _module_params(modules: frozenset[nn.Module]) -> frozenset[nn.Parameter]:
+    return frozenset(p for m in modules for p in m.parameters(recurse=False))
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -46,6 +46,7 @@ from fsdp_builder.common.hashing import digest63
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
+from fsdp_builder.materializers.ignored import give_storage_in_place, meta_ignored
 from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     MaterializerRun,
@@ -252,6 +253,9 @@ class FromCheckpoint(BaseMaterializer):
     errors. ``strict=False`` loads what matches and logs the rest (``checkpoint_partial``);
     states missing from the checkpoint must then already be real. Non-persistent buffers are
     not in checkpoints: the model computes them (see ``fsdp_builder.materializers.buffers``).
+    Ignored states (``ignore(...)``) are loaded too, whole, on every rank, into the tensors the
+    user passed (kept unsharded); with ``strict=True`` one the checkpoint lacks is refused by
+    name.
 
     Raises:
         ConfigurationError: on every rank before any weight is written: a path that holds no
@@ -475,6 +479,8 @@ class LocalRun:
         env = self.env
         assert self.source is not None, "materialize after close"
         modules = unit_modules(unit.module, env.ignored.modules)
+        # In place, so that an ignored parameter stays the one FSDP ignores; it is read whole.
+        give_storage_in_place(meta_ignored(modules, env.ignored), env.device)
         allocate_unit(unit.module, modules, env.device, env.shard_specs)
         targets: dict[str, torch.Tensor] = {}
         loaded: list[tuple[str, torch.Tensor]] = []

@@ -24,6 +24,7 @@ are computed in one walk of the model (``lineages``), once per build or check.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -275,6 +276,13 @@ def _unwritten(module: nn.Module, versions: dict[str, tuple[int, int]]) -> list[
     return [n for n, t in _direct(module) if _version(t) == versions.get(n)]
 
 
+# The states whose values the caller settles after the initializer ran (ignored parameters,
+# by id): one the library's initializer leaves unwritten is not refused for it.
+SETTLED_BY_CALLER: ContextVar[frozenset[int]] = ContextVar(
+    "fsdp_builder_settled_by_caller", default=frozenset()
+)
+
+
 def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> None:
     """The library's initializer; states it leaves unwritten get what the module's constructor
     gave them first (``reset_parameters``), after which the library's initializer runs again,
@@ -285,6 +293,9 @@ def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> N
     versions = {n: _version(t) for n, t in _direct(module)}
     library_init(module)
     left = _unwritten(module, versions)
+    settled = SETTLED_BY_CALLER.get()
+    if settled and left:
+        left = [n for n in left if id(getattr(module, n)) not in settled]
     if not left:
         return
     fallback = torch_initializer(module)

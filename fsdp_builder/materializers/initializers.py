@@ -47,6 +47,12 @@ from fsdp_builder.materializers.conventions import (
     torch_initializer,
     unit_lineages,
 )
+from fsdp_builder.materializers.ignored import (
+    has_meta_ignored,
+    ignored_slots,
+    reseat,
+    settling_ignored,
+)
 from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
@@ -278,22 +284,17 @@ class BaseMaterializer(DeclaredHooks):
         model: nn.Module | None = None,
     ) -> int:
         """Give ``modules`` (the owned modules below ``root``, named from ``root_fqn``) storage
-        and values; returns the bytes given storage. Real ignored parameters keep their values,
-        even when their module's initializer writes them. ``model`` (default ``root``) is the
+        and values; returns the bytes given storage. Ignored parameters: real ones keep their
+        values, ones on meta get their module's (see ``fsdp_builder.materializers.ignored``).
+        ``model`` (default ``root``) is the
         whole model, whose registered parents' subtree rules apply."""
         ignored = ignored or IgnoredStates()
-        if not self.reinitialize and not needs_materialization(modules, ignored):
+        if (
+            not self.reinitialize
+            and not needs_materialization(modules, ignored)
+            and not has_meta_ignored(modules, ignored)
+        ):
             return 0
-        kept = [
-            (m, name, p.detach().clone())
-            for m in (modules if ignored.params else ())
-            for name, p in m._parameters.items()
-            if p is not None and p in ignored.params and not p.is_meta
-        ]
-        allocated = allocate_empty(
-            modules, self.storage_device or device, only_meta=not self.reinitialize
-        )
-
         found = unit_lineages(model if model is not None else root, root, root_fqn, modules)
 
         def init(module: nn.Module, fqn: str) -> None:
@@ -304,17 +305,17 @@ class BaseMaterializer(DeclaredHooks):
             if library or self.wants(module, modules):
                 self.init_owned(module, fqn, lineage)
 
-        initialize_children_first(
-            root,
-            root_fqn,
-            modules,
-            init,
-            type(self).__name__,
-            "Fix its initializer or pass another materializer.",
-        )
-        with torch.no_grad():
-            for module, name, value in kept:
-                getattr(module, name).copy_(value)
+        storage = self.storage_device or device
+        with settling_ignored(modules, ignored, storage, device, model or root):
+            allocated = allocate_empty(modules, storage, only_meta=not self.reinitialize)
+            initialize_children_first(
+                root,
+                root_fqn,
+                modules,
+                init,
+                type(self).__name__,
+                "Fix its initializer or pass another materializer.",
+            )
         return allocated
 
     def materialize_model(
@@ -605,9 +606,11 @@ class InitFn(BaseMaterializer):
         ignored: IgnoredStates,
         judge_unwritten: bool = True,
     ) -> int:
-        if not needs_materialization(modules, ignored):
+        if not needs_materialization(modules, ignored) and not has_meta_ignored(modules, ignored):
             return 0
         pending = [(m, n, t) for m in modules for n, t in _named_direct(m) if t.is_meta]
+        # fn may give an ignored parameter a new object (to_empty): put the one FSDP ignores back.
+        ignored_meta = [s for s in ignored_slots(modules, ignored) if s[2].is_meta]
         names = module_names(root)
 
         def fqn_of(module: nn.Module, name: str = "") -> str:
@@ -645,6 +648,7 @@ class InitFn(BaseMaterializer):
                             "materializer."
                         ) from exc
             retie(tied)
+        reseat(ignored_meta)
         left = [fqn_of(m, n) for m, n, _ in pending if getattr(m, n).is_meta]
         unwritten = [
             fqn_of(m, n)
@@ -856,6 +860,12 @@ class KeepAsIs(BaseMaterializer):
         meta = [
             t.name for u in plan for t in u.params + u.buffers if _is_meta(u.module, t.name, u.fqn)
         ]
+        if any(p.is_meta for p in ignored.params):  # materialized by the others, not here
+            meta += [
+                clean_name(n)
+                for n, p in plan.root.module.named_parameters()
+                if p.is_meta and ignored.ignores(p)
+            ]
         if meta:
             raise MaterializationError(
                 f"`KeepAsIs` got states on the meta device: {', '.join(meta[:8])}"

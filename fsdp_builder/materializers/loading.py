@@ -27,6 +27,7 @@ from typing_extensions import override
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
+from fsdp_builder.materializers.ignored import give_storage_in_place, meta_ignored, move_in_place
 from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     MaterializerRun,
@@ -116,10 +117,13 @@ class Entry:
 def unit_entries(
     unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None = None
 ) -> Iterator[Entry]:
-    """The persistent states ``unit`` owns. ``plan``: stop at the other units' modules (before
-    the build wrapped them)."""
+    """The persistent states ``unit`` owns, and the ignored ones below its own modules (ignored
+    parameters, ignored modules' states): a load writes those whole, on every rank, as
+    ``from_pretrained`` would, never leaves them out. ``plan``: stop at the other units' modules
+    (before the build wrapped them)."""
     others = {u.module for u in plan} - {unit.module} if plan is not None else set()
-    modules = unit_modules(unit.module, set(ignored.modules) | others)
+    # No unit lies inside an ignored module: walking into them reaches only ignored states.
+    modules = unit_modules(unit.module, others)
     rel = module_names(unit.module)
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
     for m in modules:
@@ -128,7 +132,7 @@ def unit_entries(
         named: list[tuple[str, torch.Tensor]] = [
             (n, p)
             for n, p in m.named_parameters(recurse=False, remove_duplicate=False)
-            if p is not None and p not in ignored.params
+            if p is not None
         ]
         named += [
             (n, b)
@@ -443,6 +447,8 @@ class Rank0Run:
         source = self.source
         modules = unit_modules(unit.module, env.ignored.modules)
         device = collective_device(env.agreement_group)
+        fresh = meta_ignored(modules, env.ignored)
+        give_storage_in_place(fresh, device)
         allocate_empty(modules, device)
         entries = list(unit_entries(unit, env.ignored))
         error: BaseException | None = None
@@ -459,9 +465,16 @@ class Rank0Run:
                 )
         agree("materialize (load)", error, unit=unit.label, group=env.agreement_group)
         written = 0
-        tensors = [e.tensor.detach() for e in entries]
+        # Ignored states stay where they are (another device than the group's, perhaps):
+        # they travel through a copy on the group's device.
+        tensors = [e.tensor.detach().to(device) for e in entries]
         for group, src in sync_stages(env):
             written += broadcast_tensors(tensors, src, group, self.bucket_bytes)
+        with torch.no_grad():
+            for entry, sent in zip(entries, tensors, strict=True):
+                if sent.data_ptr() != entry.tensor.data_ptr():
+                    entry.tensor.detach().copy_(sent)
+        move_in_place(fresh, env.device)
         # Every rank now holds the same values: each decides alone, and all alike.
         verdict = nonfinite_verdict(
             self.nonfinite,
@@ -500,11 +513,15 @@ class Rank0Run:
                     f"{source.describe}: {type(exc).__name__}: {exc}. {self.spec.fix}."
                 )
         scatter_error: MaterializationError | None = None
+        modules = unit_modules(unit.module, self.env.ignored.modules)
+        # In place, so that the ignored parameter stays the one fully_shard ignores.
+        give_storage_in_place(meta_ignored(modules, self.env.ignored), self.env.device)
         try:
             received = scatter_unit_state(unit, self.env, state)
         except MaterializationError as exc:
             scatter_error = exc
             received = 0  # a read error says more than the entries it left out
+        received += self._broadcast_ignored(unit, state)
         # Ranks hold different slices: with nonfinite="error" every rank takes part in the
         # verdict (also one whose read failed), so that all raise alike.
         names = []
@@ -527,8 +544,35 @@ class Rank0Run:
             raise scatter_error
         if verdict is not None:
             raise verdict
-        modules = unit_modules(unit.module, self.env.ignored.modules)
         fill_buffers(modules, self.computed, self.env.device)
+        return received
+
+    def _broadcast_ignored(self, unit: Unit, state: dict[str, torch.Tensor] | None) -> int:
+        """The unit's ignored states are whole on every rank: rank 0's values (``state``, None
+        elsewhere), broadcast through a copy on the group's device. Every rank joins, also
+        when rank 0's read failed. Returns the bytes received."""
+        env = self.env
+        wanted = {id(p) for p in env.ignored.params} | {id(b) for b in env.ignored.buffers}
+        entries = [e for e in unit_entries(unit, env.ignored) if id(e.tensor) in wanted]
+        if not entries:
+            return 0
+        device = collective_device(env.agreement_group)
+        received = 0
+        with torch.no_grad():
+            for entry in entries:
+                value = (
+                    None
+                    if state is None
+                    else next((state[n] for n in entry.names if n in state), None)
+                )
+                if value is not None:
+                    entry.tensor.detach().copy_(value)
+            staged = [e.tensor.detach().to(device) for e in entries]
+            for group, src in sync_stages(env):
+                received += broadcast_tensors(staged, src, group, self.bucket_bytes)
+            for entry, sent in zip(entries, staged, strict=True):
+                if sent.data_ptr() != entry.tensor.data_ptr():
+                    entry.tensor.detach().copy_(sent)
         return received
 
 
@@ -557,7 +601,8 @@ class FromStateDict(BaseMaterializer):
     reaches every rank before any weight is written. Each unit is then copied out of the source on
     rank 0 and broadcast in buckets of ``bucket_bytes`` to every rank (every replica too under
     hybrid sharding); with a backend that shards first (FSDP2) rank 0 scatters only each rank's
-    slices instead. Dtypes follow the model. The source is closed when the build ends, however
+    slices instead. Dtypes follow the model. Ignored states (``ignore(...)``) are broadcast
+    whole into the tensors the user passed. The source is closed when the build ends, however
     it ends.
 
     Raises:

@@ -40,6 +40,12 @@ from fsdp_builder.common.hashing import digest63
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers, whole_model_kwargs
 from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, lineages
+from fsdp_builder.materializers.ignored import (
+    give_storage_in_place,
+    has_meta_ignored,
+    ignored_slots,
+    settling_ignored,
+)
 from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     MaterializerRun,
@@ -195,11 +201,12 @@ class ShardFirstRun:
     def materialize(self, unit: Unit) -> int:
         env = self.env
         modules = unit_modules(unit.module, env.ignored.modules)
-        if not needs_materialization(modules, env.ignored):
+        ignored = env.ignored
+        if not needs_materialization(modules, ignored) and not has_meta_ignored(modules, ignored):
             return 0
         # Only modules that were on meta are initialized; real ones keep their values.
         pending = {id(m) for m in modules if has_meta_states(m)}
-        allocate_unit(unit.module, modules, env.device, env.shard_specs)
+        settling = settling_ignored(modules, ignored, env.device, env.device, env.plan.root.module)
         rules = self.rules
 
         def init(module: nn.Module, fqn: str) -> None:
@@ -207,18 +214,23 @@ class ShardFirstRun:
             if initializer_of(module, lineage) is None:
                 return  # buffers only: to_empty gave it storage
             # A library's model-level initializer may set a child's states from a stateless
-            # parent (GPT-2 scales c_proj from its attention block, T5 its q/k/v/o).
-            library = lineage.library_init is not None and not direct_states(module)
+            # parent (GPT-2 scales c_proj from its attention block, T5 its q/k/v/o); a parent
+            # whose own states are all ignored counts as one (CLIP sets its projections).
+            library = lineage.library_init is not None and all(
+                ignored.ignores(t) for t in direct_states(module)
+            )
             if id(module) in pending or (
                 library and any(id(m) in pending for m in module.modules())
             ):
                 self.init.init_module(module, fqn, lineage)
 
         names = module_names(unit.module)  # one walk for the scope and the initializers
-        with self.init.scope(unit, modules, names):
-            initialize_children_first(
-                unit.module, unit.fqn, modules, init, self.who, self.fix, names=names
-            )
+        with settling:
+            allocate_unit(unit.module, modules, env.device, env.shard_specs)
+            with self.init.scope(unit, modules, names):
+                initialize_children_first(
+                    unit.module, unit.fqn, modules, init, self.who, self.fix, names=names
+                )
         fill_buffers(modules, self.computed, env.device)
         return _owned_bytes(modules)
 
@@ -282,6 +294,8 @@ class _InitWeightsRun:
         env = self.env
         modules = unit_modules(unit.module, env.ignored.modules)
         fresh = [m for m in modules if has_meta_states(m)]
+        # In place, so that the ignored parameter stays the one fully_shard ignores.
+        give_storage_in_place([p for _, _, p in ignored_slots(modules, env.ignored)], env.device)
         allocated = allocate_unit(unit.module, modules, env.device, env.shard_specs)
         with torch.no_grad():
             # Defined values until the root's initializer writes them (a synchronizer may look).

@@ -53,6 +53,13 @@ def is_wrapped(module: nn.Module) -> bool:
     return isinstance(module, _SHARDED)
 
 
+def unsharded_class(module: nn.Module) -> type[nn.Module]:
+    """The model's own class of ``module``: fully_shard swaps in a subclass of it."""
+    return next(
+        c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, _SHARDED)
+    )
+
+
 def is_replicated(module: nn.Module) -> bool:
     """True for a module under torch's composable ``replicate`` (DDP), which cannot also be
     sharded: FSDP ignores its subtree, and so do we."""
@@ -267,16 +274,20 @@ def managed_params(
 
 
 def check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
-    """Ignored states are never materialized: on meta they would be left so; say it now, while
-    the model is untouched."""
-    buffers = {id(b) for b in ignored.buffers}
-    if not ignored.params and not buffers:
+    """The states of ignored modules are never materialized (FSDP leaves them as they are): on
+    meta they would stay so; say it now, while the model is untouched. Parameters ignored one
+    by one are materialized with their module (see ``fsdp_builder.materializers.ignored``)."""
+    if not ignored.modules:
         return
-    left = [n for n, p in model.named_parameters() if p in ignored.params and p.is_meta]
+    buffers = {id(b) for b in ignored.buffers}
+    in_modules = {id(p) for m in ignored.modules for p in m.parameters(recurse=False)}
+    left = [n for n, p in model.named_parameters() if id(p) in in_modules and p.is_meta]
     left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
     if left:
         raise ConfigurationError(
             f"Ignored states are on the meta device: {', '.join(left[:8])}"
-            f"{' ...' if len(left) > 8 else ''}. The builder leaves ignored states as they are: "
-            "give them real values before build(), or stop ignoring them."
+            f"{' ...' if len(left) > 8 else ''}. The builder leaves ignored modules as they "
+            "are: give them real values before build() (e.g. `module.to_empty(device=...)` "
+            "and its initializer), or stop ignoring them (parameters ignored with "
+            "`ignore(states=[param])` are materialized with their module)."
         )
