@@ -347,3 +347,34 @@ def test_init_fn_that_replaces_the_ignored_parameter(world1: None, backend: str)
     assert bool((bias.detach().abs() <= bound).all())
     if backend == "fsdp1":
         assert isinstance(built, FullyShardedDataParallel) and bias in built._ignored_params
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loader", ["FromStateDict", "FromCheckpoint", "FromCheckpoint-rank0"])
+def test_ignored_module_states_are_loaded(
+    world1: None, tmp_path: Path, backend: str, loader: str
+) -> None:
+    import safetensors.torch
+
+    torch.manual_seed(11)
+    saved = {
+        k: v.clone()
+        for k, v in nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).state_dict().items()
+    }
+    safetensors.torch.save_file(saved, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        head = nn.Linear(4, 4)
+        model = nn.Sequential(nn.Linear(4, 4), head)
+    head.to_empty(device="cpu")  # an ignored module must be real; its values are not
+    nn.init.zeros_(head.weight)
+    weight = head.weight
+    materializer = {
+        "FromStateDict": FromStateDict(saved),
+        "FromCheckpoint": FromCheckpoint(tmp_path),
+        "FromCheckpoint-rank0": FromCheckpoint(tmp_path, shared_filesystem=False),
+    }[loader]
+    made = FSDPBuilder() if backend == "fsdp1" else FullyShardBuilder()
+    made.device(CPUDevice()).ignore(modules=[head]).materialize(materializer).build(model)
+    assert head.weight is weight
+    assert torch.equal(head.weight.detach(), saved["1.weight"])
+    assert torch.equal(head.bias.detach(), saved["1.bias"])
