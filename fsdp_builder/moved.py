@@ -1,0 +1,87 @@
+"""Module paths of earlier releases, kept importable with a ``DeprecationWarning``.
+
+``import fsdp_builder.plan`` (and ``from fsdp_builder.plan import Unit``) still works after the
+module moved to ``fsdp_builder.planning.plan``: a finder on ``sys.meta_path`` answers the old
+name with a module that forwards every attribute to the new one and warns once, naming the new
+path. ``python -m fsdp_builder.cli`` needs a file of its own (``fsdp_builder/cli.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+# Old path -> new path, for every public module that moved.
+MOVED: dict[str, str] = {
+    "fsdp_builder.agreement": "fsdp_builder.runtime.agreement",
+    "fsdp_builder.buffers": "fsdp_builder.materializers.buffers",
+    "fsdp_builder.checkpoints": "fsdp_builder.materializers.checkpoints",
+    "fsdp_builder.collectives": "fsdp_builder.runtime.collectives",
+    "fsdp_builder.demo": "fsdp_builder.tools.demo",
+    "fsdp_builder.environment": "fsdp_builder.runtime.environment",
+    "fsdp_builder.estimate": "fsdp_builder.tools.estimate",
+    "fsdp_builder.ignored": "fsdp_builder.planning.ignored",
+    "fsdp_builder.launch": "fsdp_builder.tools.launch",
+    "fsdp_builder.loading": "fsdp_builder.materializers.loading",
+    "fsdp_builder.moving": "fsdp_builder.runtime.moving",
+    "fsdp_builder.nonfinite": "fsdp_builder.materializers.nonfinite",
+    "fsdp_builder.plan": "fsdp_builder.planning.plan",
+    "fsdp_builder.report": "fsdp_builder.runtime.report",
+    "fsdp_builder.sharded_init": "fsdp_builder.materializers.sharded",
+    "fsdp_builder.tools.export": "fsdp_builder.export",
+    "fsdp_builder.tree": "fsdp_builder.runtime.tree",
+    "fsdp_builder.wrap": "fsdp_builder.planning.wrap",
+}
+
+
+def warn_moved(old: str, new: str, stacklevel: int = 3) -> None:
+    warnings.warn(
+        f"`{old}` moved to `{new}`; import it from there (the old path will be removed in a "
+        "future release).",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+class _Forwarding(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        new = MOVED[spec.name]
+        target = importlib.import_module(new)
+        warn_moved(spec.name, new, stacklevel=8)
+        module = types.ModuleType(spec.name, target.__doc__)
+
+        def forward(name: str) -> Any:
+            return getattr(target, name)
+
+        module.__dict__["__getattr__"] = forward
+        module.__dict__["__all__"] = getattr(
+            target, "__all__", [n for n in vars(target) if not n.startswith("_")]
+        )
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _Forwarding())
+
+
+def install() -> None:
+    """Put the finder on ``sys.meta_path`` once (importing the package calls it)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.append(_Finder())
