@@ -158,6 +158,7 @@ class _Build:
     def _run(self, model: nn.Module) -> BuildResult:
         started = time.perf_counter()
         configured = self.configure(model)
+        configured.plan.tie_declared()  # every rank agreed: the model may change from here
         env = self.environment(model, configured, *self.create_groups(configured))
         groups = env.groups
         self.bound.add(groups.shard_group, groups.replicate_group)

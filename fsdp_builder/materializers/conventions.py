@@ -12,9 +12,12 @@ A module is initialized by, in this order of precedence:
 3. PyTorch's convention: ``reset_parameters()`` (or a known private initializer).
 
 A parameter that a library model ties to another one (transformers' ``lm_head.weight`` to the
-input embedding's) is never written by its own module's initializer: eager construction
-initializes every module and then ties, so the tied tensor holds its source's values (the input
-embedding's, padding row zeroed), whichever of the two modules is initialized first.
+input embedding's) is never written through its target's slot, neither by its own module's
+initializer nor by a model-level one that writes a child (ModernBERT's masked-LM head writes its
+``decoder``): eager construction initializes every module untied and then ties, so the tied
+tensor holds its source's values (the input embedding's, padding row zeroed), whichever of the
+modules is initialized first. While an initializer runs, each target slot it can reach holds a
+stand-in on meta, which takes those writes and is dropped.
 
 What a module's ancestors add to it is its :class:`Lineage`: the library initializer above and the
 subtree rules of registered parents (``nn.Transformer`` applies Xavier to its layers). Lineages
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+import attrs
 import torch
 from attrs import frozen
 from torch import nn
@@ -136,24 +140,42 @@ def library_initializer(module: nn.Module) -> ModuleInitializer | None:
     return init if callable(init) and hasattr(module, "config") else None
 
 
+# Module id -> the tied target slots (module, name) at or below it: where an initializer run on
+# that module can write a tie target.
+TiedBelow = dict[int, tuple[tuple[nn.Module, str], ...]]
+
+
 def tie_targets(model: nn.Module) -> frozenset[Slot]:
     """The parameter slots that library ``model`` ties to another of its parameters after
     initializing (transformers' ``all_tied_weights_keys``, target → source), where the two
     are in fact one tensor: their values are the source's, not their own module's init."""
+    return _ties(model)[0]
+
+
+def _ties(model: nn.Module) -> tuple[frozenset[Slot], TiedBelow]:
+    """``tie_targets`` and, for each module on the path from ``model`` to a target's module,
+    the target slots below it."""
     keys = getattr(model, "all_tied_weights_keys", None)
     if not isinstance(keys, dict) or not keys:
-        return frozenset()
+        return frozenset(), {}
     found: set[Slot] = set()
+    below: TiedBelow = {}
     for target, source in keys.items():
         path, _, name = str(target).rpartition(".")
         try:
             owner = model.get_submodule(path)
             tied = owner._parameters.get(name)
-            if tied is not None and tied is model.get_parameter(str(source)):
-                found.add((id(owner), name))
+            if tied is None or tied is not model.get_parameter(str(source)):
+                continue
         except AttributeError:  # a path a wrapper renamed: left to its own initializer
             continue
-    return frozenset(found)
+        found.add((id(owner), name))
+        on_path = [model]
+        for part in path.split(".") if path else ():
+            on_path.append(on_path[-1].get_submodule(part))
+        for module in on_path:
+            below[id(module)] = (*below.get(id(module), ()), (owner, name))
+    return frozenset(found), below
 
 
 @frozen
@@ -166,6 +188,8 @@ class Lineage:
     library_init: ModuleInitializer | None = None
     rules: tuple[SubtreeRule, ...] = ()
     tied: frozenset[Slot] = frozenset()
+    # For the modules of the enclosing library models' paths to their tie targets: those targets.
+    tied_below: TiedBelow = attrs.field(factory=dict, eq=False, repr=False)
 
 
 NO_LINEAGE = Lineage()
@@ -192,16 +216,24 @@ def _step(
     registered subtree rule, taken once per walk)."""
     model_init = library_initializer(module)
     # Most modules inherit their parent's lineage unchanged: share it rather than copy it.
-    lineage = (
-        inherited
-        if model_init is None
-        else Lineage(model_init, inherited.rules, inherited.tied | tie_targets(module))
-    )
+    if model_init is None:
+        lineage = inherited
+    else:
+        tied, below = _ties(module)
+        if inherited.tied_below and below:
+            below = {
+                key: (*inherited.tied_below.get(key, ()), *slots) for key, slots in below.items()
+            }
+        lineage = Lineage(
+            model_init, inherited.rules, inherited.tied | tied, {**inherited.tied_below, **below}
+        )
     # One isinstance for the common module (no rule) instead of one per registered class.
     if not isinstance(module, ruled):
         return lineage, lineage
     own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
-    return lineage, Lineage(lineage.library_init, inherited.rules + own, lineage.tied)
+    return lineage, Lineage(
+        lineage.library_init, inherited.rules + own, lineage.tied, lineage.tied_below
+    )
 
 
 def unit_lineages(
@@ -311,30 +343,48 @@ def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> N
     library_init(module)
 
 
-def _sparing_tied(module: nn.Module, tied: list[str], init: Callable[[], Any]) -> None:
-    """``init()``, except that the tied parameters ``tied`` of ``module`` keep their values:
-    not run at all when they are all it owns (an output embedding), else restored after."""
-    if len(tied) == len(_direct(module)):
-        return
-    kept = [(name, module._parameters[name]) for name in tied]
-    saved = [(t, t.detach().clone()) for _, t in kept if t is not None]
-    init()
-    for name, t in kept:  # an initializer may have replaced the tensor: the tie is put back
-        module._parameters[name] = t
-    for t, value in saved:
-        t.detach().copy_(value)
+def _stand_in(param: torch.Tensor) -> nn.Parameter:
+    """A parameter on meta of ``param``'s (global) shape and dtype: writes to it cost nothing."""
+    fresh = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
+    return nn.Parameter(fresh, requires_grad=param.requires_grad)
+
+
+def _untied_while(slots: tuple[tuple[nn.Module, str], ...], init: Callable[[], Any]) -> None:
+    """``init()`` with each tie target slot holding a stand-in, as if untied (eager
+    construction ties after initializing): what it writes there never reaches the source.
+    The tie is back when it ends, however it ends."""
+    held = [(owner, name, owner._parameters[name]) for owner, name in slots]
+    for owner, name, param in held:
+        if param is not None:
+            owner._parameters[name] = _stand_in(param)
+    try:
+        init()
+    finally:
+        for owner, name, param in held:
+            owner._parameters[name] = param
+
+
+def _skip() -> None:
+    return None
 
 
 def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable[[], Any] | None:
     """The initializer of ``module`` by its model's convention (see the module docstring), or
     None when there is none. Parameters its library model ties to another one (``Lineage.tied``)
-    keep their values."""
+    keep their source's values: a module that owns nothing else (an output embedding) is not
+    initialized at all, and any other initializer that reaches a tie target (its module's own,
+    or a model-level one writing a child) writes a stand-in instead."""
     init = _convention(module, lineage)
     if init is None or not lineage.tied:
         return init
+    slots = lineage.tied_below.get(id(module))
+    if not slots:
+        return init
     key = id(module)
-    tied = [n for n, t in module._parameters.items() if t is not None and (key, n) in lineage.tied]
-    return (lambda: _sparing_tied(module, tied, init)) if tied else init
+    own = [n for n, t in module._parameters.items() if t is not None and (key, n) in lineage.tied]
+    if own and len(own) == len(_direct(module)):
+        return _skip
+    return lambda: _untied_while(slots, init)
 
 
 def _convention(module: nn.Module, lineage: Lineage) -> Callable[[], Any] | None:

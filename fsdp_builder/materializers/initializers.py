@@ -330,6 +330,7 @@ class BaseMaterializer(DeclaredHooks):
         ignored = resolve_ignored(model)
         plan = plan_units(model, WrapPolicy.of(wrap), ignored)
         self.check(plan, ignored)
+        plan.tie_declared()  # as a build does once its checks passed
         computed = buffers_to_compute(model, ignored)
         unit_set = {u.module for u in plan}
         for unit in plan:

@@ -595,8 +595,10 @@ class _StreamedInit:
                     "DeterministicInit(seed) for this model."
                 )
         finally:
-            for module, name, param, _ in swapped:
+            for module, name, param, full in swapped:
                 module._parameters[name] = param
+                # Named by id: once the whole tensor is freed, a new tensor may get its id.
+                streams.names.pop(id(full), None)
         for _, _, param, full in swapped:
             local_tensor(param).copy_(full[_local_slices(param)])
 

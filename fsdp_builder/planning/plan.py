@@ -26,6 +26,7 @@ from fsdp_builder.planning.ignored import (
     managed_params,
     resolve_ignored,
 )
+from fsdp_builder.planning.ties import DeclaredTie, declared_ties, held
 from fsdp_builder.planning.wrap import WrapPolicy
 
 
@@ -82,9 +83,12 @@ class Unit:
 
 @frozen
 class UnitPlan:
-    """The ordered units (bottom-up, root last)."""
+    """The ordered units (bottom-up, root last). ``ties``: the pairs the model declares tied
+    but holds as two parameters on meta (``fsdp_builder.planning.ties``); the units are planned
+    as if they were tied, which ``tie_declared`` makes them."""
 
     units: tuple[Unit, ...]
+    ties: tuple[DeclaredTie, ...] = attrs.field(default=(), repr=False, eq=False)
 
     def __iter__(self) -> Iterator[Unit]:
         return iter(self.units)
@@ -118,6 +122,12 @@ class UnitPlan:
     def fingerprint(self) -> int:
         """A 63-bit digest of :meth:`signature`, equal on ranks that built the same model."""
         return fingerprint_of(self.signature())
+
+    def tie_declared(self) -> None:
+        """Tie the pairs of ``ties`` in the model (after every rank agreed on the plan: the
+        model changes here)."""
+        for tie in self.ties:
+            tie.tie()
 
     def format(self) -> str:
         lines = [f"{'unit':<40} {'params':>12} {'bytes':>14} {'buffers':>8}"]
@@ -161,8 +171,23 @@ def plan_units(
     """Split ``model`` into units: modules chosen by ``wrap`` (not ignored, not already wrapped)
     and the root, bottom-up. Each unit owns the states of its subtree minus nested units, ignored
     modules and ignored parameters. A parameter reachable from two units is a PlanError.
-    ``named``: ``list(model.named_modules())``, when the caller already took it.
+    Parameter pairs the model declares tied (``declared_ties``) are planned tied, and the model
+    is left as it was. ``named``: ``list(model.named_modules())``, when the caller already took
+    it.
     """
+    if named is None:
+        named = list(model.named_modules())
+    ties = declared_ties(model, ignored, named)
+    if not ties:
+        return _plan_units(model, wrap, ignored, named)
+    with held(ties):
+        plan = _plan_units(model, wrap, ignored, named)
+    return UnitPlan(plan.units, ties)
+
+
+def _plan_units(
+    model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates, named: NamedModules
+) -> UnitPlan:
     chosen = wrap.select(model, ignored.modules, named)
     overrides = wrap.overrides(model, ignored.modules)
     order = [(clean_name(fqn), m) for fqn, m in _post_order(model, "", ignored.modules, set())]

@@ -1,0 +1,129 @@
+"""Ties a model declares but does not hold: the parameter pairs a Hugging Face transformers model
+ties (``all_tied_weights_keys``, target → source, as its ``get_expanded_tied_weights_keys``
+computed them in ``post_init``) whose two sides are separate tensors on the meta device.
+
+Accelerate's ``init_empty_weights`` gives every parameter a new meta tensor as it is registered,
+after which transformers' own ``tie_weights`` has nothing to tie by identity: ``lm_head.weight``
+and the input embedding stay two parameters, although ``Model(config)`` and ``from_pretrained``
+give one. The plan treats each such pair as the one state the model declares, and the build ties
+it for real (``UnitPlan.tie_declared``) once every rank agreed on the configuration, so a refused
+build leaves the model as it was given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import attrs
+from attrs import frozen
+from torch import nn
+
+from fsdp_builder.planning.ignored import IgnoredStates, NamedModules, clean_name
+
+
+@frozen(eq=False)
+class DeclaredTie:
+    """One declared pair to tie: the slot ``name`` of ``owner`` (named ``target``) is to hold
+    ``source``'s parameter (named ``source_name``); ``untied`` is the parameter it holds now."""
+
+    target: str
+    source_name: str
+    owner: nn.Module = attrs.field(repr=False)
+    name: str
+    untied: nn.Parameter = attrs.field(repr=False)
+    source: nn.Parameter = attrs.field(repr=False)
+
+    def tie(self) -> None:
+        # What transformers' tie_weights does for each pair (setattr of the source on the
+        # target's module). Its own tie_weights is not called: it also ties declared pairs
+        # holding real, different values (a model untied on purpose), and cannot be kept to
+        # the pairs whose target has no values yet.
+        setattr(self.owner, self.name, self.source)
+
+
+def _declares_ties(module: nn.Module) -> dict[str, str] | None:
+    # On the class first: a missing attribute on a module instance costs an exception.
+    if not callable(getattr(type(module), "tie_weights", None)):
+        return None
+    keys = module.__dict__.get("all_tied_weights_keys")
+    return keys if isinstance(keys, dict) and keys else None
+
+
+def _path_modules(root: nn.Module, path: str) -> list[nn.Module] | None:
+    """The modules from ``root`` down to the one at ``path`` (``root`` included), or None."""
+    found = [root]
+    for part in path.split(".") if path else ():
+        child = found[-1]._modules.get(part)
+        if child is None:
+            return None
+        found.append(child)
+    return found
+
+
+def _parameter_at(
+    root: nn.Module, name: str, ignored: IgnoredStates
+) -> tuple[nn.Module, str, nn.Parameter] | None:
+    """The module, local name and parameter at ``name`` below ``root``; None when it is not a
+    parameter, or it or a module on its path is ignored."""
+    path, _, local = name.rpartition(".")
+    modules = _path_modules(root, path)
+    if modules is None or any(m in ignored.modules for m in modules):
+        return None
+    param = modules[-1]._parameters.get(local)
+    if not isinstance(param, nn.Parameter) or ignored.ignores(param):
+        return None
+    return modules[-1], local, param
+
+
+def declared_ties(
+    model: nn.Module, ignored: IgnoredStates, named: NamedModules | None = None
+) -> tuple[DeclaredTie, ...]:
+    """The pairs the library models in ``model`` declare tied whose target is a separate
+    parameter on meta (no values to lose) of the source's shape and dtype. A pair whose target
+    holds values, or that an ignored state is part of, is left as the model holds it. Local and
+    pure. ``named``: ``list(model.named_modules())``, when the caller has it."""
+    found: dict[tuple[int, str], DeclaredTie] = {}
+    for prefix, module in named if named is not None else model.named_modules():
+        keys = _declares_ties(module)
+        if keys is None:
+            continue
+        base = f"{clean_name(prefix)}." if prefix else ""
+        for target, source in keys.items():
+            at_target = _parameter_at(module, str(target), ignored)
+            at_source = _parameter_at(module, str(source), ignored)
+            if at_target is None or at_source is None:
+                continue
+            owner, name, untied = at_target
+            shared = at_source[2]
+            if (
+                untied is shared
+                or not untied.is_meta
+                or untied.shape != shared.shape
+                or untied.dtype != shared.dtype
+                or (id(owner), name) in found
+            ):
+                continue
+            found[(id(owner), name)] = DeclaredTie(
+                target=base + str(target),
+                source_name=base + str(source),
+                owner=owner,
+                name=name,
+                untied=untied,
+                source=shared,
+            )
+    return tuple(found.values())
+
+
+@contextlib.contextmanager
+def held(ties: tuple[DeclaredTie, ...]) -> Iterator[None]:
+    """``ties`` tied inside the block and untied again when it ends, however it ends: the
+    model as the build will hold it, for planning that must leave the model unchanged."""
+    # The modules' own dicts: no registration hooks run for a tie that is undone.
+    for tie in ties:
+        tie.owner._parameters[tie.name] = tie.source
+    try:
+        yield
+    finally:
+        for tie in reversed(ties):
+            tie.owner._parameters[tie.name] = tie.untied
