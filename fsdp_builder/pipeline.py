@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
+import torch
 import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
@@ -54,11 +55,11 @@ from fsdp_builder.planning.plan import (
 )
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
-from fsdp_builder.runtime.collectives import GroupTimeouts
+from fsdp_builder.runtime.collectives import GroupTimeouts, collective_device
 from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport, debug_enabled
-from fsdp_builder.runtime.tree import has_meta_states, unit_modules
+from fsdp_builder.runtime.tree import direct_states, has_meta_states, unit_modules
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
 # The per-unit steps, in the order they run.
@@ -146,6 +147,8 @@ class _Build:
         self.synchronizer = config.synchronizer or NoSync()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agreement = Agreement(None)
+        # Whether some rank holds real managed states (asked in the groups stage).
+        self.real_anywhere = False
         # Every group the build waits on, with its timeout lowered to the build's bound.
         self.bound = GroupTimeouts(config.timeout)
 
@@ -278,6 +281,7 @@ class _Build:
         (those that define ``check_context``) and the materializer's (``check_context``, else
         its ``check(plan, ignored)``). Local and pure: the model is untouched."""
         self.backend.check_context(context)
+        self.check_composition()
         for role in (self.factory, self.resolver, self.synchronizer):
             if isinstance(role, ChecksContext):
                 role.check_context(context)
@@ -286,11 +290,29 @@ class _Build:
         else:
             self.materializer.check(context.plan, context.ignored)
 
+    def check_composition(self) -> None:
+        """Materializer and synchronizer together: a synchronizer works on each unit as it is
+        built, which a materializer that writes the whole model after the last unit cannot
+        serve."""
+        if getattr(self.materializer, "needs_shard_first", False) and not isinstance(
+            self.synchronizer, NoSync
+        ):
+            name = type(self.materializer).__name__
+            raise ConfigurationError(
+                f"`{self.backend.builder}.synchronize` got `{type(self.synchronizer).__name__}`, "
+                f"which works on each unit as it is built, but `{name}` initializes the whole "
+                "model on local shards after the last unit is sharded, so there is nothing to "
+                f"send or compare yet. Leave the synchronizer out ({name}'s replicas already "
+                "agree), or use DeterministicInit(seed) with a synchronizer."
+            )
+
     def create_groups(self, configured: _Configured) -> tuple[ShardingOptions, Any]:
         """The factory's groups, clamped to what the world allows, as the backend sees them
         (one agreement: creating and preparing groups both communicate)."""
 
         def create() -> tuple[ShardingOptions, Any]:
+            # First, before anything here can fail on one rank alone.
+            self.real_anywhere = self.any_rank_real(configured)
             groups = self.factory.create(self.config.options.strategy, configured.device)
             options, groups = effective_strategy(self.config.options, groups)
             groups = self.backend.prepare_groups(groups, options, configured.device)
@@ -302,6 +324,29 @@ class _Build:
             return options, groups
 
         return self.agreement.now("groups", create)
+
+    def any_rank_real(self, configured: _Configured) -> bool:
+        """Whether any rank holds a managed state that is not on meta, asked (one all-reduce of
+        one number) only where it decides the order of a unit's steps (``shards_first``)."""
+        if not (
+            self.materializer.shard_first
+            and self.backend.supports_shard_first
+            and self.synchronizer.communicates
+        ):
+            return False
+        ignored = configured.ignored
+        mine = any(
+            not t.is_meta
+            for m in unit_modules(configured.plan.root.module, ignored.modules)
+            for t in direct_states(m)
+            if not ignored.ignores(t)
+        )
+        group = self.agreement.group
+        if group is None and not dist.is_initialized():
+            return mine
+        flag = torch.tensor([int(mine)], device=collective_device(group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
 
     def environment(
         self, model: nn.Module, configured: _Configured, options: ShardingOptions, groups: Any
@@ -318,7 +363,9 @@ class _Build:
             backend=self.backend.name,
             agreement_group=self.agreement.group,
             buffer_dtypes=configured.planned.buffer_dtypes,
-            shards_first=self.materializer.shard_first and self.backend.supports_shard_first,
+            shards_first=shards_first(
+                self.materializer, self.backend, self.synchronizer, self.real_anywhere
+            ),
             values_from_rank0=overwrites(self.synchronizer),
             logger=build_logger(__name__, rank=self.rank, world_size=world_size),
         )
@@ -401,6 +448,27 @@ class _Build:
             self.agreement.settle(unit.label)
         # Skipped after a local failure on this rank, which the next agreement reports.
         return sharded[0] if sharded else unit.module
+
+
+def shards_first(
+    materializer: Materializer,
+    backend: Backend,
+    synchronizer: StateSynchronizer,
+    real_anywhere: bool,
+) -> bool:
+    """Whether units are sharded on meta before the materializer fills their local shards.
+
+    Not when a synchronizer runs and some rank holds real states: rank 0's values must then
+    reach every rank's shards (``BroadcastFromRank0``), or ranks that hold different full values
+    must be found (``VerifyReplicas``), and full values only exist before sharding. Such builds
+    take each unit full-first (materialize, synchronize, shard), as ``sync_module_states`` does:
+    one full unit per rank at a time. A model on meta on every rank stays shard-first: each rank
+    fills its shards as rank 0 would, and the synchronizer works among each shard's replicas."""
+    return (
+        materializer.shard_first
+        and backend.supports_shard_first
+        and not (synchronizer.communicates and real_anywhere)
+    )
 
 
 def _own_params(root: nn.Module, ignored: IgnoredStates) -> list[nn.Parameter]:

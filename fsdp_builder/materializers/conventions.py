@@ -305,7 +305,13 @@ def _version(tensor: torch.Tensor) -> tuple[int, int]:
 def _unwritten(module: nn.Module, versions: dict[str, tuple[int, int]]) -> list[str]:
     # An in-place write bumps a version counter: "written" is decided without ever reading
     # values, so fresh (uninitialized) storage cannot fool it.
-    return [n for n, t in _direct(module) if _version(t) == versions.get(n)]
+    # A state whose local shard is empty (a [1, ...] parameter on every rank past the first)
+    # has nothing to write here; the rank holding its elements judges it.
+    return [
+        n
+        for n, t in _direct(module)
+        if _version(t) == versions.get(n) and getattr(t, "_local_tensor", t).numel()
+    ]
 
 
 # The states whose values the caller settles after the initializer ran (ignored parameters,

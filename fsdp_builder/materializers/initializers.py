@@ -386,8 +386,9 @@ def _library_gaps(module: nn.Module, lineage: Lineage, ignored: IgnoredStates) -
     """The direct states of ``module`` that its library's model-level initializer
     (``_init_weights``) leaves unwritten where nothing else would write them (no registered
     initializer, no ``reset_parameters``): what the build refuses when it gets there, found in
-    the configure stage. The initializer runs on a stand-in of the module on meta, so neither
-    the module nor its model changes; one that cannot run on meta is left to the build."""
+    the configure stage. The initializer runs on a stand-in of the module (``_stand_in``), so
+    neither the module nor its model changes; one that cannot run on the stand-in is left to
+    the build."""
     library = lineage.library_init
     if library is None or _registered(module) is not None or torch_initializer(module):
         return []
@@ -396,7 +397,9 @@ def _library_gaps(module: nn.Module, lineage: Lineage, ignored: IgnoredStates) -
     if not states or len(tied) == len(states):  # a tied-only module is not initialized at all
         return []
     settled = {id(p) for p in ignored.params}  # ignored parameters keep their own values
-    probe = _meta_stand_in(module, {})
+    if sum(t.numel() for _, t in states) > _PROBE_ELEMENTS:
+        return []  # too large to probe on real storage: the build checks it
+    probe = _stand_in(module, {})
     versions = {n: _version(t) for n, t in _direct(probe)}
     try:
         with torch.no_grad():
@@ -407,28 +410,36 @@ def _library_gaps(module: nn.Module, lineage: Lineage, ignored: IgnoredStates) -
     return [n for n in _unwritten(probe, versions) if id(own.get(n)) not in settled]
 
 
-def _meta_stand_in(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    """A copy of ``module`` and its subtree whose states are new tensors on meta (a tensor
-    shared by two places stays shared); everything else is the module's own."""
+# The probe gives the module's own states real (uninitialized) CPU storage: torch's own
+# initializers skip tensors on meta (``trunc_normal_`` returns at once), so a probe on meta
+# would take them for states left unwritten. Its children stay on meta (the library's
+# initializer is called on this module alone). Modules owning more than this are not probed.
+_PROBE_ELEMENTS = 1 << 22
+
+
+def _stand_in(module: nn.Module, memo: dict[int, Any], device: str = "cpu") -> nn.Module:
+    """A copy of ``module`` and its subtree whose states are new tensors (the module's own on
+    ``device``, its children's on meta; a tensor shared by two places stays shared);
+    everything else is the module's own."""
     if id(module) in memo:
         return cast(nn.Module, memo[id(module)])
     probe = copy.copy(module)
     memo[id(module)] = probe
     probe.__dict__["_parameters"] = {
-        n: None if t is None else _meta_like(t, memo) for n, t in module._parameters.items()
+        n: None if t is None else _like(t, memo, device) for n, t in module._parameters.items()
     }
     probe.__dict__["_buffers"] = {
-        n: None if t is None else _meta_like(t, memo) for n, t in module._buffers.items()
+        n: None if t is None else _like(t, memo, device) for n, t in module._buffers.items()
     }
     probe.__dict__["_modules"] = {
-        n: None if c is None else _meta_stand_in(c, memo) for n, c in module._modules.items()
+        n: None if c is None else _stand_in(c, memo, "meta") for n, c in module._modules.items()
     }
     return probe
 
 
-def _meta_like(tensor: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+def _like(tensor: torch.Tensor, memo: dict[int, Any], device: str) -> torch.Tensor:
     if id(tensor) not in memo:
-        fresh = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+        fresh = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
         memo[id(tensor)] = (
             nn.Parameter(fresh, requires_grad=tensor.requires_grad)
             if isinstance(tensor, nn.Parameter)

@@ -79,9 +79,11 @@ def shard_seed(seed: int, shard_index: int, fqn: str) -> int:
 
 
 def shard_index(env: Environment) -> int:
-    """Which shard this rank holds: its rank in the shard group; 0 when nothing is sharded, so
-    that replicas (hybrid or NO_SHARD) draw the same values."""
-    if env.options.strategy == ShardingStrategy.NO_SHARD:
+    """Which shard this rank holds: its rank in the shard group. 0 when nothing is sharded, so
+    that replicas (hybrid or NO_SHARD) draw the same values, and when units are materialized
+    full before sharding (FSDP1, or a synchronizer that sends rank 0's values): every rank then
+    draws the same full unit and keeps its own slice, so a synchronizer sees one value."""
+    if env.options.strategy == ShardingStrategy.NO_SHARD or not env.shards_first:
         return 0
     return env.groups.rank
 
@@ -347,7 +349,8 @@ class InitWeights(BaseMaterializer):
     Raises:
         MaterializationError: in the configure stage, when the model has no ``method``.
         ConfigurationError: in the configure stage, with a backend that cannot shard on meta
-            (``FSDPBuilder``).
+            (``FSDPBuilder``), or with a synchronizer that gives every rank rank 0's values
+            (they would have to be sent before sharding, when nothing is initialized yet).
 
     Example:
         ```python
@@ -361,6 +364,8 @@ class InitWeights(BaseMaterializer):
     seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
     communicates: ClassVar[bool] = False  # only prepare() communicates
     shard_first: ClassVar[bool] = True
+    # The model's initializer runs once, after the last unit was sharded: no unit is ever full.
+    needs_shard_first: ClassVar[bool] = True
 
     @override
     def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
