@@ -269,6 +269,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
 
+    if args.simulate is not None:
+        from fsdp_builder.tools.dryrun import run_cli
+
+        return run_cli(args, load_factory)
     if is_config_path(args.factory):  # a transformers folder or config.json
         try:
             model = meta_model_from_config(args.factory)
@@ -489,6 +493,32 @@ def build_parser() -> argparse.ArgumentParser:
         "low-precision copies gathered for compute (default: no mixed precision)",
     )
     plan.add_argument("--json", action="store_true", help="print the plan and estimates as JSON")
+    # The dry run of the real build (fsdp_builder.tools.dryrun).
+    plan.add_argument(
+        "--simulate",
+        type=int,
+        metavar="WORLD",
+        help="run the real build as ranks of a world of WORLD on torch's fake process group, "
+        "without memory for the model, and report each rank's error or shards and reads",
+    )
+    plan.add_argument(
+        "--rank",
+        type=int,
+        action="append",
+        metavar="R",
+        help="a rank to simulate (repeatable; default 0)",
+    )
+    plan.add_argument(
+        "--builder",
+        metavar="MODULE:FACTORY",
+        help="with --simulate: a callable returning the job's configured builder (default: one "
+        "from --backend, --strategy, --wrap and --checkpoint)",
+    )
+    plan.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="with --simulate: materialize with FromCheckpoint(PATH) and report the reads",
+    )
     sub.add_parser(
         "bench",
         help="run the benchmark harness from a checkout (`fsdp-builder bench --help` for its "

@@ -1,0 +1,590 @@
+"""A dry run of the real build at the job's world size, one simulated rank at a time, in one
+process and without the memory of the model.
+
+For each simulated rank, :func:`simulate` starts torch's fake process group (``FakeStore`` and
+the ``"fake"`` backend: collectives return at once, any world size, any rank), builds the model
+on the meta device and runs the builder's own ``build(model)``: configure, the agreements, the
+groups or mesh, the unit plan, the materializer and the sharding. Nothing is re-implemented, so
+a configuration the real job would refuse is refused here with the same error.
+
+What is simulated, and how:
+
+- **Peers.** The fake group answers every all-gather with this rank's own contribution, as if
+  every rank had done what this one did. That is what a correct job does (every rank runs the
+  same script), so agreements pass or fail as in the real job; an exchange of values that
+  differ between ranks (a hybrid FSDP2 build from process groups gathers each rank's shard
+  group) cannot be answered and is reported as :data:`NOT_SIMULATED`, not as the job's error.
+- **Storage.** Model states get no memory: every floating-point tensor a factory makes (an
+  allocation, a copy off the meta device) is a ``FakeTensor`` of the requested device, shape and
+  dtype. Shards, flat parameters and their sizes are the backends' own; random draws on them do
+  nothing. Reading a value of such a tensor (``.item()``, as NaN checks and checksums do) gives
+  0, so value checks pass: the dry run checks the configuration, not the numbers.
+- **Checkpoint reads.** A safetensors checkpoint's reads are recorded, not made: the file, the
+  tensor and the byte range each read of this rank would touch (from the file's header).
+
+What it measures per rank is exact for the simulated build (the local shards' shapes and bytes,
+the reads); what it cannot know is the device: real bandwidth, NCCL, allocator fragmentation
+and communication buffers. ``build_peak`` is the estimate of ``fsdp_builder.tools.estimate``
+for the strategy and shard group size the build resolved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import struct
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from attrs import frozen
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_builder.builder import ShardingBuilder, builder_for
+from fsdp_builder.devices import ExplicitDevice
+from fsdp_builder.errors import ConfigurationError, config_error
+from fsdp_builder.planning.ignored import clean_name
+from fsdp_builder.planning.plan import UnitPlan
+from fsdp_builder.sources.base import Index
+from fsdp_builder.sources.hf_safetensors import SafetensorsSource
+
+# What a rank reports when its build needed a value that only other ranks would have sent.
+NOT_SIMULATED = "not simulated"
+
+_STRATEGY_NAMES = {
+    ShardingStrategy.FULL_SHARD: "full",
+    ShardingStrategy.SHARD_GRAD_OP: "grad_op",
+    ShardingStrategy.HYBRID_SHARD: "hybrid",
+    ShardingStrategy._HYBRID_SHARD_ZERO2: "hybrid",
+    ShardingStrategy.NO_SHARD: "none",
+}
+
+# In-place fills whose result a FakeTensor cannot hold anyway: answered without dispatch (the
+# block-seeded initializers call them once per 64 Ki elements).
+_FILLS = frozenset({"normal_", "uniform_", "fill_", "zero_", "bernoulli_", "exponential_"})
+
+# Bytes per element of safetensors' dtype names.
+_ST_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+    "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8,
+}  # fmt: skip
+
+
+@frozen
+class Shard:
+    """One parameter (or FSDP1 flat parameter) as this rank holds it after the build."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.local_shape) * self.dtype.itemsize
+
+
+@frozen
+class Read:
+    """One read of a checkpoint tensor: ``start``/``stop`` are byte offsets in ``file`` when the
+    read is one contiguous range (whole tensors and row ranges), else None."""
+
+    file: str
+    key: str
+    nbytes: int
+    start: int | None
+    stop: int | None
+
+
+@frozen
+class RankRun:
+    """What the build did, or would have raised, on one simulated rank."""
+
+    rank: int
+    backend: str
+    seconds: float
+    error_type: str | None = None
+    error: str | None = None
+    plan: UnitPlan | None = None
+    strategy: str | None = None
+    shard_size: int | None = None
+    shards: tuple[Shard, ...] = ()
+    buffer_bytes: int = 0
+    largest_unit_bytes: int = 0
+    build_peak: int | None = None
+    reads: tuple[Read, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+
+@frozen
+class DryRun:
+    """A dry run's simulated ranks, in the order asked."""
+
+    world_size: int
+    backend: str
+    runs: tuple[RankRun, ...]
+    seconds: float
+
+    @property
+    def read_balance(self) -> float | None:
+        """Max over mean of the bytes each simulated rank reads (1.0: even); None: no reads."""
+        sizes = [r.read_bytes for r in self.runs if r.ok]
+        if not sizes or not any(sizes):
+            return None
+        return max(sizes) / (sum(sizes) / len(sizes))
+
+    def format(self, shards: int = 0) -> str:
+        """A report for people; ``shards``: how many of each rank's shards to list."""
+        return format_dry_run(self, shards)
+
+
+class _NoStorage(TorchDispatchMode):
+    """Floating-point tensors made from nothing (factories, copies off meta) become FakeTensors;
+    everything else (the agreements' integers, tensors with data) runs as usual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            first = args[0] if args else None
+            if isinstance(first, FakeTensor):
+                if func.overloadpacket.__name__ in _FILLS:
+                    return first
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    # Value checks (NaN counts, checksums) see zeros: nothing to report.
+                    return 0.0 if first.dtype.is_floating_point else 0
+            return func(*args, **kwargs)
+        if all(t.is_meta for t in tensors):
+            with self.fake:
+                made = func(*args, **kwargs)
+            outs = [t for t in pytree.tree_leaves(made) if isinstance(t, torch.Tensor)]
+            if outs and all(
+                isinstance(t, FakeTensor)
+                and t.device.type != "meta"
+                and (t.dtype.is_floating_point or t.dtype.is_complex)
+                for t in outs
+            ):
+                return made
+        return func(*args, **kwargs)
+
+
+def _header(path: str, cache: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    found = cache.get(path)
+    if found is None:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            found = json.loads(f.read(size))
+        found["__base__"] = 8 + size
+        cache[path] = found
+    return found
+
+
+def _read_of(path: Path, key: str, index: Index | None, cache: dict[str, dict[str, Any]]) -> Read:
+    header = _header(str(path), cache)
+    entry = header[key]
+    shape = tuple(entry["shape"])
+    itemsize = _ST_ITEMSIZE.get(entry["dtype"], 1)
+    begin = header["__base__"] + entry["data_offsets"][0]
+    spans = [range(n)[s] for s, n in zip(index or (), shape, strict=False)]
+    kept = [len(r) for r in spans] + list(shape[len(spans) :])
+    nbytes = math.prod(kept) * itemsize
+    rows_only = all(len(r) == n for r, n in zip(spans[1:], shape[1:], strict=False))
+    if not spans or (rows_only and spans[0].step == 1):
+        row = math.prod(shape[1:]) * itemsize
+        first = spans[0].start if spans and len(spans[0]) else 0
+        start = begin + first * row
+        return Read(path.name, key, nbytes, start, start + nbytes)
+    return Read(path.name, key, nbytes, None, None)
+
+
+@contextlib.contextmanager
+def _recorded_reads(reads: list[Read]) -> Iterator[None]:
+    """Record each read of a safetensors source; reads into FakeTensors are not made."""
+    cache: dict[str, dict[str, Any]] = {}
+    read, read_into = SafetensorsSource.read, SafetensorsSource.read_into
+
+    def recorded_read(self: SafetensorsSource, key: str, index: Index | None = None) -> Any:
+        reads.append(_read_of(self._where[key].path, key, index, cache))
+        return read(self, key, index)
+
+    def recorded_read_into(
+        self: SafetensorsSource, key: str, index: Index | None, out: torch.Tensor
+    ) -> None:
+        reads.append(_read_of(self._where[key].path, key, index, cache))
+        if not isinstance(out, FakeTensor):
+            read_into(self, key, index, out)
+
+    SafetensorsSource.read = recorded_read  # type: ignore[method-assign]
+    SafetensorsSource.read_into = recorded_read_into  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SafetensorsSource.read = read  # type: ignore[method-assign]
+        SafetensorsSource.read_into = read_into  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """torch's fake process group as the default group, for one simulated ``rank``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def local_shards(module: nn.Module) -> list[Shard]:
+    """Each parameter as this rank holds it: FSDP1's flat parameters (with their padding),
+    FSDP2's DTensor local shards, and plain parameters (ignored ones) whole."""
+    out: list[Shard] = []
+    seen: set[int] = set()
+    for fqn, m in module.named_modules():
+        handle = getattr(m, "_handle", None) if isinstance(m, FullyShardedDataParallel) else None
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        seen.add(id(flat))
+        seen.update(id(p) for p in getattr(flat, "_params", None) or ())
+        unit = clean_name(fqn) or "<root>"
+        full = (int(flat._unpadded_unsharded_size.numel()),)
+        out.append(Shard(f"{unit} (flat)", full, tuple(flat.shape), flat.dtype))
+    for name, p in module.named_parameters(remove_duplicate=True):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if getattr(p, "_is_flat_param", False):
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        out.append(Shard(name, tuple(p.shape), tuple(local.shape), p.dtype))
+    return out
+
+
+def _peak(plan: UnitPlan, backend: str, strategy: str, shard_size: int, world: int) -> int:
+    from fsdp_builder.tools.estimate import estimate
+
+    per_node = shard_size if strategy == "hybrid" else None
+    e = estimate(plan, world, strategy, backend, per_node)
+    return e.shard_first_peak if e.shard_first_peak is not None else e.per_unit_peak
+
+
+def _check_args(world_size: int, ranks: Sequence[int]) -> list[int]:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise config_error(
+            "simulate", "world_size", f"expected a whole number of 1 or more, got {world_size!r}",
+            "Pass the job's world size, e.g. simulate(..., world_size=1024)",
+        )  # fmt: skip
+    chosen = list(ranks)
+    bad = [
+        r
+        for r in chosen
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size
+    ]
+    if bad or not chosen:
+        raise config_error(
+            "simulate", "ranks",
+            f"{bad or 'no ranks'}: not ranks of a world of {world_size}",
+            f"Pass ranks from 0 to {world_size - 1}",
+        )  # fmt: skip
+    if dist.is_initialized():
+        raise ConfigurationError(
+            "`simulate` needs the default process group for its fake one, but one is already "
+            "initialized. Run the dry run in a process of its own (`fsdp-builder plan ... "
+            "--simulate N`), or call dist.destroy_process_group() first."
+        )
+    return chosen
+
+
+def on_cpu(builder: ShardingBuilder) -> ShardingBuilder:
+    """``builder`` computing on the CPU: the one setting a dry run replaces (the job's CUDA
+    devices do not exist here; nothing is computed on them during a build anyway)."""
+    if not isinstance(builder, ShardingBuilder):
+        raise config_error(
+            "simulate", "builder_factory", f"it returned {type(builder).__name__}",
+            "Return the job's configured builder, e.g. FullyShardBuilder().wrap(Block)",
+        )  # fmt: skip
+    builder._config = attrs.evolve(builder._config, device=ExplicitDevice("cpu"))
+    return builder
+
+
+def simulate_rank(
+    builder_factory: Callable[[], ShardingBuilder],
+    model_factory: Callable[[], nn.Module],
+    world_size: int,
+    rank: int,
+    on_meta: bool = True,
+) -> RankRun:
+    """One simulated rank of the real build (see the module docstring)."""
+    reads: list[Read] = []
+    started = time.perf_counter()
+    with fake_world(world_size, rank):
+        builder = on_cpu(builder_factory())
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            model = model_factory()
+        error: BaseException | None = None
+        with warnings.catch_warnings():
+            # The NaN checks and page accounting touch the FakeTensors' (absent) data.
+            warnings.filterwarnings("ignore", message=".*FakeTensor.*")
+            with _NoStorage(), _recorded_reads(reads):
+                try:
+                    built = builder.build(model)
+                except Exception as exc:
+                    error = exc
+        seconds = time.perf_counter() - started
+        backend = builder._backend().name
+        if error is not None:
+            plan: UnitPlan | None
+            try:
+                plan = builder.plan_for(model)
+            except Exception:
+                plan = None
+            text = str(error)
+            kind = type(error).__name__
+            if "do not form a grid" in text:
+                kind, text = (
+                    NOT_SIMULATED,
+                    (
+                        "the build checks that its hybrid groups form a grid by gathering every "
+                        "rank's shard group, which a fake process group cannot answer; pass a "
+                        "DeviceMesh to .groups(...) to simulate a hybrid FSDP2 build"
+                    ),
+                )
+            return RankRun(rank, backend, seconds, kind, text, plan=plan, reads=tuple(reads))
+        env = builder.environment
+        strategy = _STRATEGY_NAMES.get(env.strategy, "full")
+        shard_size = env.groups.world_size
+        return RankRun(
+            rank,
+            backend,
+            seconds,
+            plan=env.plan,
+            strategy=strategy,
+            shard_size=shard_size,
+            shards=tuple(local_shards(built)),
+            buffer_bytes=sum(u.buffer_bytes for u in env.plan),
+            largest_unit_bytes=env.plan.largest_unit_bytes,
+            build_peak=_peak(env.plan, backend, strategy, shard_size, world_size),
+            reads=tuple(reads),
+        )
+
+
+def simulate(
+    builder_factory: Callable[[], ShardingBuilder],
+    model_factory: Callable[[], nn.Module],
+    world_size: int,
+    ranks: Sequence[int] = (0,),
+    *,
+    on_meta: bool = True,
+) -> DryRun:
+    """Run the real ``builder_factory().build(model_factory())`` as each of ``ranks`` of a world
+    of ``world_size``, on torch's fake process group and without storage for model states.
+
+    ``builder_factory`` is called once per rank with the fake group initialized (so it may
+    create groups or a DeviceMesh, as the job's script does); ``model_factory`` under
+    ``torch.device("meta")`` unless ``on_meta`` is False. A rank whose build raises reports the
+    error instead of results; nothing is raised for it.
+
+    Raises:
+        ConfigurationError: ``world_size`` or ``ranks`` invalid, or a process group already
+            initialized in this process.
+
+    Example:
+        ```python
+        run = simulate(lambda: FullyShardBuilder().wrap(Block), make_model, 1024, ranks=(0, 1023))
+        print(run.format())
+        ```
+    """
+    chosen = _check_args(world_size, ranks)
+    started = time.perf_counter()
+    runs = tuple(
+        simulate_rank(builder_factory, model_factory, world_size, r, on_meta) for r in chosen
+    )
+    return DryRun(world_size, runs[0].backend, runs, time.perf_counter() - started)
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.2f}"
+
+
+def format_dry_run(run: DryRun, shards: int = 0) -> str:
+    lines = [
+        f"dry run of the {run.backend} build at world size {run.world_size} ({run.seconds:.2f} s)"
+    ]
+    plan = next((r.plan for r in run.runs if r.plan is not None), None)
+    if plan is not None:
+        lines += ["", plan.format(), ""]
+    for r in run.runs:
+        head = f"rank {r.rank} ({r.seconds:.2f} s): "
+        if not r.ok:
+            lines.append(head + f"the build raises {r.error_type}: {r.error}")
+            continue
+        lines.append(
+            head + f"strategy {r.strategy}, shard group of {r.shard_size}; parameters "
+            f"{_mib(r.param_bytes)} MiB in {len(r.shards)} shard(s), buffers "
+            f"{_mib(r.buffer_bytes)} MiB, largest unit in full {_mib(r.largest_unit_bytes)} MiB, "
+            f"build peak (estimate) {_mib(r.build_peak)} MiB"
+        )
+        for s in r.shards[:shards]:
+            lines.append(
+                f"    {s.name:<48} {list(s.global_shape)} -> {list(s.local_shape)} {s.dtype}"
+            )
+        if r.reads:
+            files = sorted({x.file for x in r.reads})
+            lines.append(
+                f"    reads {_mib(r.read_bytes)} MiB in {len(r.reads)} read(s) "
+                f"from {len(files)} file(s)"
+            )
+            for x in r.reads[:shards]:
+                where = "strided" if x.start is None else f"bytes {x.start}-{x.stop}"
+                lines.append(f"    {x.file}: {x.key} {where} ({x.nbytes} B)")
+    balance = run.read_balance
+    if balance is not None:
+        lines.append(f"read balance over the simulated ranks (max/mean): {balance:.3f}")
+    return "\n".join(lines)
+
+
+def cli_builder(args: Any, model: nn.Module) -> Callable[[], ShardingBuilder]:
+    """The builder ``fsdp-builder plan --simulate`` runs when no ``--builder`` is given: the
+    backend, strategy, wrap classes (by name, found in ``model``) and checkpoint of the
+    command line; hybrid sharding over a (nodes, devices per node) mesh for FSDP2, node
+    groups for FSDP1."""
+    from fsdp_builder.groups import AutoHybridGroups
+    from fsdp_builder.materializers.checkpoints import FromCheckpoint
+
+    classes: list[type[nn.Module]] = []
+    for name in args.wrap or []:
+        found = {type(m) for m in model.modules() if type(m).__name__ == name}
+        if not found:
+            raise SystemExit(f"--wrap {name}: no module of that class in the model")
+        classes.extend(found)
+
+    def make() -> ShardingBuilder:
+        builder = builder_for(args.backend).sharding(args.strategy)
+        if classes:
+            builder.wrap(*classes)
+        if args.strategy == "hybrid":
+            per_node = args.devices_per_node or 8
+            world = dist.get_world_size()
+            if args.backend == "fsdp2" and world % per_node == 0:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                builder.groups(init_device_mesh("cpu", (world // per_node, per_node)))
+            else:
+                builder.groups(AutoHybridGroups(devices_per_node=per_node))
+        if args.checkpoint:
+            builder.materialize(FromCheckpoint(args.checkpoint))
+        return builder
+
+    return make
+
+
+def run_cli(args: Any, load_factory: Callable[[str], Any]) -> int:
+    """``fsdp-builder plan ... --simulate WORLD``: prints the dry run (or its JSON); exits 1
+    when a simulated rank's build raises."""
+    from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
+
+    spec = args.factory
+    model_factory: Callable[[], nn.Module]
+    if is_config_path(spec):
+        meta_model_from_config(spec)  # a bad config is named once, before any rank
+
+        def model_factory() -> nn.Module:
+            return meta_model_from_config(spec)
+    else:
+        model_factory = load_factory(spec)
+    if args.builder:
+        builder_factory = load_factory(args.builder)
+    else:
+        with torch.device("meta"):
+            builder_factory = cli_builder(args, model_factory())
+    try:
+        run = simulate(builder_factory, model_factory, args.simulate, args.rank or (0,))
+    except ConfigurationError as exc:
+        raise SystemExit(str(exc)) from exc
+    if args.json:
+        print(json.dumps(as_dict(run)))
+    else:
+        print(run.format(shards=8))
+    return 0 if all(r.ok for r in run.runs) else 1
+
+
+def as_dict(run: DryRun) -> dict[str, Any]:
+    """The dry run as JSON-ready data."""
+    return {
+        "world_size": run.world_size,
+        "backend": run.backend,
+        "seconds": run.seconds,
+        "read_balance": run.read_balance,
+        "ranks": [
+            {
+                "rank": r.rank,
+                "seconds": r.seconds,
+                "error_type": r.error_type,
+                "error": r.error,
+                "strategy": r.strategy,
+                "shard_size": r.shard_size,
+                "param_bytes": r.param_bytes,
+                "buffer_bytes": r.buffer_bytes,
+                "largest_unit_bytes": r.largest_unit_bytes,
+                "build_peak_estimate": r.build_peak,
+                "read_bytes": r.read_bytes,
+                "shards": [
+                    [s.name, list(s.global_shape), list(s.local_shape), str(s.dtype)]
+                    for s in r.shards
+                ],
+                "reads": [[x.file, x.key, x.nbytes, x.start, x.stop] for x in r.reads],
+            }
+            for r in run.runs
+        ],
+    }
+
+
+__all__ = [
+    "as_dict",
+    "cli_builder",
+    "NOT_SIMULATED",
+    "DryRun",
+    "RankRun",
+    "Read",
+    "Shard",
+    "fake_world",
+    "format_dry_run",
+    "local_shards",
+    "on_cpu",
+    "run_cli",
+    "simulate",
+    "simulate_rank",
+]
