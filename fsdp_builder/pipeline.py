@@ -328,11 +328,7 @@ class _Build:
     def any_rank_real(self, configured: _Configured) -> bool:
         """Whether any rank holds a managed state that is not on meta, asked (one all-reduce of
         one number) only where it decides the order of a unit's steps (``shards_first``)."""
-        if not (
-            self.materializer.shard_first
-            and self.backend.supports_shard_first
-            and self.synchronizer.communicates
-        ):
+        if not (self.materializer.shard_first and self.backend.supports_shard_first):
             return False
         ignored = configured.ignored
         mine = any(
@@ -363,9 +359,7 @@ class _Build:
             backend=self.backend.name,
             agreement_group=self.agreement.group,
             buffer_dtypes=configured.planned.buffer_dtypes,
-            shards_first=shards_first(
-                self.materializer, self.backend, self.synchronizer, self.real_anywhere
-            ),
+            shards_first=shards_first(self.materializer, self.backend, self.real_anywhere),
             values_from_rank0=overwrites(self.synchronizer),
             logger=build_logger(__name__, rank=self.rank, world_size=world_size),
         )
@@ -450,25 +444,20 @@ class _Build:
         return sharded[0] if sharded else unit.module
 
 
-def shards_first(
-    materializer: Materializer,
-    backend: Backend,
-    synchronizer: StateSynchronizer,
-    real_anywhere: bool,
-) -> bool:
-    """Whether units are sharded on meta before the materializer fills their local shards.
+def shards_first(materializer: Materializer, backend: Backend, real_anywhere: bool) -> bool:
+    """Whether units are sharded on meta before the materializer fills their local shards:
+    only when the model is on meta on every rank (``real_anywhere`` False).
 
-    Not when a synchronizer runs and some rank holds real states: rank 0's values must then
-    reach every rank's shards (``BroadcastFromRank0``), or ranks that hold different full values
-    must be found (``VerifyReplicas``), and full values only exist before sharding. Such builds
-    take each unit full-first (materialize, synchronize, shard), as ``sync_module_states`` does:
-    one full unit per rank at a time. A model on meta on every rank stays shard-first: each rank
-    fills its shards as rank 0 would, and the synchronizer works among each shard's replicas."""
-    return (
-        materializer.shard_first
-        and backend.supports_shard_first
-        and not (synchronizer.communicates and real_anywhere)
-    )
+    When some rank holds real states, each unit is built full-first (materialize, synchronize,
+    shard), as ``sync_module_states`` does, one full unit per rank at a time: rank 0's values
+    must reach every rank's shards (``BroadcastFromRank0``), ranks that hold different full
+    values must be found (``VerifyReplicas``), and full values only exist before sharding. And
+    an initializer that runs on sharded (DTensor) parameters on the ranks that hold meta states
+    only, while the others skip their real ones, would run DTensor's collectives (a row view,
+    ``weight[padding_idx]``, gathers) on some ranks alone. On a model on meta everywhere every
+    rank runs the same initializers, each fills its shards as rank 0 would, and a synchronizer
+    works among each shard's replicas."""
+    return materializer.shard_first and backend.supports_shard_first and not real_anywhere
 
 
 def _own_params(root: nn.Module, ignored: IgnoredStates) -> list[nn.Parameter]:

@@ -32,6 +32,7 @@ RoPE tables) is held to that value exactly.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -613,8 +614,15 @@ def rank_cells(cells: list[tuple[Cell, list[dict[str, torch.Tensor]]]], paths: d
     layouts = Layouts()
     rank = dist.get_rank()
 
+    trace = os.environ.get("CONFORMANCE_TRACE") == "1" and rank == 0
+
     def one(cell: Cell, local: list[dict[str, torch.Tensor]]) -> Callable[[], dict]:
-        return lambda: run_cell(cell, layouts, paths[variant(cell)], local[rank] if local else {})
+        def run() -> dict:
+            if trace:  # names the cell a crash of the spawn happened in
+                print(f"cell {cell.key}", flush=True)
+            return run_cell(cell, layouts, paths[variant(cell)], local[rank] if local else {})
+
+        return run
 
     return run_each((cell.key, one(cell, local)) for cell, local in cells)
 
@@ -701,6 +709,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cells", choices=("pairwise", "full"), default="pairwise")
     parser.add_argument("--model", choices=MODELS, default=None, help="only this model")
     parser.add_argument("--ignore", choices=IGNORES, default=None, help="only this ignore")
+    parser.add_argument("--world", type=int, choices=WORLDS, default=None, help="only this size")
     parser.add_argument("--out", type=Path, default=None, help="write the table here")
     args = parser.parse_args(argv)
     cells = pairwise() if args.cells == "pairwise" else full_product()
@@ -708,6 +717,8 @@ def main(argv: list[str] | None = None) -> None:
         cells = [c for c in cells if c.model == args.model]
     if args.ignore is not None:
         cells = [c for c in cells if c.ignore == args.ignore]
+    if args.world is not None:
+        cells = [c for c in cells if c.world == args.world]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         verdicts = run_matrix(cells, Path(folder))
