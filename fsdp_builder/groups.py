@@ -34,16 +34,6 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def gradient_predivide_factor(world_size: int) -> float:
-    """torch's default FSDP comm hook factor: starting at 1, double ``f`` while ``f`` divides
-    ``world_size`` and ``world_size / f > f`` (so 4 for 6 and 16, 2 for 4). Gradients are divided
-    by it before the reduction and by ``world_size / f`` after, to keep fp16 sums in range."""
-    factor = 1
-    while world_size % factor == 0 and world_size / factor > factor:
-        factor *= 2
-    return float(factor)
-
-
 @frozen(eq=False)
 class ProcessGroups:
     """The resolved groups of one build. ``rank``/``world_size`` are within the shard group."""
@@ -67,14 +57,6 @@ class ProcessGroups:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size * self.replicate_size
-
-    @property
-    def gradient_predivide_factor(self) -> float:
-        return gradient_predivide_factor(self.data_parallel_size)
-
-    @property
-    def gradient_postdivide_factor(self) -> float:
-        return self.data_parallel_size / self.gradient_predivide_factor
 
 
 @runtime_checkable

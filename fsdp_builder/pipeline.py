@@ -255,9 +255,7 @@ class _Build:
                     options=cfg.options,
                     backend=capabilities(self.backend),
                     device=device,
-                    rank=self.rank,
                     world_size=dist.get_world_size() if dist.is_initialized() else 1,
-                    timeout=cfg.timeout,
                 )
             )
             description = {"config": self.settings(), "plan": plan.signature()}
@@ -356,9 +354,7 @@ class _Build:
             options=options,
             ignored=configured.ignored,
             plan=configured.plan,
-            backend=self.backend.name,
             agreement_group=self.agreement.group,
-            buffer_dtypes=configured.planned.buffer_dtypes,
             shards_first=shards_first(self.materializer, self.backend, self.real_anywhere),
             values_from_rank0=overwrites(self.synchronizer),
             logger=build_logger(__name__, rank=self.rank, world_size=world_size),

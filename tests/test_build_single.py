@@ -24,7 +24,7 @@ def test_build_returns_wrapper_and_keeps_environment(world1: None) -> None:
     env = builder.environment
     assert env.strategy.name == "NO_SHARD" and env.world_size == 1 and env.rank == 0
     assert env.device == torch.device("cpu")
-    assert env.groups.gradient_predivide_factor == 1.0
+    assert env.groups.data_parallel_size == 1
     assert [u.fqn for u in builder.plan] == ["blocks.0", "blocks.1", ""]
     assert {s["name"] for s in builder.report.stages()} == {
         "materialize",

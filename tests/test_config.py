@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -20,7 +19,6 @@ from fsdp_builder import (
     ShardingOptions,
 )
 from fsdp_builder.config import to_sharding_strategy
-from fsdp_builder.groups import gradient_predivide_factor
 
 
 @pytest.mark.parametrize(
@@ -127,11 +125,6 @@ def test_bad_configuration_names_argument_and_fix(call: object, pattern: str) ->
 def test_torch_wrap_policy_is_accepted() -> None:
     b = FSDPBuilder().wrap(ModuleWrapPolicy({nn.Linear}))
     assert b.config.wrap is not None and b.config.wrap.torch_policy is not None
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 16, 24, 64, 128, 1000])
-def test_gradient_divide_factors_match_torch(world: int) -> None:
-    assert gradient_predivide_factor(world) == DefaultState._get_gradient_predivide_factor(world)
 
 
 def test_group_factories_check_their_arguments() -> None:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder import ConfigurationError, resolve_ignored
-from fsdp_builder.planning.ignored import buffer_dtypes, managed_params
+from fsdp_builder.planning.ignored import managed_params
 
 
 class Net(nn.Module):
@@ -59,11 +59,6 @@ def test_ignored_parameters() -> None:
     net = Net()
     ignored = resolve_ignored(net, states=[net.b.weight])
     assert set(ignored.params) == {net.b.weight} and not ignored.modules
-
-
-def test_buffer_dtypes_keep_original_dtypes() -> None:
-    dtypes = buffer_dtypes(Net())
-    assert dtypes["steps"] is torch.int64 and dtypes["a.1.running_mean"] is torch.float32
 
 
 def test_already_wrapped_modules_pass_on_their_ignored_sets(world1: None) -> None:

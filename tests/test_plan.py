@@ -225,7 +225,6 @@ def test_planning_walks_the_model_once_and_agrees_with_torchs_own_walks(source: 
     alone = plan_units(model, wrap, IgnoredStates())
     assert [u.fqn for u in planned.plan] == [u.fqn for u in alone]
     assert list(planned.managed) == list(model.parameters())
-    assert planned.buffer_dtypes == {n: b.dtype for n, b in model.named_buffers()}
     if source == "transformers_default":
         assert [u.fqn for u in planned.plan] == ["model.layers.0", "model.layers.1", ""]
     infos = {t.name: t for u in planned.plan for t in u.params}

@@ -46,9 +46,7 @@ class ConfigureContext:
     options: ShardingOptions
     backend: BackendCapabilities
     device: torch.device
-    rank: int = 0
     world_size: int = 1
-    timeout: float | None = None
 
 
 @runtime_checkable

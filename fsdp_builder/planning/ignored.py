@@ -242,20 +242,6 @@ def resolve_ignored(
     )
 
 
-def buffer_dtypes(root: nn.Module, named: NamedModules | None = None) -> dict[str, torch.dtype]:
-    """Clean buffer name → original dtype, to restore dtypes when buffers are cast for compute;
-    named as ``named_buffers()`` names them (``named``: ``root.named_modules()``)."""
-    found: dict[str, torch.dtype] = {}
-    seen: set[int] = set()
-    for prefix, m in root.named_modules() if named is None else named:
-        for name, buf in m._buffers.items():
-            if buf is None or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            found[clean_name(f"{prefix}.{name}" if prefix else name)] = buf.dtype
-    return found
-
-
 def managed_params(
     module: nn.Module, ignored: IgnoredStates, named: NamedModules | None = None
 ) -> Iterator[nn.Parameter]:

@@ -19,7 +19,6 @@ from fsdp_builder.errors import PlanError
 from fsdp_builder.planning.ignored import (
     IgnoredStates,
     NamedModules,
-    buffer_dtypes,
     check_ignored_real,
     clean_name,
     is_wrapped,
@@ -260,12 +259,11 @@ def _plan_units(
 @frozen
 class PlannedModel:
     """Everything the build needs to know of the model before it changes: what is ignored, the
-    unit plan, the parameters the sharding manages, and each buffer's dtype."""
+    unit plan and the parameters the sharding manages."""
 
     ignored: IgnoredStates
     plan: UnitPlan
     managed: tuple[nn.Parameter, ...]
-    buffer_dtypes: dict[str, torch.dtype]
 
 
 def plan_model(
@@ -286,5 +284,4 @@ def plan_model(
         ignored=ignored,
         plan=plan,
         managed=tuple(managed_params(model, ignored, named)),
-        buffer_dtypes=buffer_dtypes(model, named),
     )

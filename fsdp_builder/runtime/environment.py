@@ -31,10 +31,8 @@ class Environment:
     options: ShardingOptions
     ignored: IgnoredStates
     plan: UnitPlan
-    backend: str = "fsdp1"  # the backend's name, for reports
     # The ranks that build together and agree on each step (None: the default group).
     agreement_group: dist.ProcessGroup | None = None
-    buffer_dtypes: dict[str, torch.dtype] = attrs.field(factory=dict)
     # True when each unit is sharded on meta before its materializer runs (a shard-first
     # materializer with a backend that supports it): materializers then fill local shards.
     shards_first: bool = False
