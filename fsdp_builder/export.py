@@ -601,8 +601,4 @@ def _save_config(model: nn.Module, folder: Path) -> None:
         save(folder)
 
 
-def _describe(error: BaseException) -> tuple[str, str]:
-    return type(error).__name__, str(error)
-
-
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "HFExport", "save_hf_checkpoint"]

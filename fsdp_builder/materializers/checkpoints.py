@@ -389,18 +389,13 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointSource:
         raise CHECKPOINT_SPEC.error(exc.problem, exc.fix) from exc
 
 
-def fill(source: CheckpointSource, targets: Mapping[str, torch.Tensor]) -> None:
-    """Write each checkpoint entry into its target (a tensor, or a DTensor whose local part is
-    read alone), converting dtypes."""
-    fill_checked(source, targets, check=False)
-
-
 def fill_checked(
     source: CheckpointSource, targets: Mapping[str, torch.Tensor], *, check: bool = True
 ) -> list[str]:
-    """``fill``, returning the keys whose values hold NaN or inf (none when ``check`` is
-    False). A tensor is read in runs of rows, each checked right after its read, while its
-    bytes are still in the cache (see ``_read_rows``): checking after the whole unit was read
+    """Write each checkpoint entry into its target (a tensor, or a DTensor whose local part is
+    read alone), converting dtypes; returns the keys whose values hold NaN or inf (none when
+    ``check`` is False). A tensor is read in runs of rows, each checked right after its read,
+    while its bytes are still in the cache (see ``_read_rows``): checking after the whole unit was read
     is a second pass over memory (at 200M parameters on one thread, a fifth of the read's time;
     run by run, 5-10 %)."""
     if isinstance(source, FillsTargets):
@@ -538,7 +533,6 @@ __all__ = [
     "KeyMap",
     "LocalRun",
     "describe_key_map",
-    "fill",
     "key_mapper",
     "local_index",
     "open_checkpoint",
