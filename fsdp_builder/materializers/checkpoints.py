@@ -395,9 +395,9 @@ def fill_checked(
     """Write each checkpoint entry into its target (a tensor, or a DTensor whose local part is
     read alone), converting dtypes; returns the keys whose values hold NaN or inf (none when
     ``check`` is False). A tensor is read in runs of rows, each checked right after its read,
-    while its bytes are still in the cache (see ``_read_rows``): checking after the whole unit was read
-    is a second pass over memory (at 200M parameters on one thread, a fifth of the read's time;
-    run by run, 5-10 %)."""
+    while its bytes are still in the cache (see ``_read_rows``): checking after the whole unit
+    was read is a second pass over memory (at 200M parameters on one thread, a fifth of the
+    read's time; run by run, 5-10 %)."""
     if isinstance(source, FillsTargets):
         source.fill(targets)
         return nonfinite_names(targets.items()) if check else []
