@@ -7,10 +7,14 @@ Spawned ranks import this module by name, as they import the test module that st
 from __future__ import annotations
 
 import importlib
+import math
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -145,3 +149,115 @@ def train(model: nn.Module, rank: int = 0, steps: int = STEPS) -> list[float]:
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+# -- plain-PyTorch oracles for initialization ----------------------------------------------------
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for a while, as a spawned rank runs: on a busy machine with few cores
+    the small operations of a tiny model are many times faster than with contending threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def reset_module(module: nn.Module) -> None:
+    """The module's own initializer, as its constructor runs it (``nn.MultiheadAttention``'s is
+    private), for a module with states of its own."""
+    if next(module.parameters(recurse=False), None) is None:
+        if next(module.buffers(recurse=False), None) is None:
+            return
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    if reset is not None:
+        reset()
+
+
+def own_modules(unit: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """``unit`` and the modules below it breadth-first, without descending into other units."""
+    others = {id(u) for u in units if u is not unit}
+    found, queue = [], [unit]
+    while queue:
+        module = queue.pop(0)
+        found.append(module)
+        queue += [c for c in module.children() if id(c) not in others]
+    return found
+
+
+def eager_init_by_unit(
+    units: list[nn.Module], init: Callable[[nn.Module], object] = reset_module
+) -> None:
+    """Materialize a model on meta in plain PyTorch, unit by unit in ``units``' order (bottom-up,
+    the root last): ``to_empty(recurse=False)`` on each module the unit owns, then ``init`` on
+    each, children first so a parent's initializer has the last word (MultiheadAttention zeroes
+    its ``out_proj.bias``), as at construction. The order the builder documents for
+    ``ResetParameters`` and ``InitFn(fn, allocate=True)``."""
+    for unit in units:
+        modules = own_modules(unit, units)
+        for module in modules:
+            module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for module in reversed(modules):
+                init(module)
+
+
+def demo_units(model: DemoTransformer) -> list[nn.Module]:
+    """The demo model's units with ``wrap(Block)``, bottom-up: each block, then the root."""
+    return [*model.blocks, model]
+
+
+def ks_distance(sample: torch.Tensor, pool: torch.Tensor) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical
+    distribution functions of ``sample`` and ``pool``."""
+    # In numpy: single-threaded, so quick on a busy machine where torch's threads contend.
+    a = np.sort(sample.detach().flatten().double().numpy())
+    b = np.sort(pool.flatten().double().numpy())
+    at = np.concatenate([a, b])
+    gap = np.searchsorted(a, at, side="right") / a.size
+    gap -= np.searchsorted(b, at, side="right") / b.size
+    return float(np.abs(gap).max())
+
+
+def eager_draws(make: Callable[[], nn.Module], draws: int = 16) -> dict[str, list[torch.Tensor]]:
+    """Each state of ``draws`` eager constructions ``make()`` under different seeds."""
+    pools: dict[str, list[torch.Tensor]] = {}
+    with torch.random.fork_rng(devices=[]):
+        for seed in range(draws):
+            torch.manual_seed(1000 + seed)
+            for k, v in make().state_dict().items():
+                pools.setdefault(k, []).append(v.detach().clone())
+    return pools
+
+
+def assert_drawn_like_eager(
+    state: dict[str, torch.Tensor], pools: dict[str, list[torch.Tensor]]
+) -> None:
+    """``state`` holds what a model's own constructor initializes, without knowing its seeds
+    (``pools``: ``eager_draws`` of that constructor): every state the constructor sets
+    deterministically (LayerNorm's ones, zeroed biases) is equal to it, every random one passes
+    a two-sample Kolmogorov-Smirnov test (p = 1e-4) against the eager draws, and two random
+    states hold the same values exactly where the constructor ties them."""
+    draws = len(next(iter(pools.values())))
+    assert state.keys() == pools.keys()
+    random: list[str] = []
+    for k, got in state.items():
+        first = pools[k][0]
+        assert got.shape == first.shape and got.dtype == first.dtype, k
+        if all(torch.equal(first, v) for v in pools[k][1:]):
+            assert torch.equal(got, first), k
+            continue
+        n, m = got.numel(), first.numel() * draws
+        bound = math.sqrt(-math.log(1e-4 / 2) / 2) * math.sqrt((n + m) / (n * m))
+        distance = ks_distance(got, torch.stack(pools[k]))
+        assert distance < bound, (k, distance, bound)
+        random.append(k)
+    # States the constructor ties hold one draw; any other two hold different ones.
+    for i, a in enumerate(random):
+        for b in random[i + 1 :]:
+            if state[a].shape == state[b].shape:
+                tied = torch.equal(pools[a][0], pools[b][0])
+                assert torch.equal(state[a], state[b]) == tied, (a, b)

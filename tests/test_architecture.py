@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
-from models import meta_demo
+from models import demo_units, eager_init_by_unit, meta_demo
 from torch import nn
 
 from fsdp_builder import (
@@ -24,7 +24,6 @@ from fsdp_builder import (
     BroadcastFromRank0,
     ConfigurationError,
     CPUDevice,
-    DeterministicInit,
     FromStateDict,
     FSDPBuilder,
     FullyShardBuilder,
@@ -264,13 +263,28 @@ def test_a_logger_that_drops_debug_gets_no_stage_events_and_the_report_is_whole(
     assert all(r.peak_bytes > 0 for r in builder.report.records)
 
 
-def test_deterministic_init_is_unchanged_by_the_logging_route(world1: None) -> None:
-    """Events are side effects only: the weights do not depend on where they go."""
+@pytest.mark.parametrize("route", ["captured", "filtered"])
+def test_initial_weights_are_unchanged_by_the_logging_route(world1: None, route: str) -> None:
+    """Events are side effects only: whether they are built and captured (a debug logger) or
+    never built (a logger that drops debug), the weights are plain PyTorch's from the same seed
+    (so building the events draws no random number either)."""
+    import logging
+
+    from structlog.testing import capture_logs
+
+    if route == "filtered":  # undone after the test by conftest's _structlog_defaults
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     builder = FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none")
-    built = full_state_dict(builder.materialize(DeterministicInit(seed=3)).build(meta_demo(CFG)))
-    reference = DeterministicInit(seed=3).materialize_model(meta_demo(CFG), wrap=Block)
-    expected = full_state_dict(reference)
-    assert all(torch.equal(built[k], expected[k]) for k in expected)
+    torch.manual_seed(3)
+    with capture_logs() as events:
+        built = full_state_dict(builder.materialize(ResetParameters()).build(meta_demo(CFG)))
+    stages = [e for e in events if e["event"] == "build_stage"]
+    assert len(stages) == (12 if route == "captured" else 0)
+    expected = meta_demo(CFG)
+    torch.manual_seed(3)
+    eager_init_by_unit(demo_units(expected))
+    assert built.keys() == expected.state_dict().keys()
+    assert all(torch.equal(built[k], v) for k, v in expected.state_dict().items())
 
 
 # -- packaging ------------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """Materializers and synchronizers on 1, 2 and 4 gloo ranks with the FSDP1 backend.
 
-One spawn per world size runs every scenario, each on its own (see ``isolated``); the tests below
-only read their scenario's results and compare them with single-process references computed here.
+One spawn per world size runs every scenario, each on its own (see ``isolated``; one rank runs in
+this process); the tests below only read their scenario's results and compare them with
+plain-PyTorch references computed here.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Callable, Hashable, Iterator
 from functools import partial
 from typing import Any, cast
@@ -16,7 +18,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
-from models import TiedDemo, meta_demo, seeded_demo
+from models import (
+    TiedDemo,
+    assert_drawn_like_eager,
+    demo_units,
+    eager_draws,
+    eager_init_by_unit,
+    meta_demo,
+    one_thread,
+    reset_module,
+    seeded_demo,
+)
 from structlog.testing import capture_logs
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -40,10 +52,12 @@ from fsdp_builder.tools.demo import (
     Block,
     DemoConfig,
     DemoTransformer,
+    batch,
     full_state_dict,
-    reference,
+    loss_fn,
     train,
 )
+from fsdp_builder.tools.launch import free_port
 
 # Whichever test first reads a world size's results starts its spawn (deadline 240 s).
 pytestmark = pytest.mark.timeout(300)
@@ -250,12 +264,30 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 SPAWNS = Spawns(scenarios, timeout=240)
+_ONE_RANK: list[Results] = []
+
+
+def one_rank(files: dict[str, str]) -> list[Results]:
+    """World size 1 in this process: a one-rank gloo group needs no spawn."""
+    if not _ONE_RANK:
+        # What a spawned rank would print to its stderr (FSDP's notes on NO_SHARD state dicts
+        # and on views) is not the tests' business here either.
+        with one_thread(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+            )
+            try:
+                _ONE_RANK.append(scenarios(files))
+            finally:
+                dist.destroy_process_group()
+    return _ONE_RANK
 
 
 def scenario(world: int, files: dict[str, str], key: Hashable) -> list[Any]:
-    """Scenario ``key`` on ``world`` ranks, per rank; the spawn runs once per module whichever
-    test asks first."""
-    return values(SPAWNS(world, files), key)
+    """Scenario ``key`` on ``world`` ranks, per rank; each world size runs once per module,
+    whichever test asks first."""
+    return values(one_rank(files) if world == 1 else SPAWNS(world, files), key)
 
 
 MULTI = [2, 4]  # the world sizes of the checks that need several ranks
@@ -263,25 +295,58 @@ MULTI = [2, 4]  # the world sizes of the checks that need several ranks
 
 @functools.cache
 def expected_initial(name: str) -> dict[str, torch.Tensor]:
-    """The single-process result of the same materializer on the same meta model."""
+    """What plain PyTorch gives the same meta model under the seed every rank uses: per unit
+    (bottom-up) ``to_empty``, then each module's initializer (``ResetParameters``) or
+    ``init_fn`` (``InitFn(init_fn, allocate=True)``), children first; for the loaders, the
+    source. ``DeterministicInit`` has no such value: see ``assert_deterministic``."""
+    if name == "load":
+        return source_state()
+    assert name in ("reset", "init_fn"), name
     model = meta_demo(CFG)
     torch.manual_seed(0)
-    if name == "reset":
-        ResetParameters().materialize_model(model, wrap=Block)
-    elif name == "init_fn":
-        InitFn(init_fn, allocate=True).materialize_model(model, wrap=Block)
-    elif name == "deterministic":
-        DeterministicInit(SEED).materialize_model(model)
-    else:
-        return source_state()
+    eager_init_by_unit(demo_units(model), reset_module if name == "reset" else init_fn)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @functools.cache
-def _reference(name: str, world: int) -> dict[str, Any]:
+def eager_pools(tied: bool = False) -> dict[str, list[torch.Tensor]]:
+    return eager_draws(lambda: TiedDemo(CFG) if tied else DemoTransformer(CFG))
+
+
+def assert_deterministic(state: dict[str, torch.Tensor], tied: bool = False) -> None:
+    """DeterministicInit seeds each module from SEED and its name by a digest of the library's
+    own, so no plain-PyTorch run gives its values. What can be checked from outside: the
+    constructor's constant states exactly, the random ones as draws of the eager constructor's
+    distributions, distinct between modules (see ``assert_drawn_like_eager``). That the values
+    are the same at every world size, strategy and backend is
+    ``test_deterministic_init_is_identical_across_world_sizes``."""
+    assert_drawn_like_eager(state, eager_pools(tied))
+
+
+def train_reference(initial: dict[str, torch.Tensor], world: int) -> dict[str, Any]:
+    """Plain PyTorch on one process from ``initial``: SGD on each whole global batch, with the
+    loss of each rank's slice before each step (what that rank must see) and the final state."""
     model = DemoTransformer(CFG)
-    model.load_state_dict(expected_initial(name))
-    return reference(model, CFG, STEPS, world)
+    model.load_state_dict(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # demo.train's rate
+    per_rank = 2  # demo.train's slice
+    losses: list[list[float]] = [[] for _ in range(world)]
+    with one_thread():
+        for step in range(STEPS):
+            tokens = batch(CFG, step, per_rank * world)
+            with torch.no_grad():
+                for r in range(world):
+                    part = tokens[r * per_rank : (r + 1) * per_rank]
+                    losses[r].append(float(loss_fn(model, part, CFG.vocab)))
+            opt.zero_grad()
+            loss_fn(model, tokens, CFG.vocab).backward()
+            opt.step()
+    return {"losses": losses, "state_dict": dict(model.state_dict())}
+
+
+@functools.cache
+def _reference(name: str, world: int) -> dict[str, Any]:
+    return train_reference(expected_initial(name), world)
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: Any) -> None:
@@ -295,11 +360,14 @@ CELL_IDS = [f"w{w}-{b}-{s}-{m}" for w, b, s, m in CELLS]
 
 
 @pytest.mark.parametrize(("world", "backend", "strategy", "name"), CELLS, ids=CELL_IDS)
-def test_gathered_initial_state_equals_single_process_materialization(
+def test_gathered_initial_state_equals_plain_pytorch(
     files: dict[str, str], world: int, backend: str, strategy: str, name: str
 ) -> None:
     got = scenario(world, files, ("matrix", name, strategy, backend))[0]["initial"]
-    assert_same(got, expected_initial(name), (name, strategy, backend))
+    if name == "deterministic":
+        assert_deterministic(got)
+    else:
+        assert_same(got, expected_initial(name), (name, strategy, backend))
 
 
 @pytest.mark.parametrize(("world", "backend", "strategy", "name"), CELLS, ids=CELL_IDS)
@@ -307,7 +375,9 @@ def test_training_matches_single_process_reference(
     files: dict[str, str], world: int, backend: str, strategy: str, name: str
 ) -> None:
     ranks = scenario(world, files, ("matrix", name, strategy, backend))
-    ref = _reference(name, world)
+    # DeterministicInit's start is checked on its own (test above); training starts from it.
+    initial = ranks[0]["initial"]
+    ref = train_reference(initial, world) if name == "deterministic" else _reference(name, world)
     case = (name, strategy, backend)
     for rank in range(world):
         got = torch.tensor(ranks[rank]["losses"])
@@ -326,6 +396,8 @@ def test_deterministic_init_is_identical_across_world_sizes(files: dict[str, str
         if name == "deterministic"
     ]
     assert len(seen) >= 3
+    # Equal to each other, and each a draw of the eager constructor (no plain value exists).
+    assert_deterministic(seen[0])
     for other in seen[1:]:
         assert_same(other, seen[0], "world-size invariance")
 
@@ -403,10 +475,10 @@ def test_verify_replicas_catches_a_planted_divergence_and_broadcast_fixes_it(
 @pytest.mark.parametrize("world", MULTI)
 def test_tied_weights_stay_tied(files: dict[str, str], world: int) -> None:
     ranks = scenario(world, files, "tied")
-    model = meta_demo(CFG, TiedDemo)
-    DeterministicInit(SEED).materialize_model(model)
     initial, trained = ranks[0]
-    assert torch.equal(initial["head.weight"], model.embed.weight.detach())
+    # The tied weight is a draw of the embedding's initializer (N(0, 1)), not the head's
+    # (uniform, 1/sqrt(dim)): the embedding's wins, as when TiedDemo(cfg) is constructed.
+    assert_deterministic(initial, tied=True)
     assert torch.equal(initial["embed.weight"], initial["head.weight"])
     assert torch.equal(trained["embed.weight"], trained["head.weight"])
     assert not torch.equal(trained["embed.weight"], initial["embed.weight"])

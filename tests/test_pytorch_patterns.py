@@ -380,8 +380,15 @@ def fully_shard_meta() -> dict[str, Any]:
     torch.manual_seed(0)
     builder = FullyShardBuilder().device(CPUDevice()).wrap(nn.Linear)
     mine = builder.materialize(ResetParameters()).build(meta())
+    # The unsharded model in plain PyTorch: to_empty, then each Linear's reset_parameters() in
+    # module order (each Linear is a unit, the units bottom-up) from the same seed.
+    unsharded = meta()
+    unsharded.to_empty(device=CPU)
     torch.manual_seed(0)
-    reference = ResetParameters().materialize_model(meta(), wrap=nn.Linear).state_dict()
+    for m in unsharded.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    reference = unsharded.state_dict()
     got = full_state_dict(mine)
     return {
         "same_layout": layout(plain) == layout(mine),

@@ -10,7 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
-from models import meta_demo
+from models import (
+    assert_drawn_like_eager,
+    demo_units,
+    eager_draws,
+    eager_init_by_unit,
+    meta_demo,
+)
 from safetensors.torch import save_file
 from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
@@ -23,6 +29,7 @@ from fsdp_builder import (
     FromStateDict,
     FSDPBuilder,
     KeepAsIs,
+    ResetParameters,
     VerifyReplicas,
 )
 from fsdp_builder.synchronizers import _flatten, checksum
@@ -107,19 +114,28 @@ def test_a_buffer_shared_by_nested_units_is_sent_once(world1: None) -> None:
     assert sent == {"inner": linear + 100 * 4, "<root>": linear}
 
 
-def test_broadcast_and_verify_on_one_rank(world1: None) -> None:
+@pytest.mark.parametrize("materializer", ["reset", "deterministic"])
+def test_broadcast_and_verify_on_one_rank(world1: None, materializer: str) -> None:
     b = (
         FSDPBuilder()
         .device(CPUDevice())
         .wrap(Block)
-        .materialize(DeterministicInit(1))
+        .materialize(ResetParameters() if materializer == "reset" else DeterministicInit(1))
         .synchronize(BroadcastFromRank0(bucket_bytes=1000), VerifyReplicas())
     )
-    model = b.build(meta_demo(CFG))
-    want = meta_demo(CFG)
-    DeterministicInit(1).materialize_model(want)
-    got = full_state_dict(model)
-    assert all(torch.equal(got[k], v) for k, v in want.state_dict().items())
+    torch.manual_seed(1)
+    got = full_state_dict(b.build(meta_demo(CFG)))
+    if materializer == "reset":
+        # Plain PyTorch from the same seed: the synchronizers change no value, draw no number.
+        want = meta_demo(CFG)
+        torch.manual_seed(1)
+        eager_init_by_unit(demo_units(want))
+        assert got.keys() == want.state_dict().keys()
+        assert all(torch.equal(got[k], v) for k, v in want.state_dict().items())
+    else:
+        # Seeds derived by the library have no plain value: the constructor's constants exact,
+        # the random states drawn like the eager model's.
+        assert_drawn_like_eager(got, eager_draws(lambda: DemoTransformer(CFG)))
     assert all(r.comm_bytes > 0 for r in b.report.records if r.stage == "synchronize")
 
 
