@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import struct
 import time
 import warnings
@@ -186,6 +187,11 @@ class _NoStorage(TorchDispatchMode):
                     # Value checks (NaN counts, checksums) see zeros: nothing to report.
                     return 0.0 if first.dtype.is_floating_point else 0
             return func(*args, **kwargs)
+        device = kwargs.get("device")
+        to_meta = device is None or torch.device(device).type == "meta"
+        if tensors and to_meta:
+            # Meta in, meta out (FSDP2 shards meta parameters rank by rank): nothing to fake.
+            return func(*args, **kwargs)
         if all(t.is_meta for t in tensors):
             with self.fake:
                 made = func(*args, **kwargs)
@@ -256,15 +262,27 @@ def _recorded_reads(reads: list[Read]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int) -> Iterator[None]:
-    """torch's fake process group as the default group, for one simulated ``rank``."""
+def fake_world(world_size: int, rank: int, local_world_size: int | None = None) -> Iterator[None]:
+    """torch's fake process group as the default group, for one simulated ``rank``; with
+    ``local_world_size``, the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``...) say so while it lasts."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in names}
+    if local_world_size is not None:
+        values = (rank, world_size, rank % local_world_size, local_world_size)
+        os.environ.update({k: str(v) for k, v in zip(names, values, strict=True)})
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def local_shards(module: nn.Module) -> list[Shard]:
@@ -340,20 +358,52 @@ def on_cpu(builder: ShardingBuilder) -> ShardingBuilder:
     return builder
 
 
+def _failed(
+    builder: ShardingBuilder,
+    model: nn.Module,
+    backend: str,
+    rank: int,
+    seconds: float,
+    error: BaseException,
+    reads: list[Read],
+) -> RankRun:
+    plan: UnitPlan | None
+    try:
+        plan = builder.plan_for(model)
+    except Exception:  # the plan is what failed: the error says why
+        plan = None
+    text = str(error)
+    kind = type(error).__name__
+    if "do not form a grid" in text:
+        kind = NOT_SIMULATED
+        text = (
+            "the build checks that its hybrid groups form a grid by gathering every rank's "
+            "shard group, which a fake process group cannot answer; pass a DeviceMesh to "
+            ".groups(...) to simulate a hybrid FSDP2 build"
+        )
+    return RankRun(rank, backend, seconds, kind, text, plan=plan, reads=tuple(reads))
+
+
 def simulate_rank(
     builder_factory: Callable[[], ShardingBuilder],
     model_factory: Callable[[], nn.Module],
     world_size: int,
     rank: int,
     on_meta: bool = True,
+    local_world_size: int | None = None,
 ) -> RankRun:
     """One simulated rank of the real build (see the module docstring)."""
     reads: list[Read] = []
     started = time.perf_counter()
-    with fake_world(world_size, rank):
-        builder = on_cpu(builder_factory())
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
-            model = model_factory()
+    with fake_world(world_size, rank, local_world_size):
+        try:
+            # The job's script raises what these raise before its build: so does the dry run.
+            builder = on_cpu(builder_factory())
+            with torch.device("meta") if on_meta else contextlib.nullcontext():
+                model = model_factory()
+        except Exception as exc:
+            seconds = time.perf_counter() - started
+            return RankRun(rank, "?", seconds, type(exc).__name__, str(exc))
         error: BaseException | None = None
         with warnings.catch_warnings():
             # The NaN checks and page accounting touch the FakeTensors' (absent) data.
@@ -366,23 +416,7 @@ def simulate_rank(
         seconds = time.perf_counter() - started
         backend = builder._backend().name
         if error is not None:
-            plan: UnitPlan | None
-            try:
-                plan = builder.plan_for(model)
-            except Exception:
-                plan = None
-            text = str(error)
-            kind = type(error).__name__
-            if "do not form a grid" in text:
-                kind, text = (
-                    NOT_SIMULATED,
-                    (
-                        "the build checks that its hybrid groups form a grid by gathering every "
-                        "rank's shard group, which a fake process group cannot answer; pass a "
-                        "DeviceMesh to .groups(...) to simulate a hybrid FSDP2 build"
-                    ),
-                )
-            return RankRun(rank, backend, seconds, kind, text, plan=plan, reads=tuple(reads))
+            return _failed(builder, model, backend, rank, seconds, error, reads)
         env = builder.environment
         strategy = _STRATEGY_NAMES.get(env.strategy, "full")
         shard_size = env.groups.world_size
@@ -408,14 +442,17 @@ def simulate(
     ranks: Sequence[int] = (0,),
     *,
     on_meta: bool = True,
+    local_world_size: int | None = None,
 ) -> DryRun:
     """Run the real ``builder_factory().build(model_factory())`` as each of ``ranks`` of a world
     of ``world_size``, on torch's fake process group and without storage for model states.
 
     ``builder_factory`` is called once per rank with the fake group initialized (so it may
     create groups or a DeviceMesh, as the job's script does); ``model_factory`` under
-    ``torch.device("meta")`` unless ``on_meta`` is False. A rank whose build raises reports the
-    error instead of results; nothing is raised for it.
+    ``torch.device("meta")`` unless ``on_meta`` is False. ``local_world_size``: ranks per node,
+    set in the environment as torchrun sets it (what ``AutoHybridGroups()`` and
+    ``LocalRankDevice`` read); None leaves the environment as it is. A rank whose build
+    raises reports the error instead of results; nothing is raised for it.
 
     Raises:
         ConfigurationError: ``world_size`` or ``ranks`` invalid, or a process group already
@@ -430,7 +467,8 @@ def simulate(
     chosen = _check_args(world_size, ranks)
     started = time.perf_counter()
     runs = tuple(
-        simulate_rank(builder_factory, model_factory, world_size, r, on_meta) for r in chosen
+        simulate_rank(builder_factory, model_factory, world_size, r, on_meta, local_world_size)
+        for r in chosen
     )
     return DryRun(world_size, runs[0].backend, runs, time.perf_counter() - started)
 

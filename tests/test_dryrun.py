@@ -1,0 +1,291 @@
+"""The dry run (``fsdp_builder.tools.dryrun``) against the real build.
+
+One spawn of 2 gloo ranks and one of 4 run the real builds; the dry run simulates the same
+configurations in the test process on torch's fake process group. Expected values come from
+the real builds, inspected with plain PyTorch (local shards of FSDP2's DTensors, FSDP1's flat
+parameters), and from ``safetensors.torch.load_file``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from isolated import Results, Spawns, run_each, values
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fsdp_builder import (
+    AutoHybridGroups,
+    FromCheckpoint,
+    FSDPBuilder,
+    FullyShardBuilder,
+    KeepAsIs,
+    ShardingBuilder,
+)
+from fsdp_builder.tools.cli import main
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
+from fsdp_builder.tools.dryrun import simulate
+
+TINY_LLAMA: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+)
+
+
+def demo() -> nn.Module:
+    return DemoTransformer(DemoConfig())
+
+
+def llama() -> nn.Module:
+    return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"demo": demo, "llama": llama}
+BUILDERS: dict[str, type[ShardingBuilder]] = {"fsdp1": FSDPBuilder, "fsdp2": FullyShardBuilder}
+
+
+def _checkpoint(path: str) -> str:
+    return str(Path(path) / "demo.safetensors")
+
+
+def _missing_key_checkpoint(path: str) -> str:
+    return str(Path(path) / "missing.safetensors")
+
+
+# Configurations the real job refuses, each a factory of the job's builder (called on every
+# rank, after the process group is up, as a training script calls it). ``path``: a folder
+# holding the test's checkpoints.
+def error_builders(path: str) -> dict[str, Callable[[], ShardingBuilder]]:
+    return {
+        "nodes_of_3": lambda: (
+            FSDPBuilder()
+            .wrap(Block)
+            .groups(AutoHybridGroups(devices_per_node=3))
+            .sharding("hybrid")
+        ),
+        "hybrid_groups_full_shard": lambda: (
+            FSDPBuilder().wrap(Block).groups(AutoHybridGroups(devices_per_node=1))
+        ),
+        "reshard_after_forward_3": lambda: FullyShardBuilder().wrap(Block).reshard_after_forward(3),
+        "fsdp1_option_on_fsdp2": lambda: (
+            FullyShardBuilder().wrap(Block).per_unit(lambda module, fqn: {"use_orig_params": True})
+        ),
+        "missing_key": lambda: (
+            FullyShardBuilder()
+            .wrap(Block)
+            .materialize(FromCheckpoint(_missing_key_checkpoint(path)))
+        ),
+        "keep_as_is_on_meta": lambda: FSDPBuilder().wrap(Block).materialize(KeepAsIs()),
+        "wrap_class_absent": lambda: FSDPBuilder().wrap(nn.GRU),
+    }
+
+
+def bytes_builder(backend: str, model: str) -> ShardingBuilder:
+    builder = BUILDERS[backend]()
+    return builder.wrap(Block) if model == "demo" else builder
+
+
+def load_builder(backend: str, path: str) -> ShardingBuilder:
+    return BUILDERS[backend]().wrap(Block).materialize(FromCheckpoint(_checkpoint(path)))
+
+
+def write_checkpoints(folder: Path) -> None:
+    state = {k: v.contiguous() for k, v in demo().state_dict().items()}
+    save_file(state, _checkpoint(str(folder)))
+    state.pop("embed.weight")
+    save_file(state, _missing_key_checkpoint(str(folder)))
+
+
+# -- what a real build holds, read with plain PyTorch ---------------------------------------------
+
+
+def local_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Each rank-local tensor of a built model: FSDP1's flat parameters, FSDP2's local shards."""
+    flats: list[tuple[str, torch.Tensor]] = [
+        (name, m._handle.flat_param)
+        for name, m in module.named_modules()
+        if isinstance(m, FullyShardedDataParallel) and m._handle is not None
+    ]
+    if flats:
+        return flats
+    return [
+        (name, p.to_local() if isinstance(p, DTensor) else p)
+        for name, p in module.named_parameters()
+    ]
+
+
+def local_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for _, t in local_tensors(module))
+
+
+def real_error(factory: Callable[[], ShardingBuilder]) -> tuple[str, str] | None:
+    with torch.device("meta"):
+        model = demo()
+    try:
+        factory().build(model)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def real_load(backend: str, path: str) -> dict[str, Any]:
+    """A real FromCheckpoint load: the bytes this rank keeps of each checkpoint tensor."""
+    with torch.device("meta"):
+        model = demo()
+    built = load_builder(backend, path).build(model)
+    shards = {
+        name.replace("_fsdp_wrapped_module.", ""): p.to_local().numel()
+        for name, p in built.named_parameters()
+        if isinstance(p, DTensor)
+    }
+    return {"shard_numel": shards, "local_bytes": local_bytes(built)}
+
+
+def cases(path: str) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+    if dist.get_world_size() == 2:
+        for name, factory in error_builders(path).items():
+            yield ("error", name), partial(real_error, factory)
+        for backend in BUILDERS:
+            yield ("load", backend), partial(real_load, backend, path)
+    for backend in BUILDERS:
+        for model in MODELS:
+
+            def build(backend: str = backend, model: str = model) -> int:
+                with torch.device("meta"):
+                    meta = MODELS[model]()
+                return local_bytes(bytes_builder(backend, model).build(meta))
+
+            yield ("bytes", backend, model), build
+
+
+def rank_main(path: str) -> Results:
+    torch.manual_seed(0)
+    return run_each(cases(path))
+
+
+SPAWNS = Spawns(rank_main, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("dryrun")
+    write_checkpoints(path)
+    return path
+
+
+# -- (1) the same errors ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(error_builders("")))
+def test_dry_run_raises_what_a_real_two_rank_build_raises(name: str, folder: Path) -> None:
+    real = values(SPAWNS(2, str(folder)), ("error", name))
+    assert real[0] is not None, f"the real build of {name} did not fail"
+    assert real[0] == real[1]
+    run = simulate(error_builders(str(folder))[name], demo, 2, ranks=(0, 1), local_world_size=2)
+    for rank in run.runs:
+        assert not rank.ok
+        assert (rank.error_type, rank.error) == real[0]
+
+
+# -- (2) bytes: shards and reads --------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("backend", list(BUILDERS))
+def test_predicted_shard_bytes_equal_the_real_builds(
+    backend: str, model: str, world: int, folder: Path
+) -> None:
+    measured = values(SPAWNS(world, str(folder)), ("bytes", backend, model))
+    run = simulate(partial(bytes_builder, backend, model), MODELS[model], world, ranks=range(world))
+    assert [r.error for r in run.runs] == [None] * world
+    assert [r.param_bytes for r in run.runs] == measured
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", list(BUILDERS))
+def test_read_plan_bytes_equal_a_real_load(backend: str, folder: Path) -> None:
+    real = values(SPAWNS(2, str(folder)), ("load", backend))
+    stored = load_file(_checkpoint(str(folder)))
+    if backend == "fsdp2":
+        # Each rank reads the rows of its own shards, in the checkpoint's dtype.
+        expected = [
+            sum(n * stored[name].element_size() for name, n in r["shard_numel"].items())
+            for r in real
+        ]
+    else:
+        # FSDP1 takes each unit whole on every rank before sharding it.
+        expected = [sum(t.numel() * t.element_size() for t in stored.values())] * 2
+    run = simulate(partial(load_builder, backend, str(folder)), demo, 2, ranks=(0, 1))
+    assert [r.read_bytes for r in run.runs] == expected
+    assert [r.param_bytes for r in run.runs] == [r["local_bytes"] for r in real]
+    assert run.read_balance == 1.0
+    # Every read is a byte range of the file, inside the tensor it names.
+    size = len(Path(_checkpoint(str(folder))).read_bytes())
+    for r in run.runs:
+        assert all(x.start is not None and x.stop is not None for x in r.reads)
+        assert all(0 < x.start < x.stop <= size for x in r.reads)  # type: ignore[operator]
+    if backend == "fsdp2":
+        first, second = ({(x.key, x.start, x.stop) for x in r.reads} for r in run.runs)
+        assert not first & second  # the two ranks read disjoint rows
+
+
+# -- (3) scale ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_transformers_llama_at_1024_ranks_in_seconds() -> None:
+    world = 1024
+    started = time.perf_counter()
+    fsdp2 = simulate(FullyShardBuilder, llama, world, ranks=(0, 1023))
+    fsdp1 = simulate(FSDPBuilder, llama, world, ranks=(0, 1023))
+    assert time.perf_counter() - started < 60
+    plain = llama()
+    full = dict(plain.named_parameters())
+    for r in fsdp2.runs:
+        assert r.ok, r.error
+        expected = {}
+        for name, p in full.items():
+            chunks = torch.chunk(torch.empty(p.shape, device="meta"), world)
+            rows = tuple(chunks[r.rank].shape) if r.rank < len(chunks) else (0, *p.shape[1:])
+            expected[name] = rows
+        assert {s.name: s.local_shape for s in r.shards} == expected
+    blocks: Any = plain.get_submodule("model.layers")
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in blocks]
+    root = sum(p.numel() for p in full.values()) - sum(layers)
+    flat = sum(math.ceil(n / world) for n in [*layers, root]) * 4
+    for r in fsdp1.runs:
+        assert r.ok, r.error
+        assert r.param_bytes == flat
+
+
+def test_cli_simulates_a_config_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    LlamaConfig(**TINY_LLAMA, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path), "--simulate", "64", "--rank", "0", "--rank", "63"]
+    assert main([*args, "--backend", "fsdp2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in out["ranks"]] == [0, 63]
+    total = sum(p.numel() * 4 for p in llama().parameters())
+    assert 0 < out["ranks"][1]["param_bytes"] <= out["ranks"][0]["param_bytes"] < total
+    # A layout the job would refuse: the exit status says so, the report says why.
+    bad = [*args, "--backend", "fsdp1", "--strategy", "hybrid", "--devices-per-node", "3"]
+    assert main(bad) == 1
+    assert "world size 64 is not a multiple of 3 devices per node" in capsys.readouterr().out
