@@ -699,6 +699,37 @@ def summary(cells: list[Cell], verdicts: dict[Cell, str | None], seconds: float)
     return "\n".join(lines) + "\n"
 
 
+def header(args: Any) -> str:
+    """What a result table is: the command, the axes and where the oracle is defined."""
+    import subprocess
+
+    chosen = " ".join(
+        f"--{k} {v}" for k, v in vars(args).items() if v is not None and k not in ("out",)
+    )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    axes = "\n".join(
+        f"| {name} | {', '.join(map(str, values))} |" for name, values in AXES.items()
+    )
+    return (
+        "# Conformance matrix\n\n"
+        f"`python tests/conformance.py {chosen}` at commit `{commit}`, torch "
+        f"{torch.__version__}, gloo on CPU. Every cell builds on every rank, gathers the full "
+        "state, trains one step, and is judged against the oracle that `tests/conformance.py` "
+        "defines in plain PyTorch (its module docstring: what each materializer and "
+        "synchronizer must give, and what has no exact value). A cell either equals its "
+        "oracle or is refused the way the oracle says, on every rank. The default test command "
+        "runs a pairwise cover of these axes (`tests/test_conformance.py`); the full product "
+        "runs with `pytest -m conformance_full tests/test_conformance.py`.\n\n"
+        "| axis | values |\n|---|---|\n"
+        f"{axes}\n\n"
+        "Valid cells: hybrid layouts (mesh2d, hybrid, auto) at 4 ranks; the Llama is wrapped "
+        "by its decoder layers, has no ignored states, and takes no InitFn/InitWeights (its "
+        "modules are initialized by `_init_weights`, not `reset_parameters`).\n\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
@@ -722,7 +753,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         verdicts = run_matrix(cells, Path(folder))
-    table = summary(cells, verdicts, time.perf_counter() - started)
+    table = header(args) + summary(cells, verdicts, time.perf_counter() - started)
     if args.out is not None:
         args.out.write_text(table)
     sys.stdout.write(table)

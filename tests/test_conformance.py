@@ -30,10 +30,10 @@ FULL = full_product()
 class Matrix:
     """The oracles of a set of cells, and one spawn per world size that runs them."""
 
-    def __init__(self, cells: list[Cell]) -> None:
+    def __init__(self, cells: list[Cell], timeout: float) -> None:
         self.cells = cells
         self._expected: dict[Cell, Expected] = {}
-        self.spawns = Spawns(rank_cells, timeout=600)
+        self.spawns = Spawns(rank_cells, timeout=timeout)
         self._paths: dict[str, str] | None = None
 
     def expected(self, cell: Cell) -> Expected:
@@ -55,8 +55,9 @@ class Matrix:
         return values(self.spawns(cell.world, cells, self.paths(folder)), cell.key)
 
 
-DEFAULT = Matrix(PAIRWISE)
-EVERY = Matrix(FULL)
+DEFAULT = Matrix(PAIRWISE, timeout=600)
+# The full product: about an hour on 2 cores (benchmarks/results/conformance.md).
+EVERY = Matrix(FULL, timeout=4 * 3600)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_pairwise_cell_equals_its_oracle(cell: Cell, folder: Path) -> None:
 
 
 @pytest.mark.conformance_full
-@pytest.mark.timeout(7200)
+@pytest.mark.timeout(4 * 3600)
 @pytest.mark.parametrize("cell", FULL, ids=[c.key for c in FULL])
 def test_full_cell_equals_its_oracle(cell: Cell, folder: Path) -> None:
     verdict = judge(cell, EVERY.expected(cell), EVERY.results(cell, folder))
