@@ -279,7 +279,6 @@ class _Build:
         (those that define ``check_context``) and the materializer's (``check_context``, else
         its ``check(plan, ignored)``). Local and pure: the model is untouched."""
         self.backend.check_context(context)
-        self.check_composition()
         for role in (self.factory, self.resolver, self.synchronizer):
             if isinstance(role, ChecksContext):
                 role.check_context(context)
@@ -287,6 +286,8 @@ class _Build:
             self.materializer.check_context(context)
         else:
             self.materializer.check(context.plan, context.ignored)
+        # Last: each role's own refusal says more than how two of them combine.
+        self.check_composition()
 
     def check_composition(self) -> None:
         """Materializer and synchronizer together: a synchronizer works on each unit as it is
