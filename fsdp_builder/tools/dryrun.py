@@ -37,7 +37,7 @@ import os
 import struct
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +190,8 @@ class _NoStorage(TorchDispatchMode):
         device = kwargs.get("device")
         to_meta = device is None or torch.device(device).type == "meta"
         if tensors and to_meta:
-            # Meta in, meta out (FSDP2 shards meta parameters rank by rank): nothing to fake.
+            # No other device asked: real stays real (the agreements), meta stays meta (FSDP2
+            # cuts meta parameters rank by rank); faking either would only cost time.
             return func(*args, **kwargs)
         if all(t.is_meta for t in tensors):
             with self.fake:
@@ -237,26 +238,49 @@ def _read_of(path: Path, key: str, index: Index | None, cache: dict[str, dict[st
 
 @contextlib.contextmanager
 def _recorded_reads(reads: list[Read]) -> Iterator[None]:
-    """Record each read of a safetensors source; reads into FakeTensors are not made."""
+    """Record each read of a safetensors source instead of making it: the source's files come
+    from its constructor's arguments and the byte ranges from their headers, so nothing here
+    depends on how the source reads. ``read`` returns an uninitialized tensor of the read's
+    shape (a FakeTensor for floating dtypes)."""
     cache: dict[str, dict[str, Any]] = {}
-    read, read_into = SafetensorsSource.read, SafetensorsSource.read_into
+    where: dict[int, dict[str, Path]] = {}
+    init, read, read_into = (
+        SafetensorsSource.__init__,
+        SafetensorsSource.read,
+        SafetensorsSource.read_into,
+    )
+
+    def recorded_init(
+        self: SafetensorsSource, describe: str, files: Mapping[Path, list[str] | None]
+    ) -> None:
+        init(self, describe, files)
+        keys: dict[str, Path] = {}
+        for path, wanted in files.items():
+            listed = wanted if wanted is not None else _header(str(path), cache)
+            keys.update((k, Path(path)) for k in listed if not k.startswith("__"))
+        where[id(self)] = keys
+
+    def record(self: SafetensorsSource, key: str, index: Index | None) -> None:
+        reads.append(_read_of(where[id(self)][key], key, index, cache))
 
     def recorded_read(self: SafetensorsSource, key: str, index: Index | None = None) -> Any:
-        reads.append(_read_of(self._where[key].path, key, index, cache))
-        return read(self, key, index)
+        record(self, key, index)
+        meta = self.tensors()[key]
+        shape = torch.empty(meta.shape, dtype=meta.dtype, device="meta")[index or ()].shape
+        return torch.empty(shape, dtype=meta.dtype)
 
     def recorded_read_into(
         self: SafetensorsSource, key: str, index: Index | None, out: torch.Tensor
     ) -> None:
-        reads.append(_read_of(self._where[key].path, key, index, cache))
-        if not isinstance(out, FakeTensor):
-            read_into(self, key, index, out)
+        record(self, key, index)
 
+    SafetensorsSource.__init__ = recorded_init  # type: ignore[method-assign]
     SafetensorsSource.read = recorded_read  # type: ignore[method-assign]
     SafetensorsSource.read_into = recorded_read_into  # type: ignore[method-assign]
     try:
         yield
     finally:
+        SafetensorsSource.__init__ = init  # type: ignore[method-assign]
         SafetensorsSource.read = read  # type: ignore[method-assign]
         SafetensorsSource.read_into = read_into  # type: ignore[method-assign]
 
