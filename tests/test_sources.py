@@ -744,11 +744,11 @@ def test_the_safetensors_reader_refuses_a_damaged_file(tmp_path: Path, damage: s
         "not json": (4).to_bytes(8, "little") + b"{{{{" + data[8 + length :],
         "past the end": data[:-8],
         "wrong length": rewritten(shape=[4, 3]),
-        "unknown dtype": rewritten(dtype="C64"),
+        # A dtype name no safetensors release knows (C64, once refused here, now loads).
+        "unknown dtype": rewritten(dtype="Q9"),
     }[damage]
     file.write_bytes(damaged)
-    why = "C64, not supported" if damage == "unknown dtype" else "not a state dict"
-    with pytest.raises(SourceError, match=why):
+    with pytest.raises(SourceError, match="not a state dict"):
         SafetensorsSource(f"'{file}'", {file: None})
 
 

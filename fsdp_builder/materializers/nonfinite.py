@@ -44,6 +44,10 @@ def holds_nonfinite(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (a plain tensor; not meta) holds NaN or inf. Integer tensors never do."""
     if not (tensor.is_floating_point() or tensor.is_complex()) or not tensor.numel():
         return False
+    if tensor.element_size() == 1:  # 8-bit floats: torch neither sums nor (all) isfinite them
+        if tensor.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+            return False  # packed FP4 has no NaN or inf encoding
+        tensor = tensor.float()
     # A finite sum means no NaN or inf (either would make it non-finite); a sum is one pass
     # with no allocation, about 20 times cheaper than isfinite(t).all() on the CPU. Its verdict
     # is read as a Python number: a torch.isfinite of the 0-d sum costs another op per run read.

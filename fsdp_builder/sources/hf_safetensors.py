@@ -1,167 +1,139 @@
 """Safetensors checkpoints: one ``.safetensors`` file, or a Hugging Face folder whose
 ``*.safetensors.index.json`` says which shard file holds each tensor (``save_pretrained``).
 
-Only headers are read when a source opens. Values are read with positional reads (``preadv``)
-of the byte range a read needs, straight into the destination's storage where it can take them
-(:meth:`SafetensorsSource.read_into`): a rank reads only the bytes it keeps, maps no file (its
-file-backed memory stays flat) and copies each byte once.
-
-The format: 8 bytes (little-endian ``u64``) give the header's length; the header is JSON, each
-tensor's ``dtype``, ``shape`` and ``data_offsets`` (begin, end in bytes, counted from the end of
-the header), plus an optional ``__metadata__``; then the data, row-major and little-endian.
+Files are read through safetensors' own API (``safe_open``, ``get_slice``): a source lists what
+the headers hold, every dtype safetensors reads included, and a read takes only the rows asked
+for, copied from the file's mapping into the destination (:meth:`SafetensorsSource.read_into`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
-import sys
 from collections.abc import Mapping
 from pathlib import Path, PurePath
+from typing import Any
 
+import safetensors
 import torch
-from attrs import frozen
+from safetensors import safe_open
 
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
 
 log = get_logger(__name__)
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-# A header larger than this is not one (the format's own readers refuse past 100 MB).
-_MAX_HEADER = 100 * 2**20
-# One preadv moves at most about 2 GiB on Linux: larger reads are split.
-_MAX_READ = 1 << 30
+# safe_open maps its file, and the slices it returns view that mapping: the pages a read touches
+# count as the process's file-backed memory until the mapping goes. Once a source read this many
+# bytes, the files it read them from are unmapped (and opened again at their next read), so that
+# a rank's mapped pages stay near this bound instead of growing to its whole share of the
+# checkpoint; the pages stay in the page cache. The same time either way
+# (benchmarks/results/safetensors_api.md).
+_MAPPED_BYTES = 16 << 20
 
 
-class HeaderError(ValueError):
-    """A file's header is not that of a safetensors file."""
+class _File:
+    """One file, opened with safe_open, and its slices fetched once each."""
 
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._handle: Any = safe_open(str(path), framework="pt")
+        self.slices: dict[str, Any] = {}
+        # Keys of a dtype safetensors reads whole but does not slice (packed FP4): their rows
+        # are taken from the whole tensor, itself a view of the mapping.
+        self.whole: set[str] = set()
 
-@frozen
-class _Stored:
-    """Where one tensor lies: its file, dtype, shape and first byte in the file."""
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            self._handle = safe_open(str(self.path), framework="pt")
+        return self._handle
 
-    file: int  # the index of its file's descriptor
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
+    def unmap(self) -> None:
+        """Drop the file's mapping (its next read opens it again): the slices hold it too."""
+        self.slices, self._handle = {}, None
 
+    def piece(self, key: str) -> Any:
+        piece = self.slices.get(key)
+        if piece is None:
+            piece = self.slices[key] = self.handle.get_slice(key)
+        return piece
 
-def _read_exact(fd: int, buffer: memoryview, offset: int) -> None:
-    """Fill ``buffer`` with the bytes of ``fd`` from ``offset`` on; a short file raises."""
-    done, size = 0, len(buffer)
-    while done < size:
-        chunk = buffer[done : min(size, done + _MAX_READ)]
-        if hasattr(os, "preadv"):
-            got = os.preadv(fd, [chunk], offset + done)
-        else:  # no preadv (older macOS): seek and read; each source reads from one thread
-            os.lseek(fd, offset + done, os.SEEK_SET)
-            got = os.readv(fd, [chunk])
-        if got <= 0:
-            raise OSError(f"the file ends {size - done} byte(s) before the tensor does")
-        done += got
+    def part(self, key: str, index: Index | None) -> torch.Tensor:
+        """``tensor[index]``, a view of the file where safetensors gives one."""
+        if key in self.whole:
+            tensor: torch.Tensor = self.handle.get_tensor(key)
+            return tensor[index] if index else tensor
+        piece = self.piece(key)
+        if index:
+            return piece[index]
+        return piece[:] if piece.get_shape() else piece[()]
 
-
-def _header(fd: int, size: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
-    """Per tensor of a file: its dtype name, shape, first byte (from the start of the file) and
-    length in bytes. Raises HeaderError when the file is not a complete safetensors file: a
-    header that is not JSON of tensors, or offsets past the end of the file."""
-    if size < 8:
-        raise HeaderError(f"{size} byte(s) are too few for a header")
-    head = bytearray(8)
-    _read_exact(fd, memoryview(head), 0)
-    (length,) = struct.unpack("<Q", head)
-    if length > min(size - 8, _MAX_HEADER):
-        raise HeaderError(f"its header claims {length} bytes, more than the file holds")
-    text = bytearray(length)
-    _read_exact(fd, memoryview(text), 8)
-    try:
-        header = json.loads(text)
-    except ValueError as exc:
-        raise HeaderError(f"its header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise HeaderError("its header is not a JSON object")
-    start = 8 + length
-    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
+    def meta(self, describe: str, key: str, known: dict[str, torch.dtype | None]) -> TensorMeta:
+        """``key``'s shape and the torch dtype safetensors reads its stored dtype as: that of an
+        empty slice, asked once per stored dtype (``known``; None: read whole), so every dtype
+        the installed safetensors reads is taken."""
+        piece = self.piece(key)
+        shape, name = tuple(piece.get_shape()), piece.get_dtype()
+        if name not in known:
+            try:
+                probe = piece[0:0] if shape else piece[()]
+                sliced = tuple(probe.shape[1:]) == shape[1:]
+                known[name] = probe.dtype if sliced else None
+            except Exception:  # a dtype it does not slice; get_tensor may read it
+                known[name] = None
+        dtype = known[name]
+        if dtype is not None:
+            return TensorMeta(shape, dtype)
         try:
-            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            ok = (
-                isinstance(dtype, str)
-                and all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end))
-                and begin <= end
-            )
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise HeaderError(f"its header entry for '{key}' is not a tensor's: {info!r}")
-        if start + end > size:
-            raise HeaderError(f"'{key}' ends past the end of the file")
-        entries[key] = (dtype, tuple(shape), start + begin, end - begin)
-    return entries
+            whole = self.handle.get_tensor(key)
+        except Exception as exc:  # safetensors or torch refusing the dtype
+            raise SourceError(
+                f"{describe} stores '{key}' as {name}, which safetensors "
+                f"{safetensors.__version__} cannot read as a torch tensor "
+                f"({type(exc).__name__}: {exc})",
+                fix="Upgrade safetensors and torch (pip install -U safetensors torch), or "
+                "convert the checkpoint to a dtype they read",
+            ) from exc
+        self.whole.add(key)
+        return TensorMeta(tuple(whole.shape), whole.dtype)
 
 
 class SafetensorsSource:
-    """Tensors spread over safetensors files; every file stays open until close()."""
+    """Tensors spread over safetensors files, read through safe_open until close()."""
 
     def __init__(self, describe: str, files: Mapping[Path, list[str] | None]) -> None:
         """``files``: each file with the keys to take from it (None: all it holds)."""
         self.describe = describe
         self._meta: dict[str, TensorMeta] = {}
-        self._stored: dict[str, _Stored] = {}
-        self._fds: list[int] = []
+        self._where: dict[str, _File] = {}
+        self._files: list[_File] = []
+        # Bytes read since the files in `_mapped` were last unmapped.
+        self._read = 0
+        self._mapped: dict[Path, _File] = {}
         absent_files = sorted(f.name for f in files if not f.is_file())
         if absent_files:
             raise SourceError(
                 f"{describe} names shard file(s) that do not exist: {listed(absent_files)}"
             )
-        if sys.byteorder != "little":
-            raise SourceError(
-                f"{describe} holds little-endian values and this machine is {sys.byteorder}-"
-                "endian; safetensors files are read here only on little-endian machines"
-            )
         absent: list[str] = []
         try:
-            for file, keys in files.items():
-                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                self._fds.append(fd)
+            for path, keys in files.items():
                 try:
-                    entries = _header(fd, os.fstat(fd).st_size)
-                except (HeaderError, OSError) as exc:
-                    raise SourceError(_unreadable(describe, file, exc)) from exc
-                wanted = list(entries) if keys is None else keys
+                    file = _File(path)
+                    listing = list(file.handle.keys())
+                except Exception as exc:  # safetensors raises its own error, or OSError
+                    raise SourceError(_unreadable(describe, path, exc)) from exc
+                self._files.append(file)
+                held = set(listing)
+                wanted = listing if keys is None else keys
+                known: dict[str, torch.dtype | None] = {}
                 for key in wanted:
-                    if key not in entries:
-                        absent.append(f"{key} (in {file.name})")
+                    if key not in held:
+                        absent.append(f"{key} (in {path.name})")
                         continue
-                    name, shape, offset, length = entries[key]
-                    dtype = _DTYPES.get(name)
-                    if dtype is None:
-                        raise SourceError(f"{describe} stores '{key}' as {name}, not supported")
-                    if length != math.prod(shape) * dtype.itemsize:
-                        problem = HeaderError(
-                            f"'{key}' ({name} {list(shape)}) has {length} bytes, not "
-                            f"{math.prod(shape) * dtype.itemsize}"
-                        )
-                        raise SourceError(_unreadable(describe, file, problem))
-                    self._meta[key] = TensorMeta(shape, dtype)
-                    self._stored[key] = _Stored(len(self._fds) - 1, dtype, shape, offset)
+                    self._meta[key] = file.meta(describe, key, known)
+                    self._where[key] = file
             if absent:
                 raise SourceError(
                     f"{describe} has {len(absent)} key(s) in its index but not in their file: "
@@ -175,84 +147,37 @@ class SafetensorsSource:
         return self._meta
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
-        stored = self._stored[key]
-        shape, span = _span(stored.shape, index)
-        out = torch.empty(shape, dtype=stored.dtype)
-        self._fill(stored, shape, span, out)
+        file = self._where[key]
+        part = file.part(key, index)
+        # A tensor of its own: the part is a view of the file's mapping.
+        out = part.clone(memory_format=torch.contiguous_format)
+        del part
+        self._count(file, out.nbytes)
         return out
 
     def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
-        """Write ``tensor[index]`` into ``out`` (its shape; any dtype, converted). The bytes go
-        straight into ``out`` when it is a contiguous CPU tensor of the stored dtype."""
-        stored = self._stored[key]
-        shape, span = _span(stored.shape, index)
-        if tuple(out.shape) != shape:
+        """Write ``tensor[index]`` into ``out`` (its shape; any dtype, converted)."""
+        file = self._where[key]
+        part = file.part(key, index)
+        if part.shape != out.shape:
             raise ValueError(
-                f"'{key}'{_shown(index)} is {list(shape)}, the destination {list(out.shape)}"
+                f"'{key}'{_shown(index)} is {list(part.shape)}, the destination {list(out.shape)}"
             )
-        if out.dtype == stored.dtype and out.device.type == "cpu" and out.is_contiguous():
-            self._fill(stored, shape, span, out)
-        else:
-            temp = torch.empty(shape, dtype=stored.dtype)
-            self._fill(stored, shape, span, temp)
-            out.copy_(temp)
+        out.copy_(part)
+        nbytes = part.nbytes
+        del part
+        self._count(file, nbytes)
 
-    def _fill(
-        self, stored: _Stored, shape: tuple[int, ...], span: _Span, out: torch.Tensor
-    ) -> None:
-        """Read the selection ``span`` describes into the contiguous ``out`` (stored dtype)."""
-        if not out.numel():
-            return
-        fd = self._fds[stored.file]
-        item = stored.dtype.itemsize
-        first, count, strides = span
-        if count == out.numel():  # the selection is one run of bytes: read it in place
-            _read_exact(fd, _bytes_of(out), stored.offset + first * item)
-            return
-        covering = torch.empty(count, dtype=stored.dtype)
-        _read_exact(fd, _bytes_of(covering), stored.offset + first * item)
-        out.copy_(covering.as_strided(shape, strides))
+    def _count(self, file: _File, nbytes: int) -> None:
+        self._mapped[file.path] = file
+        self._read += nbytes
+        if self._read >= _MAPPED_BYTES:
+            for mapped in self._mapped.values():
+                mapped.unmap()
+            self._mapped, self._read = {}, 0
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-        self._stored = {}
-
-
-# A selection of a row-major tensor: its first element, the elements from the first to the last
-# (their count), and its strides within that run.
-_Span = tuple[int, int, tuple[int, ...]]
-
-
-def _span(shape: tuple[int, ...], index: Index | None) -> tuple[tuple[int, ...], _Span]:
-    """The shape of ``tensor[index]`` and where its elements lie."""
-    index = index or ()
-    if len(index) > len(shape):
-        raise IndexError(f"{len(index)} slices for a tensor of {len(shape)} dim(s)")
-    sizes: list[int] = []
-    strides: list[int] = []
-    first = last = 0
-    stride = 1
-    for d in reversed(range(len(shape))):
-        start, stop, step = index[d].indices(shape[d]) if d < len(index) else (0, shape[d], 1)
-        if step < 1:
-            raise ValueError(f"a safetensors read takes slices with a positive step, got {step}")
-        length = max(0, math.ceil((stop - start) / step))
-        sizes.append(length)
-        strides.append(stride * step)
-        first += start * stride
-        last += (start + (length - 1) * step) * stride
-        stride *= shape[d]
-    sizes.reverse()
-    strides.reverse()
-    count = last - first + 1 if math.prod(sizes) else 0
-    return tuple(sizes), (first, count, tuple(strides))
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+        self._files, self._where, self._mapped = [], {}, {}
 
 
 def _shown(index: Index | None) -> str:
