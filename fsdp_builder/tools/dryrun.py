@@ -541,8 +541,8 @@ def format_dry_run(run: DryRun, shards: int = 0) -> str:
 def cli_builder(args: Any, model: nn.Module) -> Callable[[], ShardingBuilder]:
     """The builder ``fsdp-builder plan --simulate`` runs when no ``--builder`` is given: the
     backend, strategy, wrap classes (by name, found in ``model``) and checkpoint of the
-    command line; hybrid sharding over a (nodes, devices per node) mesh for FSDP2, node
-    groups for FSDP1."""
+    command line; hybrid sharding over a (nodes, devices per node) mesh where the devices per
+    node divide the world, node groups otherwise."""
     from fsdp_builder.groups import AutoHybridGroups
     from fsdp_builder.materializers.checkpoints import FromCheckpoint
 
@@ -560,7 +560,9 @@ def cli_builder(args: Any, model: nn.Module) -> Callable[[], ShardingBuilder]:
         if args.strategy == "hybrid":
             per_node = args.devices_per_node or 8
             world = dist.get_world_size()
-            if args.backend == "fsdp2" and world % per_node == 0:
+            # A (nodes, devices per node) mesh: both backends take one, and FSDP2's grid check
+            # of groups made by hand needs collectives the fake group cannot answer.
+            if world % per_node == 0:
                 from torch.distributed.device_mesh import init_device_mesh
 
                 builder.groups(init_device_mesh("cpu", (world // per_node, per_node)))
