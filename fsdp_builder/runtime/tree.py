@@ -7,6 +7,7 @@ children; these helpers are what every materializer, synchronizer and loader wal
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,7 +16,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name, is_wrapped
-from fsdp_builder.runtime.pages import prefault
+from fsdp_builder.runtime.pages import prefault as _madvise_prefault
+
+# Switches for the A/B of benchmarks/results/private_ab.md only (comma-separated):
+# "plain_to_empty" gives FSDP2 units storage through to_empty, "no_madvise" skips prefault.
+_AB = frozenset(os.environ.get("FSDP_BUILDER_AB", "").split(","))
+
+
+def prefault(tensor: torch.Tensor) -> None:
+    if "no_madvise" not in _AB:
+        _madvise_prefault(tensor)
 
 
 def qualified(prefix: str, name: str) -> str:
@@ -244,6 +254,8 @@ def allocate_unit(
     params = fsdp2_params(root)
     if params is None:
         return allocate_empty(modules, device)
+    if "plain_to_empty" in _AB:
+        return _to_empty_unit(root, modules, device)
     if params and not hasattr(params[0], _FSDP_PARAM_API):
         # A torch whose FSDP2 names these differently: to_empty, then FSDP2 pointed at the new
         # shards as its own _apply would.
@@ -257,6 +269,21 @@ def allocate_unit(
         # parameters too: point FSDP2 at whatever it holds now.
         allocated += allocate_empty(modules, device)
         settle_fsdp2_shards(root)
+    return allocated
+
+
+def _to_empty_unit(root: nn.Module, modules: list[nn.Module], device: torch.device) -> int:
+    # to_empty(recurse=False) on each owned module with a meta state, the FSDP2 root last: its
+    # to_empty (FSDPModule._apply) points FSDP2 at the new shards.
+    tied = tied_groups(modules)
+    allocated = 0
+    for m in reversed(modules):
+        if m is root or any(t.is_meta for t in direct_states(m)):
+            _to_empty_keeping_values(m, device)
+            allocated += sum(
+                local_tensor(t).numel() * t.element_size() for t in direct_states(m)
+            )
+    retie(tied)
     return allocated
 
 
