@@ -308,6 +308,14 @@ class _InitWeightsRun:
         if unit.is_root:
             init = getattr(unit.module, self.method)
             kwargs = whole_model_kwargs(init, env.device)
+            # Ignored modules are the user's and stay as they were (their states are real: one
+            # on meta is refused in configure), whatever the model's initializer writes.
+            kept = {
+                id(t): (t, t.detach().clone())
+                for m in env.ignored.modules
+                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+                if not t.is_meta
+            }
             with (
                 torch.no_grad(),
                 torch.random.fork_rng(devices=fork_devices(env.device)),
@@ -316,6 +324,8 @@ class _InitWeightsRun:
                     shard_seed(self.base_seed, shard_index(env), self.method), env.device
                 )
                 init(**kwargs)
+                for t, value in kept.values():
+                    t.copy_(value)
         return allocated
 
     def close(self) -> None:
@@ -344,7 +354,9 @@ class InitWeights(BaseMaterializer):
     the full weight is not one shard repeated (what plain ``fully_shard`` + ``init_weights``
     gives on a CPU mesh), and replicas of a shard (hybrid) agree. Like ``ShardFirstReset``, the
     values depend on the world size; for world-size-invariant weights use ``DeterministicInit``.
-    Synchronizers see zeros for every unit but the root (the initializer runs last).
+    It takes no synchronizer: those work unit by unit, before the initializer has run.
+    States of ignored modules keep the values they had (the user's, as in plain FSDP), whatever
+    the model's initializer writes into them.
 
     Raises:
         MaterializationError: in the configure stage, when the model has no ``method``.
