@@ -261,3 +261,34 @@ def assert_drawn_like_eager(
             if state[a].shape == state[b].shape:
                 tied = torch.equal(pools[a][0], pools[b][0])
                 assert torch.equal(state[a], state[b]) == tied, (a, b)
+
+
+# -- counting what collectives carry --------------------------------------------------------------
+
+# torch.distributed's collectives, by name: tests wrap each to measure the tensors it carries.
+COLLECTIVES = (
+    "broadcast",
+    "scatter",
+    "gather",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "broadcast_object_list",
+    "all_gather_object",
+)
+
+
+def tensor_bytes(value: Any) -> list[int]:
+    """The bytes of each tensor in ``value`` (a tensor, or lists/tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value.numel() * value.element_size()]
+    if isinstance(value, list | tuple):
+        return [n for v in value for n in tensor_bytes(v)]
+    return []

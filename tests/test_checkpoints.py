@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
-from models import llama, meta_llama
+from models import COLLECTIVES, llama, meta_llama, tensor_bytes
 from structlog.testing import capture_logs
 from torch import nn
 
@@ -185,31 +185,6 @@ def bad_case(backend: str, path: str, key_map: Any = KEY_MAP) -> tuple[str, str,
     return None
 
 
-_COLLECTIVES = (
-    "broadcast",
-    "scatter",
-    "gather",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_reduce",
-    "all_to_all_single",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "broadcast_object_list",
-    "all_gather_object",
-)
-
-
-def _tensor_bytes(value: Any) -> list[int]:
-    if isinstance(value, torch.Tensor):
-        return [value.numel() * value.element_size()]
-    if isinstance(value, list | tuple):
-        return [n for v in value for n in _tensor_bytes(v)]
-    return []
 
 
 def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
@@ -241,13 +216,13 @@ def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
     def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             for value in (*args, *kwargs.values()):
-                seen.extend(_tensor_bytes(value))
+                seen.extend(tensor_bytes(value))
             return fn(*args, **kwargs)
 
         return wrapper
 
     for module in (dist, c10d):
-        for name in _COLLECTIVES:
+        for name in COLLECTIVES:
             original = getattr(module, name, None)
             if original is not None:
                 saved.append((module, name, original))

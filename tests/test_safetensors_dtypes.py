@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
+from models import COLLECTIVES, tensor_bytes
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -87,31 +88,6 @@ class Model(nn.Module):
 
 # -- inside the ranks ------------------------------------------------------------------------
 
-_COLLECTIVES = (
-    "broadcast",
-    "scatter",
-    "gather",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_reduce",
-    "all_to_all_single",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "broadcast_object_list",
-    "all_gather_object",
-)
-
-
-def _sizes(value: Any) -> list[int]:
-    if isinstance(value, torch.Tensor):
-        return [value.numel() * value.element_size()]
-    if isinstance(value, list | tuple):
-        return [n for v in value for n in _sizes(v)]
-    return []
 
 
 def counted_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, dict[str, set[int]], int]:
@@ -143,7 +119,7 @@ def counted_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, dict[str, 
 
     def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            sent.extend(n for v in (*args, *kwargs.values()) for n in _sizes(v))
+            sent.extend(n for v in (*args, *kwargs.values()) for n in tensor_bytes(v))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -155,7 +131,7 @@ def counted_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, dict[str, 
     SafetensorsSource.read = reading  # type: ignore[method-assign]
     SafetensorsSource.read_into = reading_into  # type: ignore[method-assign]
     for module in (dist, c10d):
-        for name in _COLLECTIVES:
+        for name in COLLECTIVES:
             original = getattr(module, name, None)
             if original is not None:
                 saved.append((module, name, original))

@@ -8,7 +8,6 @@ what transformers gives in the test process.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Hashable, Iterator
 from functools import partial
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
+from models import one_thread
 from torch import nn
 
 pytest.importorskip("transformers", reason="transformers is part of the test extra")
@@ -310,18 +310,6 @@ def ranks(folders: dict[str, str], key: Hashable) -> list[Any]:
 # -- the checks --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Compute as the ranks do: ``run_ranks`` gives each rank one thread, and the sums of a
-    mixture-of-experts forward (its grouped matmuls) depend on the thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @functools.cache
 def eager(family: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
@@ -451,6 +439,8 @@ def test_a_save_pretrained_folder_loads_like_from_pretrained_and_trains_like_eag
 ) -> None:
     _, cls = _configs()[family]
     reference = cls.from_pretrained(folders[family])  # type: ignore[attr-defined]
+    # As the ranks compute: run_ranks gives each rank one thread, and the sums of a
+    # mixture-of-experts forward (its grouped matmuls) depend on the thread count.
     with one_thread():
         want_logits = logits(reference, family)
         want_buffers = {n: b.clone() for n, b in reference.named_buffers()}

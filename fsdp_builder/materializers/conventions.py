@@ -36,6 +36,7 @@ from attrs import frozen
 from torch import nn
 
 from fsdp_builder.errors import MaterializationError, config_error
+from fsdp_builder.runtime.tree import local_tensor
 
 # Initializers a parent runs over its whole subtree after its children built themselves, as one
 # rule per parameter below it. A parent's own initializer cannot reach layers that are units of
@@ -298,8 +299,7 @@ def _version(tensor: torch.Tensor) -> tuple[int, int]:
     wrapper's counter, while DTensor dispatch runs the op on the shard below autograd, where
     nothing bumps the shard's; a shard-local initializer (StreamInit) writes the shard directly
     and leaves the wrapper's counter put."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    return int(tensor._version), int(local._version)
+    return int(tensor._version), int(local_tensor(tensor)._version)
 
 
 def _unwritten(module: nn.Module, versions: dict[str, tuple[int, int]]) -> list[str]:
@@ -310,7 +310,7 @@ def _unwritten(module: nn.Module, versions: dict[str, tuple[int, int]]) -> list[
     return [
         n
         for n, t in _direct(module)
-        if _version(t) == versions.get(n) and getattr(t, "_local_tensor", t).numel()
+        if _version(t) == versions.get(n) and local_tensor(t).numel()
     ]
 
 
