@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -30,6 +31,12 @@ log = get_logger(__name__)
 # checkpoint; the pages stay in the page cache. The same time either way
 # (benchmarks/results/safetensors_api.md).
 _MAPPED_BYTES = 16 << 20
+
+# Sources opened while a recorder is set (a dry run's, ``fsdp_builder.tools.dryrun``) hand it
+# each read (file, key, index) and make none; the read returns an uninitialized tensor.
+RECORDER: ContextVar[Callable[[Path, str, Index | None], None] | None] = ContextVar(
+    "safetensors_recorder", default=None
+)
 
 
 class _File:
@@ -105,6 +112,7 @@ class SafetensorsSource:
     def __init__(self, describe: str, files: Mapping[Path, list[str] | None]) -> None:
         """``files``: each file with the keys to take from it (None: all it holds)."""
         self.describe = describe
+        self._record = RECORDER.get()
         self._meta: dict[str, TensorMeta] = {}
         self._where: dict[str, _File] = {}
         self._files: list[_File] = []
@@ -148,6 +156,11 @@ class SafetensorsSource:
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         file = self._where[key]
+        if self._record is not None:
+            self._record(file.path, key, index)
+            meta = self._meta[key]
+            shape = torch.empty(meta.shape, device="meta")[index or ()].shape
+            return torch.empty(shape, dtype=meta.dtype)
         part = file.part(key, index)
         # A tensor of its own: the part is a view of the file's mapping.
         out = part.clone(memory_format=torch.contiguous_format)
@@ -158,6 +171,8 @@ class SafetensorsSource:
     def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
         """Write ``tensor[index]`` into ``out`` (its shape; any dtype, converted)."""
         file = self._where[key]
+        if self._record is not None:
+            return self._record(file.path, key, index)
         part = file.part(key, index)
         if part.shape != out.shape:
             raise ValueError(

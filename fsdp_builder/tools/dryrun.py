@@ -20,7 +20,8 @@ What is simulated, and how:
   nothing. Reading a value of such a tensor (``.item()``, as NaN checks and checksums do) gives
   0, so value checks pass: the dry run checks the configuration, not the numbers.
 - **Checkpoint reads.** A safetensors checkpoint's reads are recorded, not made: the file, the
-  tensor and the byte range each read of this rank would touch (from the file's header).
+  tensor and the byte range each read of this rank would touch (from the file's header), through
+  the sources' recorder (``hf_safetensors.RECORDER``), set for this build's context only.
 
 What it measures per rank is exact for the simulated build (the local shards' shapes and bytes,
 the reads); what it cannot know is the device: real bandwidth, NCCL, allocator fragmentation
@@ -37,7 +38,7 @@ import os
 import struct
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.plan import UnitPlan
 from fsdp_builder.sources.base import Index
-from fsdp_builder.sources.hf_safetensors import SafetensorsSource
+from fsdp_builder.sources.hf_safetensors import RECORDER
 
 # What a rank reports when its build needed a value that only other ranks would have sent.
 NOT_SIMULATED = "not simulated"
@@ -238,51 +239,14 @@ def _read_of(path: Path, key: str, index: Index | None, cache: dict[str, dict[st
 
 @contextlib.contextmanager
 def _recorded_reads(reads: list[Read]) -> Iterator[None]:
-    """Record each read of a safetensors source instead of making it: the source's files come
-    from its constructor's arguments and the byte ranges from their headers, so nothing here
-    depends on how the source reads. ``read`` returns an uninitialized tensor of the read's
-    shape (a FakeTensor for floating dtypes)."""
+    """Safetensors sources opened in this context record each read (file, tensor, byte range
+    from the file's header) instead of making it; sources elsewhere read as usual."""
     cache: dict[str, dict[str, Any]] = {}
-    where: dict[int, dict[str, Path]] = {}
-    init, read, read_into = (
-        SafetensorsSource.__init__,
-        SafetensorsSource.read,
-        SafetensorsSource.read_into,
-    )
-
-    def recorded_init(
-        self: SafetensorsSource, describe: str, files: Mapping[Path, list[str] | None]
-    ) -> None:
-        init(self, describe, files)
-        keys: dict[str, Path] = {}
-        for path, wanted in files.items():
-            listed = wanted if wanted is not None else _header(str(path), cache)
-            keys.update((k, Path(path)) for k in listed if not k.startswith("__"))
-        where[id(self)] = keys
-
-    def record(self: SafetensorsSource, key: str, index: Index | None) -> None:
-        reads.append(_read_of(where[id(self)][key], key, index, cache))
-
-    def recorded_read(self: SafetensorsSource, key: str, index: Index | None = None) -> Any:
-        record(self, key, index)
-        meta = self.tensors()[key]
-        shape = torch.empty(meta.shape, dtype=meta.dtype, device="meta")[index or ()].shape
-        return torch.empty(shape, dtype=meta.dtype)
-
-    def recorded_read_into(
-        self: SafetensorsSource, key: str, index: Index | None, out: torch.Tensor
-    ) -> None:
-        record(self, key, index)
-
-    SafetensorsSource.__init__ = recorded_init  # type: ignore[method-assign]
-    SafetensorsSource.read = recorded_read  # type: ignore[method-assign]
-    SafetensorsSource.read_into = recorded_read_into  # type: ignore[method-assign]
+    token = RECORDER.set(lambda path, key, index: reads.append(_read_of(path, key, index, cache)))
     try:
         yield
     finally:
-        SafetensorsSource.__init__ = init  # type: ignore[method-assign]
-        SafetensorsSource.read = read  # type: ignore[method-assign]
-        SafetensorsSource.read_into = read_into  # type: ignore[method-assign]
+        RECORDER.reset(token)
 
 
 @contextlib.contextmanager
