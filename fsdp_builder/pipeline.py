@@ -410,9 +410,9 @@ class _Build:
             with report.measure("materialize", unit.label, env.device, logger) as m:
                 m.bytes = runs.materializer.materialize(unit)
             with report.measure("move", unit.label, env.device, logger) as m:
-                m.bytes = move_unit_states(unit.module, env.ignored, env.device)
+                m.bytes = move_unit_states(unit.modules, env.ignored, env.device)
                 check_compute_device(
-                    _own_params(unit.module, env.ignored), env.device, unit.label, env.rank
+                    _own_params(unit, env.ignored), env.device, unit.label, env.rank
                 )
 
         def synchronize() -> None:
@@ -457,13 +457,10 @@ def shards_first(materializer: Materializer, backend: Backend, real_anywhere: bo
     return materializer.shard_first and backend.supports_shard_first and not real_anywhere
 
 
-def _own_params(root: nn.Module, ignored: IgnoredStates) -> list[nn.Parameter]:
-    """The unit's own managed parameters: those of its own modules (the units below were
-    checked with their own unit; walking into them would go through every wrapper's
-    parameter listing again at each unit above)."""
+def _own_params(unit: Unit, ignored: IgnoredStates) -> list[nn.Parameter]:
     return [
         p
-        for m in unit_modules(root, ignored.modules)
+        for m in unit.modules
         for p in m._parameters.values()
         if p is not None and not ignored.ignores(p)
     ]

@@ -36,7 +36,7 @@ from fsdp_builder.runtime.collectives import (
     sync_stages,
 )
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import module_names, qualified, unit_modules
+from fsdp_builder.runtime.tree import module_names, qualified
 
 
 @runtime_checkable
@@ -231,7 +231,7 @@ def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> l
     """The unit's own parameters and buffers as ``(fully-qualified name, plain tensor)``, each
     storage once (tied parameters, buffers registered twice). Buffers whose id is in ``skip``
     (already handled with a nested unit) are left out; the ids of those taken are added to it."""
-    modules = unit_modules(unit.module, env.ignored.modules)
+    modules = unit.modules
     names = module_names(unit.module)
     seen: set[int] = set()
     params: list[tuple[str, torch.Tensor]] = []

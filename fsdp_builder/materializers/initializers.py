@@ -210,7 +210,7 @@ class _PerUnit:
     def materialize(self, unit: Unit) -> int:
         done = self.materializer.materialize(unit, self.env)
         if self.computed:
-            modules = unit_modules(unit.module, self.env.ignored.modules)
+            modules = list(unit.modules)
             done += fill_buffers(modules, self.computed, self.env.device)
         return done
 
@@ -269,7 +269,7 @@ class BaseMaterializer(DeclaredHooks):
             unit.module,
             unit.fqn,
             env.device,
-            unit_modules(unit.module, env.ignored.modules),
+            list(unit.modules),
             env.ignored,
             model=env.plan.root.module,
         )
@@ -332,11 +332,8 @@ class BaseMaterializer(DeclaredHooks):
         self.check(plan, ignored)
         plan.tie_declared()  # as a build does once its checks passed
         computed = buffers_to_compute(model, ignored)
-        unit_set = {u.module for u in plan}
         for unit in plan:
-            # Nested units are not wrapped here, so the walk must stop at them explicitly.
-            stop = set(ignored.modules) | (unit_set - {unit.module})
-            modules = unit_modules(unit.module, stop)
+            modules = list(unit.modules)
             self.materialize_modules(
                 unit.module, unit.fqn, torch.device(device), modules, ignored, model=model
             )
@@ -592,7 +589,7 @@ class InitFn(BaseMaterializer):
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
-        modules = unit_modules(unit.module, env.ignored.modules)
+        modules = list(unit.modules)
         # Rank 0's values reach every rank when the synchronizer overwrites: only they count.
         judge = not env.values_from_rank0 or env.rank == 0
         return self._materialize(unit.module, unit.fqn, env.device, modules, env.ignored, judge)
@@ -842,7 +839,7 @@ class DeferredInit(BaseMaterializer):
     def materialize(self, unit: Unit, env: Environment) -> int:
         from torchdistx import deferred_init, fake
 
-        modules = unit_modules(unit.module, env.ignored.modules)
+        modules = list(unit.modules)
         owned = {id(m) for m in modules}
         fakes = [t for m in modules for t in direct_states(m) if fake.is_fake(t)]
         if not fakes:

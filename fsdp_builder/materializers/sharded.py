@@ -69,7 +69,6 @@ from fsdp_builder.runtime.tree import (
     local_tensor,
     module_names,
     needs_materialization,
-    unit_modules,
 )
 
 
@@ -202,7 +201,7 @@ class ShardFirstRun:
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
-        modules = unit_modules(unit.module, env.ignored.modules)
+        modules = list(unit.modules)
         ignored = env.ignored
         if not needs_materialization(modules, ignored) and not has_meta_ignored(modules, ignored):
             return 0
@@ -294,7 +293,7 @@ class _InitWeightsRun:
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
-        modules = unit_modules(unit.module, env.ignored.modules)
+        modules = list(unit.modules)
         fresh = [m for m in modules if has_meta_states(m)]
         # In place, so that the ignored parameter stays the one fully_shard ignores.
         give_storage_in_place([p for _, _, p in ignored_slots(modules, env.ignored)], env.device)

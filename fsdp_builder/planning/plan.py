@@ -6,6 +6,7 @@ so it can be printed and checked on a laptop for a model built on the meta devic
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -53,6 +54,9 @@ class Unit:
 
     fqn: str  # "" for the root
     module: nn.Module = attrs.field(repr=False)
+    # The modules whose own states the unit holds, breadth-first from ``module``: every stage
+    # walks these, never the tree (which FSDP1's wrappers change while the build runs).
+    modules: tuple[nn.Module, ...] = attrs.field(repr=False)
     params: tuple[TensorInfo, ...]
     buffers: tuple[TensorInfo, ...]
     is_root: bool
@@ -136,6 +140,25 @@ class UnitPlan:
         return "\n".join(lines)
 
 
+def unit_modules(root: nn.Module, stop: Iterable[nn.Module]) -> list[nn.Module]:
+    """The modules breadth-first from ``root``, stopping at those in ``stop`` and at
+    already-sharded children. Planned units hold theirs as ``Unit.modules``."""
+    stops = set(stop)
+    order: list[nn.Module] = [root]
+    seen = {id(root)}
+    queue = collections.deque([root])
+    while queue:
+        # The module's own dict: children() is two generators per module (and a set of its
+        # own), walked by every step of every unit.
+        for child in queue.popleft()._modules.values():
+            if child is None or id(child) in seen or child in stops or is_wrapped(child):
+                continue
+            seen.add(id(child))
+            order.append(child)
+            queue.append(child)
+    return order
+
+
 def fingerprint_of(description: object) -> int:
     """A 63-bit digest of a description (see ``UnitPlan.signature``)."""
     return digest63(repr(description))
@@ -190,16 +213,16 @@ def _plan_units(
     chosen = wrap.select(model, ignored.modules, named)
     overrides = wrap.overrides(model, ignored.modules)
     order = [(clean_name(fqn), m) for fqn, m in _post_order(model, "", ignored.modules, set())]
-    unit_modules = [(fqn, m) for fqn, m in order if m in chosen and not is_wrapped(m)]
-    unit_modules.append(("", model))
-    unit_set = {m for _, m in unit_modules}
+    unit_roots = [(fqn, m) for fqn, m in order if m in chosen and not is_wrapped(m)]
+    unit_roots.append(("", model))
+    unit_set = {m for _, m in unit_roots}
 
     # Keyed by id: a tensor's own __hash__ is a Python call, once per parameter and lookup.
     owner_of: dict[int, list[tuple[str, str]]] = {}
     # A buffer registered under several modules is owned (and counted) once, by the first unit.
     seen_buffers: set[int] = set()
     owned: dict[nn.Module, tuple[list[TensorInfo], list[TensorInfo]]] = {}
-    for unit_fqn, unit_module in unit_modules:
+    for unit_fqn, unit_module in unit_roots:
         params: list[TensorInfo] = []
         buffers: list[TensorInfo] = []
         stack: list[tuple[str, nn.Module]] = [(unit_fqn, unit_module)]
@@ -242,16 +265,18 @@ def _plan_units(
             "together (e.g. do not wrap them separately and let their common parent own them)."
         )
 
+    stops = unit_set | set(ignored.modules)
     units = tuple(
         Unit(
             fqn=fqn,
             module=module,
+            modules=tuple(unit_modules(module, stops)),
             params=tuple(owned[module][0]),
             buffers=tuple(owned[module][1]),
             is_root=module is model,
             overrides=overrides.get(module, {}),
         )
-        for fqn, module in unit_modules
+        for fqn, module in unit_roots
     )
     return UnitPlan(units)
 

@@ -22,7 +22,7 @@ from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.groups import collective_device
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import allocate_unit, owned_states, unit_modules
+from fsdp_builder.runtime.tree import allocate_unit, owned_states
 
 DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -410,7 +410,7 @@ def scatter_unit_state(
     entry is reported by ``src`` only after it joined every collective (zeros are sent in its
     place), so no rank is left waiting. Returns the bytes received on this rank.
     """
-    modules = unit_modules(unit.module, env.ignored.modules)
+    modules = list(unit.modules)
     allocate_unit(unit.module, modules, env.device, env.shard_specs)
     is_src = env.rank == src
     problems: list[str] = []

@@ -6,7 +6,6 @@ children; these helpers are what every materializer, synchronizer and loader wal
 
 from __future__ import annotations
 
-import collections
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -15,7 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_builder.planning.ignored import IgnoredStates, clean_name, is_wrapped
+from fsdp_builder.planning.ignored import IgnoredStates, clean_name
+from fsdp_builder.planning.plan import unit_modules as unit_modules
 from fsdp_builder.runtime.pages import prefault as _madvise_prefault
 
 # Switches for the A/B of benchmarks/results/private_ab.md only (comma-separated):
@@ -31,26 +31,6 @@ def prefault(tensor: torch.Tensor) -> None:
 def qualified(prefix: str, name: str) -> str:
     """``prefix.name`` without empty parts (the root's name is "")."""
     return ".".join(x for x in (prefix, name) if x)
-
-
-def unit_modules(root: nn.Module, stop: Iterable[nn.Module]) -> list[nn.Module]:
-    """The unit's own modules, breadth-first from ``root``, stopping at the modules in ``stop``
-    (ignored modules, and before wrapping the other units) and at already-sharded children
-    (which were materialized with their own unit)."""
-    stops = set(stop)
-    order: list[nn.Module] = [root]
-    seen = {id(root)}
-    queue = collections.deque([root])
-    while queue:
-        # The module's own dict: children() is two generators per module (and a set of its
-        # own), walked by every step of every unit.
-        for child in queue.popleft()._modules.values():
-            if child is None or id(child) in seen or child in stops or is_wrapped(child):
-                continue
-            seen.add(id(child))
-            order.append(child)
-            queue.append(child)
-    return order
 
 
 def module_names(root: nn.Module) -> dict[int, str]:
@@ -227,17 +207,18 @@ def _allocate_meta_states(
 
 
 def _to_empty_keeping_values(module: nn.Module, device: torch.device) -> int:
+    # Aliases of the old storage: to_empty may give the same object new storage (``.data`` set
+    # in place, or ``swap_tensors`` for a DTensor), so the object itself cannot be kept as the
+    # source of its values.
     real = [
-        (name, t)
+        (name, t.detach())
         for name, t in [*module._parameters.items(), *module._buffers.items()]
         if t is not None and not t.is_meta
     ]
     module.to_empty(device=device, recurse=False)
     with torch.no_grad():
         for name, old in real:
-            new = getattr(module, name)
-            if new is not old:
-                new.copy_(old)
+            getattr(module, name).copy_(old)
     return sum(t.numel() * t.element_size() for t in direct_states(module))
 
 
