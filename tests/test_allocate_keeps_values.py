@@ -28,7 +28,7 @@ def test_a_real_dtensor_parameter_keeps_its_values_when_its_module_gets_storage(
     allocate_empty([module], torch.device("cpu"), only_meta=False)
 
     assert module.weight is param  # a DTensor Parameter is swapped in place, not replaced
-    assert torch.equal(module.weight.full_tensor(), values)
+    assert torch.equal(module.weight.full_tensor(), values)  # type: ignore[attr-defined]
     assert not module.scale.is_meta
 
 

@@ -826,7 +826,9 @@ def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(
     ``to_empty`` + ``reset_parameters`` given the same weights. The same through ``to_empty``,
     the way taken on a torch whose FSDP2 lacks what the direct way uses."""
     if not direct:
-        monkeypatch.setattr("fsdp_builder.runtime.tree._FSDP_PARAM_API", "not_in_this_torch")
+        monkeypatch.setattr(
+            "fsdp_builder.runtime.fast_storage._FSDP_PARAM_API", "not_in_this_torch"
+        )
 
     def make() -> nn.Sequential:
         with torch.device("meta"):

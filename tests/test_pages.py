@@ -1,6 +1,6 @@
-"""Storage the builder gives a unit is faulted in with one call (``fsdp_builder.runtime.pages``):
-the pages are there before the materializer writes them, no value changes, and a system that
-refuses the call builds as before."""
+"""Storage the builder gives a unit is faulted in with one call (``prefault`` in
+``fsdp_builder.runtime.fast_storage``): the pages are there before the materializer writes
+them, no value changes, and a system that refuses the call builds as before."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fsdp_builder import CPUDevice, FromCheckpoint, FullyShardBuilder
-from fsdp_builder.runtime import pages
-from fsdp_builder.runtime.pages import PREFAULT_MIN_BYTES, prefault
+from fsdp_builder.runtime import fast_storage as pages
+from fsdp_builder.runtime.fast_storage import PREFAULT_MIN_BYTES, prefault
 from fsdp_builder.runtime.tree import allocate_empty, allocate_unit, unit_modules
 
 pytestmark = pytest.mark.skipif(

@@ -6,26 +6,23 @@ children; these helpers are what every materializer, synchronizer and loader wal
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import unit_modules as unit_modules
-from fsdp_builder.runtime.pages import prefault as _madvise_prefault
-
-# Switches for the A/B of benchmarks/results/private_ab.md only (comma-separated):
-# "plain_to_empty" gives FSDP2 units storage through to_empty, "no_madvise" skips prefault.
-_AB = frozenset(os.environ.get("FSDP_BUILDER_AB", "").split(","))
-
-
-def prefault(tensor: torch.Tensor) -> None:
-    if "no_madvise" not in _AB:
-        _madvise_prefault(tensor)
+from fsdp_builder.runtime.fast_storage import (
+    AB_SWITCHES,
+    fsdp2_params,
+    give_fsdp2_shards,
+    has_direct_api,
+    local_tensor,
+    prefault,
+    settle_fsdp2_shards,
+)
 
 
 def qualified(prefix: str, name: str) -> str:
@@ -50,15 +47,6 @@ def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, s
             if t is not None:
                 found.setdefault(clean_name(qualified(base, name)), (module, name, t))
     return found
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (as FSDP holds it; ``to_local()`` goes through a compiled-function
-    wrapper that costs more than the work on a small parameter); any other tensor itself."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    local = getattr(tensor, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else tensor.to_local()
 
 
 def direct_states(module: nn.Module) -> list[torch.Tensor]:
@@ -235,15 +223,15 @@ def allocate_unit(
     params = fsdp2_params(root)
     if params is None:
         return allocate_empty(modules, device)
-    if "plain_to_empty" in _AB:
+    if "plain_to_empty" in AB_SWITCHES:
         return _to_empty_unit(root, modules, device)
-    if params and not hasattr(params[0], _FSDP_PARAM_API):
+    if not has_direct_api(params):
         # A torch whose FSDP2 names these differently: to_empty, then FSDP2 pointed at the new
         # shards as its own _apply would.
         allocated = allocate_empty(modules, device)
         settle_fsdp2_shards(root)
         return allocated
-    allocated = _give_fsdp2_shards(params, device, specs)
+    allocated = give_fsdp2_shards(params, device, specs)
     if any(t.is_meta for m in modules for t in direct_states(m)):
         # Buffers, and parameters FSDP2 does not manage. A module that goes through to_empty
         # (its real states are elsewhere, e.g. shards offloaded to the CPU) gets new FSDP2
@@ -261,70 +249,9 @@ def _to_empty_unit(root: nn.Module, modules: list[nn.Module], device: torch.devi
     for m in reversed(modules):
         if m is root or any(t.is_meta for t in direct_states(m)):
             _to_empty_keeping_values(m, device)
-            allocated += sum(
-                local_tensor(t).numel() * t.element_size() for t in direct_states(m)
-            )
+            allocated += sum(local_tensor(t).numel() * t.element_size() for t in direct_states(m))
     retie(tied)
     return allocated
-
-
-def fsdp2_params(root: nn.Module) -> list[Any] | None:
-    """The FSDP2 parameters (``FSDPParam``) of the unit ``root`` shards; None when ``root`` is not
-    an FSDP2 module."""
-    get_state = getattr(root, "_get_fsdp_state", None)
-    if get_state is None:
-        return None
-    state = get_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch releases with one group per module
-        single = getattr(state, "_fsdp_param_group", None)
-        groups = [] if single is None else [single]
-    return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
-
-
-# The method of FSDP2's per-parameter record the direct path needs (looked up on the first).
-_FSDP_PARAM_API = "to_sharded_dtensor"
-
-
-def _give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any, Any]) -> int:
-    allocated = 0
-    with torch.no_grad():
-        for fsdp_param in params:
-            param = fsdp_param.sharded_param
-            meta = param._local_tensor
-            if not meta.is_meta:
-                continue
-            local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            prefault(local)
-            spec = getattr(fsdp_param, "_sharding_spec", None)
-            if spec is not None:
-                fsdp_param._sharding_spec = specs.setdefault(spec, spec)
-            new = fsdp_param.to_sharded_dtensor(local)
-            new.requires_grad_(param.requires_grad)
-            # What nn.Parameter(dtensor) does, without its detach through DTensor's dispatch
-            # (the new DTensor has no history and no other owner); the slow way if that ever
-            # stops making a Parameter.
-            new._is_param = True
-            if not isinstance(new, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=param.requires_grad)
-            # As to_empty does for tensor subclasses: the Parameter object stays the one every
-            # slot (tied ones included) and FSDP2 hold.
-            torch.utils.swap_tensors(param, new)
-            fsdp_param.reset_sharded_param()
-            allocated += local.numel() * local.element_size()
-    return allocated
-
-
-def settle_fsdp2_shards(unit_root: nn.Module) -> None:
-    """After the DTensor parameters of an FSDP2 unit got storage module by module (not through
-    ``to_empty`` on the FSDP module, whose ``_apply`` does this), point FSDP2's own references
-    at the new shards, as that ``_apply`` does: the meta shards and their specs are freed now,
-    not at the first forward, and the unit is in the state plain ``to_empty`` leaves it in.
-    A module that is not an FSDP2 unit is left alone."""
-    params = fsdp2_params(unit_root)
-    with torch.no_grad():
-        for fsdp_param in params or ():
-            fsdp_param.reset_sharded_param()
 
 
 def retie(tied: list[list[tuple[nn.Module, str]]]) -> None:

@@ -1,0 +1,159 @@
+"""The hand-written pieces of the storage step that read private torch names or call libc,
+each kept for a measured gain (benchmarks/results/private_ab.md) and each with the public way
+it falls back to: FSDP2 local shards made directly, a DTensor's shard read without
+``to_local()``, and fresh CPU storage faulted in with one ``madvise`` call.
+
+Page faults: a new large CPU tensor is a fresh anonymous mapping that the kernel hands over one
+4 KiB page per trap as it is first written; ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) does
+the same zeroing in one call. Storage the builder gives a unit is written in full right after,
+so faulting it in early commits nothing the build would not. Elsewhere nothing is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# Switches for the A/B of benchmarks/results/private_ab.md only (comma-separated):
+# "plain_to_empty" gives FSDP2 units storage through to_empty, "no_madvise" skips prefault.
+AB_SWITCHES = frozenset(os.environ.get("FSDP_BUILDER_AB", "").split(","))
+
+
+def prefault(tensor: torch.Tensor) -> None:
+    if "no_madvise" not in AB_SWITCHES:
+        _madvise_prefault(tensor)
+
+
+# <sys/mman.h>; the kernel answers EINVAL for an advice it does not know.
+MADV_POPULATE_WRITE = 23
+# Below this a tensor usually lives in malloc's heap, whose pages are mostly there already,
+# and the call would cost more than the faults it saves.
+PREFAULT_MIN_BYTES = 1 << 20
+_PAGE = mmap.PAGESIZE
+
+
+@attrs.define
+class _Madvise:
+    """The process's ``madvise``, looked up once. ``works`` is settled by the first call: a
+    system that refuses it pays one failed call per process; a later refusal (memory the
+    kernel cannot populate, such as a device mapping) leaves only that tensor to fault in as
+    it is written."""
+
+    call: Any = None
+    works: bool | None = None if sys.platform.startswith("linux") else False
+
+    def populate(self, address: int, length: int) -> None:
+        if self.call is None:
+            try:
+                call = ctypes.CDLL(None, use_errno=True).madvise
+            except (OSError, AttributeError):
+                self.works = False
+                return
+            call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            call.restype = ctypes.c_int
+            self.call = call
+        done = self.call(address, length, MADV_POPULATE_WRITE) == 0
+        if self.works is None:
+            self.works = done
+
+
+_MADVISE = _Madvise()
+
+
+def _madvise_prefault(tensor: torch.Tensor) -> None:
+    """Fault in the whole pages of ``tensor``'s CPU storage (precondition: the caller writes
+    all of it next). Pages the storage shares with other memory at either end are left alone;
+    anything but a large CPU tensor is left alone."""
+    # Size first: most tensors of a small unit stop here, before any storage lookup.
+    if tensor.numel() * tensor.element_size() < PREFAULT_MIN_BYTES:
+        return
+    if _MADVISE.works is False or tensor.device.type != "cpu":
+        return
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    start = storage.data_ptr()
+    first = -(-start // _PAGE) * _PAGE
+    end = (start + nbytes) // _PAGE * _PAGE
+    if end > first:
+        _MADVISE.populate(first, end - first)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (as FSDP holds it; ``to_local()`` goes through a compiled-function
+    wrapper that costs more than the work on a small parameter); any other tensor itself."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor.to_local()
+
+
+def fsdp2_params(root: nn.Module) -> list[Any] | None:
+    """The FSDP2 parameters (``FSDPParam``) of the unit ``root`` shards; None when ``root`` is not
+    an FSDP2 module."""
+    get_state = getattr(root, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch releases with one group per module
+        single = getattr(state, "_fsdp_param_group", None)
+        groups = [] if single is None else [single]
+    return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
+
+
+# The method of FSDP2's per-parameter record the direct path needs (looked up on the first).
+_FSDP_PARAM_API = "to_sharded_dtensor"
+
+
+def has_direct_api(params: list[Any]) -> bool:
+    """Whether this torch's FSDP2 parameter records have what ``give_fsdp2_shards`` calls."""
+    return not params or hasattr(params[0], _FSDP_PARAM_API)
+
+
+def give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any, Any]) -> int:
+    allocated = 0
+    with torch.no_grad():
+        for fsdp_param in params:
+            param = fsdp_param.sharded_param
+            meta = param._local_tensor
+            if not meta.is_meta:
+                continue
+            local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            prefault(local)
+            spec = getattr(fsdp_param, "_sharding_spec", None)
+            if spec is not None:
+                fsdp_param._sharding_spec = specs.setdefault(spec, spec)
+            new = fsdp_param.to_sharded_dtensor(local)
+            new.requires_grad_(param.requires_grad)
+            # What nn.Parameter(dtensor) does, without its detach through DTensor's dispatch
+            # (the new DTensor has no history and no other owner); the slow way if that ever
+            # stops making a Parameter.
+            new._is_param = True
+            if not isinstance(new, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=param.requires_grad)
+            # As to_empty does for tensor subclasses: the Parameter object stays the one every
+            # slot (tied ones included) and FSDP2 hold.
+            torch.utils.swap_tensors(param, new)
+            fsdp_param.reset_sharded_param()
+            allocated += local.numel() * local.element_size()
+    return allocated
+
+
+def settle_fsdp2_shards(unit_root: nn.Module) -> None:
+    """After the DTensor parameters of an FSDP2 unit got storage module by module (not through
+    ``to_empty`` on the FSDP module, whose ``_apply`` does this), point FSDP2's own references
+    at the new shards, as that ``_apply`` does: the meta shards and their specs are freed now,
+    not at the first forward, and the unit is in the state plain ``to_empty`` leaves it in.
+    A module that is not an FSDP2 unit is left alone."""
+    params = fsdp2_params(unit_root)
+    with torch.no_grad():
+        for fsdp_param in params or ():
+            fsdp_param.reset_sharded_param()
