@@ -146,16 +146,10 @@ def library_initializer(module: nn.Module) -> ModuleInitializer | None:
 TiedBelow = dict[int, tuple[tuple[nn.Module, str], ...]]
 
 
-def tie_targets(model: nn.Module) -> frozenset[Slot]:
-    """The parameter slots that library ``model`` ties to another of its parameters after
-    initializing (transformers' ``all_tied_weights_keys``, target → source), where the two
-    are in fact one tensor: their values are the source's, not their own module's init."""
-    return _ties(model)[0]
-
-
 def _ties(model: nn.Module) -> tuple[frozenset[Slot], TiedBelow]:
-    """``tie_targets`` and, for each module on the path from ``model`` to a target's module,
-    the target slots below it."""
+    """The parameter slots that library ``model`` ties to another of its parameters
+    (transformers' ``all_tied_weights_keys``, target → source) where the two are in fact one
+    tensor, and for each module on the path to a target's module the target slots below it."""
     keys = getattr(model, "all_tied_weights_keys", None)
     if not isinstance(keys, dict) or not keys:
         return frozenset(), {}
@@ -184,7 +178,7 @@ class Lineage:
     """What a module's ancestors decide about its initialization: the model-level initializer
     of the nearest enclosing library model (the module itself included), the subtree rules
     of registered parents, outermost first, and the slots enclosing library models tie to
-    another parameter (``tie_targets``), which no initializer of their module writes."""
+    another parameter (``_ties``), which no initializer of their module writes."""
 
     library_init: ModuleInitializer | None = None
     rules: tuple[SubtreeRule, ...] = ()
