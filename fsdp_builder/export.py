@@ -1,37 +1,6 @@
-"""Export of a sharded model to Hugging Face safetensors, one unit at a time.
-
-``save_hf_checkpoint`` is the reverse of :class:`~fsdp_builder.FromCheckpoint`: it writes the
-folder ``FromCheckpoint`` reads, named as ``save_pretrained`` names it (``model.safetensors``
-for one file; ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` for
-several) from a model built by either backend, without any rank ever holding the whole model.
-
-How the states are gathered:
-
-- FSDP2 (``fully_shard``): the sharded ``state_dict()`` (DTensors, no communication), then one
-  ``full_tensor()`` per entry: every rank takes part in each all-gather, only rank 0 keeps the
-  result. At most one full parameter is in flight.
-- FSDP1 (``FullyShardedDataParallel``): ``summon_full_params(unit, recurse=False,
-  rank0_only=True, offload_to_cpu=True)`` per unit (no offload for a unit already on the CPU),
-  root first, so one unit's flat parameter is unsharded at a time (and only on rank 0, on the
-  CPU). Not ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: it unshards unit
-  by unit too, but returns every tensor of the model on rank 0 at once.
-
-Rank 0 copies each tensor into the current file's buffer and writes the file (with
-``safetensors.torch.save_file``) before the buffer would pass ``max_shard_bytes``, so its peak
-is one unit plus one file buffer. Every file (shards, index, ``config.json``) is written into a
-staging folder inside the export folder (``.save_hf_checkpoint-*.tmp``); only once the export is
-complete are an earlier export's files moved aside and the new ones moved in (renames in one
-file system, the index last), and the earlier files are deleted only after the last collective
-succeeded. A failure at any point before that puts the earlier export back as it was.
-
-A failure on rank 0 (a name collision, a key map that raises, a full disk, a folder that cannot be
-written) removes every file the export wrote and is raised on every rank after the last
-collective, as the same library error (ConfigurationError or ExportError) with the same message
-and rank 0's own error as ``__cause__``, so no rank is left waiting. A collective that fails (a
-peer rank died or failed mid-export) is raised by each survivor as an ExportError saying so, its
-cause the backend's error, after the same clean-up. A model that was not built (states on the
-meta device) is refused on every rank before any collective.
-"""
+"""``save_hf_checkpoint``: a sharded model (either backend) written as the Hugging Face
+safetensors folder ``FromCheckpoint`` and ``from_pretrained`` read, one unit at a time, with no
+rank ever holding the whole model; only a complete export replaces an earlier one."""
 
 from __future__ import annotations
 
@@ -43,7 +12,7 @@ import re
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +25,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_builder.errors import ConfigurationError, ExportError, FSDPBuilderError, config_error
-from fsdp_builder.materializers.checkpoints import KeyMap, key_mapper
+from fsdp_builder.materializers.loading import KeyMap, Mapper, check_key_map, key_mapper, map_name
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.runtime.agreement import agree
 
@@ -71,14 +40,8 @@ _STAGING_PREFIX = ".save_hf_checkpoint-"
 
 @frozen
 class HFExport:
-    """What ``save_hf_checkpoint`` wrote (the same on every rank).
-
-    Attributes:
-        files: the weight files' names, in order (``model.safetensors`` alone for one file).
-        total_size: the bytes of all tensors (the index's ``metadata.total_size``).
-        peak_bytes: the most bytes of gathered and buffered tensors rank 0 held at once
-            (0 on other ranks, which keep nothing).
-    """
+    """What ``save_hf_checkpoint`` wrote (the same on every rank): the weight files, the bytes
+    of all tensors, and the most tensor bytes rank 0 held at once (0 on other ranks)."""
 
     files: tuple[str, ...]
     total_size: int
@@ -113,11 +76,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class _Writer:
-    """Rank 0's file buffer: tensors of the current file, written when the next would not fit.
-
-    Every file goes to a staging folder inside ``folder`` first; an earlier export's files are
-    touched only by :meth:`commit`, once the new export is complete, and put back by
-    :meth:`settle` when the export fails after that."""
+    """Rank 0's file buffer, written when the next tensor would not fit, into a staging folder
+    inside ``folder``; :meth:`commit` swaps the export in, :meth:`settle` undoes it."""
 
     def __init__(self, folder: Path, max_shard_bytes: int, tally: _Tally) -> None:
         self.folder = folder
@@ -142,8 +102,7 @@ class _Writer:
         (self.staging / "old").mkdir()
 
     def add(self, model_name: str, name: str, tensor: torch.Tensor, owned: bool) -> None:
-        """Buffer ``tensor`` under ``name``; a tensor not ``owned`` (a view of an unsharded
-        unit, the model's own storage) is copied, after the full buffer is written."""
+        """Buffer ``tensor`` under ``name``; one not ``owned`` (the model's storage) is copied."""
         if name in self.sources:
             raise ConfigurationError(
                 f"`save_hf_checkpoint`: key_map maps both {self.sources[name]!r} and "
@@ -172,9 +131,7 @@ class _Writer:
         self.buffered = 0
 
     def finish(self) -> tuple[str, ...]:
-        """Name the staged files as transformers' ``save_pretrained`` does: one file is
-        ``model.safetensors`` with no index; several are ``model-0000k-of-0000n.safetensors``
-        with ``model.safetensors.index.json``."""
+        """Name the staged files as ``save_pretrained`` does (one file, or shards and index)."""
         self.flush()
         assert self.staging is not None
         new = self.staging / "new"
@@ -195,9 +152,7 @@ class _Writer:
         return tuple(names)
 
     def commit(self) -> None:
-        """Replace an earlier export with the complete new one: the earlier one's files
-        (shards, index, single file, and any file the new one also writes) are moved aside,
-        the new files moved in. Renames in one folder only, undone by :meth:`settle`."""
+        """Move an earlier export's files aside and the new ones in (renames, index last)."""
         assert self.staging is not None
         new, old = self.staging / "new", self.staging / "old"
         incoming = sorted(p.name for p in new.iterdir())
@@ -212,8 +167,7 @@ class _Writer:
             self.placed.append(self.folder / name)
 
     def settle(self, done: bool) -> None:
-        """Remove the staging folder; unless ``done``, first take the new files out of
-        ``folder`` and put the earlier export's back, byte for byte (renames)."""
+        """Remove the staging folder; unless ``done``, first put the earlier export back."""
         self.buffer = {}
         if self.staging is None:
             return
@@ -249,34 +203,15 @@ def _check_arguments(folder: object, key_map: KeyMap, max_shard_bytes: int) -> N
             "Pass the folder to write into, e.g. save_hf_checkpoint(model, 'out/model')",
         )
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
-        raise config_error(
-            "save_hf_checkpoint",
-            "max_shard_bytes",
-            f"expected an int, got {type(max_shard_bytes).__name__}",
-            "Pass a number of bytes, e.g. 5 * 10**9",
-        )
-    if max_shard_bytes <= 0:
-        raise config_error(
-            "save_hf_checkpoint",
-            "max_shard_bytes",
-            f"{max_shard_bytes} is not positive",
-            "Pass a number of bytes, e.g. 5 * 10**9",
-        )
-    ok = key_map is None or callable(key_map) or isinstance(key_map, Mapping)
-    if not ok and isinstance(key_map, Sequence) and not isinstance(key_map, str):
-        ok = all(
-            isinstance(pair, tuple | list)
-            and len(pair) == 2
-            and all(isinstance(x, str) for x in pair)
-            for pair in key_map
-        )
-    if not ok:
-        raise config_error(
-            "save_hf_checkpoint",
-            "key_map",
-            f"expected a dict, (regex, replacement) pairs or a callable, got {key_map!r}",
-            "Pass e.g. {'output.weight': 'lm_head.weight'} or [(r'^layers\\.', 'model.layers.')]",
-        )
+        problem = f"expected an int, got {type(max_shard_bytes).__name__}"
+    elif max_shard_bytes <= 0:
+        problem = f"{max_shard_bytes} is not positive"
+    else:
+        check_key_map("save_hf_checkpoint", key_map)
+        return
+    raise config_error(
+        "save_hf_checkpoint", "max_shard_bytes", problem, "Pass a number of bytes, e.g. 5 * 10**9"
+    )
 
 
 def _own_modules(unit: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
@@ -301,8 +236,8 @@ States = Iterator[tuple[str, torch.Tensor, bool]]
 
 
 def _fsdp1_states(model: nn.Module, rank: int, tally: _Tally) -> States:
-    """Each FSDP1 unit's own states, unsharded one unit at a time (collective per unit), as
-    views rank 0 must copy (other ranks get nothing)."""
+    """Each FSDP1 unit's own states, unsharded one unit at a time (collective per unit, only
+    rank 0 gets them, as views to copy)."""
     if rank == 0 and not isinstance(model, FullyShardedDataParallel):
         # States of modules outside every unit (a root that is not wrapped) are full already.
         for name, module in _own_modules(model, ""):
@@ -364,60 +299,33 @@ def save_hf_checkpoint(
     """Write a sharded model as a Hugging Face safetensors folder, unit by unit.
 
     Collective: every rank calls it with the same arguments; rank 0 writes into ``folder``
-    (created if needed) what transformers' ``save_pretrained`` writes: ``model.safetensors``
-    alone when the model fits one file of ``max_shard_bytes``, else
-    ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``
-    (``metadata.total_size``, ``weight_map``). Only a complete export replaces an earlier one:
-    the files are written beside it first (so the disk needs room for both), and a failure at any
-    point leaves the earlier export's files as they were. Files of an earlier export that the
-    new one does not name (shards, index, single file) are removed. ``FromCheckpoint(folder)``
-    loads it back;
-    for a transformers model (one with a ``config``) rank 0 also writes its ``config.json``, so
-    ``from_pretrained(folder)`` loads it too. A mixture-of-experts model is written with its
-    fused expert tensors (``mlp.experts.gate_up_proj``), which ``from_pretrained`` and
-    ``FromCheckpoint`` both read.
-
-    No rank holds the whole model. With FSDP2 each DTensor of the sharded state dict is gathered
-    on its own (``full_tensor()``); with FSDP1 one unit is unsharded at a time with
-    ``summon_full_params(unit, recurse=False, rank0_only=True, offload_to_cpu=True)``, and only
-    on rank 0. Rank 0's peak is one unit (FSDP2: one parameter) plus one file buffer of at most
-    ``max_shard_bytes`` (a single larger tensor gets a file of its own); other ranks hold their
-    shards and one gathered tensor or unit. The values are the full-precision parameters
-    (mixed precision only changes the compute dtype), as ``get_model_state_dict`` returns them.
+    what ``save_pretrained`` writes (``model.safetensors``, or ``model-0000k-of-0000n.safetensors``
+    shards and ``model.safetensors.index.json``) and, for a transformers model, its
+    ``config.json``. ``FromCheckpoint(folder)`` and ``from_pretrained(folder)`` load it back.
+    Only a complete export replaces an earlier one (the disk needs room for both); a failure
+    leaves the earlier files as they were. No rank holds the whole model: rank 0's peak is one
+    unit (FSDP2: one parameter) plus one file buffer of at most ``max_shard_bytes``.
 
     Args:
-        model: the model a builder returned (``FSDPBuilder`` or ``FullyShardBuilder``), or any
-            module whose state dict holds DTensors or plain tensors.
-        folder: where to write.
-        key_map: model name → checkpoint name, in the forms ``FromCheckpoint`` takes (a dict
-            that renames the names it holds, (regex, replacement) pairs applied in order, or a
-            callable; a callable returning None leaves the state out). Model names are the clean
-            ones (no ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.`` or
-            ``_orig_mod.``). Non-persistent buffers are never written.
+        model: the model a builder returned, or any module whose state dict holds DTensors or
+            plain tensors.
+        folder: where to write (created if needed).
+        key_map: model name → checkpoint name, in the forms ``FromCheckpoint`` takes (None from
+            a callable leaves the state out). Non-persistent buffers are never written.
         max_shard_bytes: the largest size of one file's tensors.
 
     Returns:
         The files written, the total size and rank 0's peak of held tensor bytes.
 
     Raises:
-        ConfigurationError: a bad ``key_map`` or ``max_shard_bytes``, or a model that was not
-            built (states on the meta device), raised on every rank before any collective; two
-            model names mapped to one checkpoint name, or a ``key_map`` that raises or returns
-            something other than a str or None (raised on every rank, after the last
-            collective, with no file left behind).
-        ExportError: rank 0 could not write the files (``folder`` is a file, no permission, a
-            full disk) or gather a state; raised on every rank with rank 0's error as
-            ``__cause__``, after removing every file the export wrote. Also raised by every
-            surviving rank when a collective of the export fails (a peer rank died or failed),
-            with the backend's error as ``__cause__``, after the same clean-up.
+        ConfigurationError: a bad argument or a model not built, on every rank before any
+            collective; two names mapped to one, or a failing ``key_map`` (on every rank, after
+            the last collective, no file left behind).
+        ExportError: rank 0 could not write or gather, or a peer rank died; on every rank, with
+            the cause as ``__cause__``, after removing every file the export wrote.
     """
     _check_arguments(folder, key_map, max_shard_bytes)
-    try:
-        mapper: Callable[[str], str | None] = key_mapper(key_map)
-    except re.error as exc:
-        raise config_error(
-            "save_hf_checkpoint", "key_map", f"a pattern is not a regex ({exc})", "Fix it"
-        ) from exc
+    mapper = key_mapper(key_map)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     agree("export (check)", _unbuilt(model))
@@ -450,12 +358,11 @@ def _export(
     model: nn.Module,
     rank: int,
     distributed: bool,
-    mapper: Callable[[str], str | None],
+    mapper: Mapper,
     writer: _Writer,
 ) -> tuple[tuple[str, ...], int, tuple[str, str, BaseException | None] | None]:
-    """Every rank's collectives of the export and rank 0's writes; the files, the total size
-    and rank 0's failure (or None), as rank 0 broadcast them. On rank 0 the new export is in
-    place (the earlier one moved aside) when this returns without a failure."""
+    """Every rank's collectives and rank 0's writes; the files, the total size and rank 0's
+    failure (or None), as rank 0 broadcast them."""
     if rank == 0:
         try:
             writer.open()
@@ -469,7 +376,9 @@ def _export(
             if writer.error is not None:
                 continue
             try:
-                name = _mapped(mapper, model_name)
+                name = map_name(
+                    mapper, model_name, "save_hf_checkpoint", "model name", "a checkpoint name"
+                )
                 if name is not None:
                     writer.add(model_name, name, tensor, owned)
             except (Exception, CheckpointException) as exc:
@@ -509,8 +418,7 @@ def _peer_lost(folder: Path, rank: int, error: BaseException) -> ExportError:
 
 
 def _unbuilt(model: nn.Module) -> ConfigurationError | None:
-    """A model whose states are still on the meta device: the same on every rank of a program
-    that exports what it built, so every rank refuses before the first collective."""
+    """The refusal of a model with states on meta (every rank alike, before any collective)."""
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if not left:
         return None
@@ -521,27 +429,6 @@ def _unbuilt(model: nn.Module) -> ConfigurationError | None:
         "device: it was not built",
         "Export the model a builder returned (model = builder.build(model))",
     )
-
-
-def _mapped(mapper: Callable[[str], str | None], model_name: str) -> str | None:
-    try:
-        name = mapper(model_name)
-    except Exception as exc:
-        raise config_error(
-            "save_hf_checkpoint",
-            "key_map",
-            f"it raised {type(exc).__name__}: {exc} for the model name {model_name!r}",
-            "Make it return a checkpoint name (a str), or None to leave a state out, for every "
-            "model name",
-        ) from exc
-    if name is not None and not isinstance(name, str):
-        raise config_error(
-            "save_hf_checkpoint",
-            "key_map",
-            f"it returned {type(name).__name__} {name!r} for the model name {model_name!r}",
-            "Make it return a checkpoint name (a str), or None to leave a state out",
-        )
-    return name
 
 
 # What an OSError's errno says about the folder, and the fix.
@@ -563,9 +450,7 @@ _OS_FIXES: dict[int, tuple[str, str]] = {
 
 
 def _failure(error: BaseException, folder: Path) -> tuple[str, str, BaseException | None]:
-    """Rank 0's failure as every rank raises it: the library error's type name, its message,
-    and its cause (the OS's, torch's or the key map's error; its text where it cannot travel to
-    the other ranks)."""
+    """Rank 0's failure as every rank raises it: the error's type name, message and cause."""
     cause = error.__cause__ if isinstance(error, FSDPBuilderError) else error
     if isinstance(error, FSDPBuilderError):
         kind, message = type(error).__name__, str(error)
@@ -593,9 +478,7 @@ def _portable(error: BaseException) -> BaseException:
 
 
 def _save_config(model: nn.Module, folder: Path) -> None:
-    """A transformers model's ``config.json`` next to its weights, so that
-    ``from_pretrained(folder)`` loads the export (an FSDP1 root hands ``config`` on from the
-    model it wraps)."""
+    """A transformers model's ``config.json``, so that ``from_pretrained(folder)`` loads it."""
     save = getattr(getattr(model, "config", None), "save_pretrained", None)
     if callable(save):
         save(folder)

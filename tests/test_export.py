@@ -453,8 +453,8 @@ EXPECTED = {
     "disk full": ("ExportError", "OSError", "the disk is full.*Free space"),
     "index write fails": ("ExportError", "OSError", "the disk is full.*were removed"),
     "meta model": ("ConfigurationError", "NoneType", "meta device.*builder.build"),
-    "key_map raises": ("ConfigurationError", "KeyError", "`key_map`: it raised KeyError"),
-    "key_map returns a number": ("ConfigurationError", "NoneType", "returned int.*a str"),
+    "key_map raises": ("ConfigurationError", "KeyError", "`key_map`: raised KeyError"),
+    "key_map returns a number": ("ConfigurationError", "NoneType", r"returned \d+ \(int\).*a str"),
 }
 
 

@@ -1,39 +1,14 @@
-"""``FromCheckpoint``: loading checkpoints that every rank can read itself, each rank reading
-only what it keeps.
-
-Why a materializer of its own rather than another source of :class:`FromStateDict`: the two
-have different contracts. ``FromStateDict`` trusts rank 0 alone (other ranks pass None, and
-only rank 0 needs the file); ``FromCheckpoint`` expects every rank to be given the same path
-and to open it itself, maps checkpoint names to model names (``key_map``), converts floating
-dtypes and loads a subset with ``strict=False``. Both open their source through
-``fsdp_builder.sources`` (every registered format) and share one prepare path
-(``loading.open_matched``); with ``shared_filesystem=False`` ``FromCheckpoint`` takes
-``FromStateDict``'s rank-0 read and scatter/broadcast.
-
-How a load goes:
-
-- ``prepare``: every rank opens the checkpoint's headers or metadata, maps the names and
-  validates them against the unit plan: missing and unexpected keys, shapes, integer/float
-  mismatches, files an index names but that are absent, keys an index lists but its file lacks,
-  truncated or unreadable files, a key_map that fails. The ranks then agree, comparing also
-  where each checkpoint key goes under their key_map, so a bad checkpoint (or ranks mapping
-  differently) stops every rank before any weight is written. Non-persistent buffers, which no
-  checkpoint holds, are computed after that, and their errors are their own.
-- per unit, **rank-local reads**: with a backend that shards first (FSDP2) the unit's
-  parameters are already DTensors, and each rank reads only the rows of its local shard
-  (``CheckpointSource.read(key, index)``; a DCP folder plans its reads from each DTensor's
-  local chunk). With FSDP1 each rank reads the unit's full tensors (one unit at a time) and
-  FSDP1 keeps its shard. No collective carries weights, only the pipeline's tiny agreements.
-"""
+"""``FromCheckpoint``: a checkpoint every rank opens and validates itself (``prepare``), then
+reads only what it keeps, unit by unit: its shards' rows with FSDP2, one unit's full tensors at a
+time with FSDP1. No collective carries weights; without a shared filesystem rank 0 reads."""
 
 from __future__ import annotations
 
 import math
 import os
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 import torch
@@ -41,21 +16,21 @@ from attrs import define, frozen
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import override
 
-from fsdp_builder.common.describe import describe as describe_value
 from fsdp_builder.common.hashing import digest63
-from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
-from fsdp_builder.materializers.buffers import Computed, fill_buffers
 from fsdp_builder.materializers.ignored import give_storage_in_place, meta_ignored
-from fsdp_builder.materializers.initializers import (
-    BaseMaterializer,
-    MaterializerRun,
-    buffers_to_compute,
-)
+from fsdp_builder.materializers.initializers import MaterializerRun, buffers_to_compute
 from fsdp_builder.materializers.loading import (
+    KeyMap,
+    Loader,
     LoaderSpec,
+    LoadRun,
     Match,
     Rank0Run,
+    check_key_map,
+    describe_key_map,
+    key_mapper,
+    open_as,
     open_matched,
     prepare_rank0,
     report_match,
@@ -65,7 +40,6 @@ from fsdp_builder.materializers.nonfinite import (
     check_nonfinite_mode,
     holds_nonfinite,
     nonfinite_names,
-    nonfinite_verdict,
 )
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
@@ -74,10 +48,6 @@ from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_unit, local_tensor, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
 from fsdp_builder.sources.base import Index, reader
-
-log = get_logger(__name__)
-
-KeyMap = Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[str], "str | None"] | None
 
 _FIX = (
     "Pass the path of a .safetensors file, of a folder holding a *.safetensors.index.json and "
@@ -103,78 +73,9 @@ CHECKPOINT_SPEC = LoaderSpec(
 )
 
 
-# -- key maps -------------------------------------------------------------------------------
-
-
-def _check_key_map(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None or callable(value) or isinstance(value, Mapping):
-        return
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        for pair in value:
-            if not (
-                isinstance(pair, tuple | list)
-                and len(pair) == 2
-                and all(isinstance(x, str) for x in pair)
-            ):
-                raise config_error(
-                    "FromCheckpoint",
-                    "key_map",
-                    f"expected (regex, replacement) pairs of strings, got {pair!r}",
-                    "Pass e.g. [(r'^model\\.', '')]",
-                )
-            try:
-                re.compile(pair[0])
-            except re.error as exc:
-                raise config_error(
-                    "FromCheckpoint", "key_map", f"{pair[0]!r} is not a regex ({exc})", "Fix it"
-                ) from exc
-        return
-    raise config_error(
-        "FromCheckpoint",
-        "key_map",
-        f"expected a dict, (regex, replacement) pairs or a callable, got {type(value).__name__}",
-        "Pass e.g. {'lm_head.weight': 'output.weight'} or [(r'^model\\.', '')]",
-    )
-
-
-def key_mapper(key_map: KeyMap) -> Callable[[str], str | None]:
-    """Checkpoint name → model name (None: leave the checkpoint entry out).
-
-    A dict renames the names it holds and keeps the others; (regex, replacement) pairs are
-    applied in order with ``re.sub``; a callable is used as it is."""
-    if key_map is None:
-        return lambda name: name
-    if isinstance(key_map, Mapping):
-        table = dict(key_map)
-        return lambda name: table.get(name, name)
-    if callable(key_map):
-        return key_map
-    rules = [(re.compile(p), r) for p, r in key_map]
-
-    def apply(name: str) -> str:
-        for pattern, replacement in rules:
-            name = pattern.sub(replacement, name)
-        return name
-
-    return apply
-
-
-def describe_key_map(key_map: KeyMap) -> str:
-    """``key_map`` as ranks compare it in configure: a dict by its sorted items (its insertion
-    order does not change what it does), pairs in order, a callable by its name (what it
-    returns is compared in prepare, over the checkpoint's keys)."""
-    if isinstance(key_map, Mapping):
-        return describe_value(dict(sorted(key_map.items())))
-    return describe_value(key_map)
-
-
-# -- which rows a rank keeps ------------------------------------------------------------------
-
-
 def local_index(tensor: DTensor) -> tuple[slice, ...]:
-    """The slices of the full tensor that ``tensor``'s local shard holds: for each ``Shard(d)``
-    on mesh dim ``i``, ``fully_shard``'s layout (torch.chunk: ``ceil(n / size)`` per rank, the
-    last ranks shorter or empty); ``Replicate`` keeps the whole dim."""
+    """The slices of the full tensor that ``tensor``'s local shard holds, in ``fully_shard``'s
+    layout (torch.chunk: ``ceil(n / size)`` rows per rank, the last ranks shorter or empty)."""
     mesh = tensor.device_mesh
     shape = tuple(tensor.shape)
     offsets = [0] * len(shape)
@@ -196,9 +97,6 @@ def local_index(tensor: DTensor) -> tuple[slice, ...]:
             )
     local = local_tensor(tensor).shape
     return tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))
-
-
-# -- argument checks -------------------------------------------------------------------------
 
 
 def _check_path(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -226,11 +124,8 @@ def _check_flag(fix: str) -> Callable[[object, attrs.Attribute[Any], Any], None]
     return check
 
 
-# -- the materializer -------------------------------------------------------------------------
-
-
 @frozen
-class FromCheckpoint(BaseMaterializer):
+class FromCheckpoint(Loader):
     """Materializes from a checkpoint every rank reads itself, in any format
     ``fsdp_builder.sources`` knows: a ``.safetensors`` file, a Hugging Face folder (safetensors
     shards and ``*.safetensors.index.json``, or ``.bin`` shards and
@@ -274,7 +169,11 @@ class FromCheckpoint(BaseMaterializer):
     """
 
     path: str | os.PathLike[str] = attrs.field(validator=_check_path)
-    key_map: KeyMap = attrs.field(default=None, validator=_check_key_map, eq=False)
+    key_map: KeyMap = attrs.field(
+        default=None,
+        validator=lambda _, __, value: check_key_map("FromCheckpoint", value),
+        eq=False,
+    )
     strict: bool = attrs.field(
         default=True,
         validator=_check_flag(
@@ -293,20 +192,15 @@ class FromCheckpoint(BaseMaterializer):
     # NaN / inf in the loaded weights: "warn" (a UserWarning naming the tensors), "error"
     # (MaterializationError on every rank) or "ignore".
     nonfinite: str = attrs.field(default="warn", validator=check_nonfinite_mode)
-    shard_first: ClassVar[bool] = True
 
     @property
     def communicates(self) -> bool:  # type: ignore[override]
-        """Collectives per unit only where rank 0 alone reads (it sends the weights) or where
-        NaN in one rank's shard must stop every rank (``nonfinite="error"``). Otherwise each rank
-        loads its units on its own and the ranks agree once, when the build ends (a failed read
-        is reported then, named after its unit)."""
+        """Collectives per unit only where rank 0 alone reads or where NaN in one rank's shard
+        must stop every rank; else the ranks agree once, when the build ends."""
         return not self.shared_filesystem or self.nonfinite == "error"
 
     def describe(self) -> str:
-        """What ranks compare in configure: the path by its value (ranks reading different
-        checkpoints would stitch one model out of both), except where rank 0 alone reads it,
-        and the key_map (see :func:`describe_key_map`)."""
+        """What ranks compare: the path (unless rank 0 alone reads it) and the key_map."""
         path = repr(os.fspath(self.path)) if self.shared_filesystem else "<read by rank 0>"
         return (
             f"FromCheckpoint(path={path}, key_map={describe_key_map(self.key_map)}, "
@@ -320,16 +214,16 @@ class FromCheckpoint(BaseMaterializer):
         filesystem); every rank raises if any rank's check failed (collective)."""
         mapper = key_mapper(self.key_map)
         if not self.shared_filesystem:
-            run = Rank0Run(env, CHECKPOINT_SPEC, self.bucket_bytes, self.nonfinite)
+            run = Rank0Run(env, CHECKPOINT_SPEC, self.nonfinite, bucket_bytes=self.bucket_bytes)
             opener = partial(
                 open_matched, self.path, env, CHECKPOINT_SPEC, mapper, strict=self.strict
             )
             return prepare_rank0(env, run, opener)
-        source: CheckpointSource | None = None
+        local = LocalRun(env, CHECKPOINT_SPEC, self.nonfinite)
         error: BaseException | None = None
         found = Match()
         try:
-            source, found = open_matched(
+            local.source, found = open_matched(
                 self.path, env, CHECKPOINT_SPEC, mapper, strict=self.strict, every_state=False
             )
         except ConfigurationError as exc:
@@ -339,7 +233,7 @@ class FromCheckpoint(BaseMaterializer):
                 f"'{os.fspath(self.path)}' could not be read ({type(exc).__name__}: {exc})"
             )
             error.__cause__ = exc
-        settings = _mapping_settings(source.tensors() if source else {}, found)
+        settings = _mapping_settings(local.source.tensors() if local.source else {}, found)
         try:
             agree(
                 "materialize (validate)",
@@ -348,28 +242,20 @@ class FromCheckpoint(BaseMaterializer):
                 fingerprint=digest63(repr(settings)),
                 description={"config": settings, "plan": []},
             )
-            # No checkpoint holds non-persistent buffers: the model computes them, the same on
-            # every rank, after the checkpoint was found sound (a failure here is not the path's).
-            computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
+            # After the agreement: a failure to compute the buffers is not the path's.
+            local.computed = buffers_to_compute(
+                env.plan.root.module, env.ignored, initialized=False
+            )
         except BaseException:
-            if source is not None:
-                source.close()
+            local.close()
             raise
-        assert source is not None
+        local.keys = found.keys
         report_match(env, found)
-        return LocalRun(env, source, found.keys, self.nonfinite, computed)
-
-    @override
-    def materialize(self, unit: Unit, env: Environment) -> int:
-        raise MaterializationError(
-            "`FromCheckpoint` loads through the run its prepare(env) returns; build through a "
-            "builder, which calls prepare(env) first."
-        )
+        return local
 
 
 def _mapping_settings(tensors: Mapping[str, TensorMeta], found: Match) -> list[tuple[str, str]]:
-    """What ranks compare after opening: where each checkpoint key goes under their key_map,
-    with its shape and dtype, in key order (the same on every rank of a correct program)."""
+    """What ranks compare after opening: where each checkpoint key goes, its shape and dtype."""
     return [
         (f"key_map({key!r})", f"{found.mapped.get(key)!r} {list(meta.shape)} {meta.dtype}")
         for key, meta in sorted(tensors.items())
@@ -377,27 +263,16 @@ def _mapping_settings(tensors: Mapping[str, TensorMeta], found: Match) -> list[t
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointSource:
-    """Open the checkpoint at ``path`` as ``FromCheckpoint`` does (format detected from what
-    the path holds); errors in ``FromCheckpoint``'s words."""
-    from fsdp_builder.sources import MissingPath, SourceError, open_source
-
-    try:
-        return open_source(path)
-    except MissingPath as exc:
-        raise CHECKPOINT_SPEC.missing(exc) from exc
-    except SourceError as exc:
-        raise CHECKPOINT_SPEC.error(exc.problem, exc.fix) from exc
+    """Open the checkpoint at ``path`` as ``FromCheckpoint`` does; errors in its words."""
+    return open_as(path, CHECKPOINT_SPEC)
 
 
 def fill_checked(
     source: CheckpointSource, targets: Mapping[str, torch.Tensor], *, check: bool = True
 ) -> list[str]:
-    """Write each checkpoint entry into its target (a tensor, or a DTensor whose local part is
-    read alone), converting dtypes; returns the keys whose values hold NaN or inf (none when
-    ``check`` is False). A tensor is read in runs of rows, each checked right after its read,
-    while its bytes are still in the cache (see ``_read_rows``): checking after the whole unit
-    was read is a second pass over memory (at 200M parameters on one thread, a fifth of the
-    read's time; run by run, 5-10 %)."""
+    """Write each entry into its target (a DTensor: its local part), converting dtypes; returns
+    the keys holding NaN or inf (with ``check``). Each run of rows is checked right after its
+    read, still in cache (a second pass over the unit cost a fifth of the read's time)."""
     if isinstance(source, FillsTargets):
         source.fill(targets)
         return nonfinite_names(targets.items()) if check else []
@@ -426,10 +301,8 @@ def _read_rows(
     out: torch.Tensor,
     check: bool,
 ) -> bool:
-    """Read ``key[index]`` into ``out`` and, with ``check``, look for NaN/inf: on a CPU tensor
-    with torch on one thread (as launchers set it per rank), in runs of rows of about
-    ``CHECK_RUN_BYTES``, each checked after its read; else after the whole read. True when
-    some value is NaN or inf."""
+    """Read ``key[index]`` into ``out``; with ``check``, True when it holds NaN/inf (checked run
+    by run on a large CPU tensor with torch on one thread, else after the whole read)."""
     rows = out.shape[0] if out.dim() else 0
     # Runs pay off for a sum on the reading thread alone: with several threads each run starts
     # a parallel region (with ranks sharing cores, three times slower in all than one sum), and
@@ -460,15 +333,8 @@ def _read_rows(
 
 
 @define
-class LocalRun:
-    """One build's rank-local load: the open checkpoint and the checkpoint key of each model
-    name. Each unit reads only this rank's part of its states."""
-
-    env: Environment
-    source: CheckpointSource | None
-    keys: dict[str, str]
-    nonfinite: str = "warn"
-    computed: Computed = attrs.field(factory=dict)
+class LocalRun(LoadRun):
+    """The rank-local load: each unit reads only this rank's part of its states."""
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
@@ -478,7 +344,7 @@ class LocalRun:
         give_storage_in_place(meta_ignored(modules, env.ignored), env.device)
         allocate_unit(unit.module, modules, env.device, env.shard_specs)
         targets: dict[str, torch.Tensor] = {}
-        loaded: list[tuple[str, torch.Tensor]] = []
+        loaded: list[str] = []
         written = 0
         for entry in unit_entries(unit, env.ignored):
             name = next((n for n in entry.names if n in self.keys), None)
@@ -488,7 +354,7 @@ class LocalRun:
                 entry.tensor.detach() if not isinstance(entry.tensor, DTensor) else entry.tensor
             )
             targets[self.keys[name]] = target
-            loaded.append((name, target))
+            loaded.append(name)
             local = local_tensor(target)
             written += local.numel() * local.element_size()
         error: MaterializationError | None = None
@@ -496,35 +362,18 @@ class LocalRun:
         try:
             bad = set(fill_checked(self.source, targets, check=self.nonfinite != "ignore"))
         except Exception as exc:
-            error = MaterializationError(
-                f"`FromCheckpoint` could not read unit '{unit.label}' out of "
-                f"{self.source.describe}: {type(exc).__name__}: {exc}. {_FIX}."
-            )
-            error.__cause__ = exc
-        # With FSDP1 every rank read the same full tensors and decides alone; with shards
-        # (FSDP2) a refusal is agreed, every rank taking part, also one whose read failed.
-        verdict = nonfinite_verdict(
-            self.nonfinite,
-            [] if error is not None else [n for n, t in loaded if self.keys[n] in bad],
-            loader="FromCheckpoint",
-            unit=unit.label,
-            source=self.source.describe,
+            error = self.unreadable(unit, exc)
+        # FSDP1: every rank read the same full tensors and decides alone; FSDP2 shards: agreed.
+        self.finish(
+            unit,
+            modules,
+            env.device,
+            lambda: [n for n in loaded if self.keys[n] in bad],
+            error,
             alike=not env.shards_first,
-            group=env.agreement_group,
         )
-        if error is not None:
-            raise error
-        if verdict is not None:
-            raise verdict
-        fill_buffers(modules, self.computed, env.device)
         env.logger.debug("loaded_unit", unit=unit.label, tensors=len(targets), bytes=written)
         return written
-
-    def close(self) -> None:
-        self.computed = {}
-        if self.source is not None:
-            self.source.close()
-            self.source = None
 
 
 __all__ = [

@@ -1,20 +1,12 @@
-"""What every loader shares: opening a checkpoint source and matching it against the model (one
-prepare path), and the rank-0 load, where rank 0 alone reads and the weights travel. Here too is
-``FromStateDict``, the loader of a state dict (or file) that rank 0 holds.
-
-A load opens its source through ``fsdp_builder.sources`` (any registered format, or a state
-dict in memory), maps the source's names to the model's and checks names, shapes and dtypes
-against the unit plan before any weight is written. Where only rank 0 reads, its verdict reaches
-every rank, so a bad source raises the same error everywhere instead of failing half-way through
-a broadcast. Per unit, rank 0 copies the unit's tensors out of the source and broadcasts them
-(or, with a backend that shards first, scatters each rank's slices); the other ranks only ever
-hold storage for the unit being built, never the full state dict.
-"""
+"""What every loader shares: the key map, opening a source and matching it against the unit
+plan (one prepare path), the tail of each unit's load, and the rank-0 load (``FromStateDict``,
+and ``FromCheckpoint`` without a shared filesystem), where rank 0 alone reads."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -22,8 +14,10 @@ import attrs
 import torch
 import torch.distributed as dist
 from attrs import define, frozen
+from torch import nn
 from typing_extensions import override
 
+from fsdp_builder.common.describe import describe as describe_value
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
@@ -59,6 +53,7 @@ from fsdp_builder.sources.model_rules import checkpoint_rules
 log = get_logger(__name__)
 
 Mapper = Callable[[str], "str | None"]
+KeyMap = Mapping[str, str] | Sequence[tuple[str, str]] | Mapper | None
 
 _FIX_SOURCE = (
     "Pass the model's full state dict (`model.state_dict()` of the unwrapped model) on rank 0, "
@@ -66,15 +61,99 @@ _FIX_SOURCE = (
 )
 
 
+# -- key maps, for loads (checkpoint key -> model name) and export (model name -> key) -------
+
+
+def check_key_map(owner: str, value: Any) -> None:
+    """Refuse, in ``owner``'s words, a ``key_map`` that is not None, a dict, a callable or
+    (regex, replacement) pairs."""
+    if value is None or callable(value) or isinstance(value, Mapping):
+        return
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise config_error(
+            owner,
+            "key_map",
+            "expected a dict, (regex, replacement) pairs or a callable, got "
+            f"{type(value).__name__}",
+            "Pass e.g. {'lm_head.weight': 'output.weight'} or [(r'^model\\.', '')]",
+        )
+    for pair in value:
+        if not (
+            isinstance(pair, tuple | list)
+            and len(pair) == 2
+            and all(isinstance(x, str) for x in pair)
+        ):
+            raise config_error(
+                owner,
+                "key_map",
+                f"expected (regex, replacement) pairs of strings, got {pair!r}",
+                "Pass e.g. [(r'^model\\.', '')]",
+            )
+        try:
+            re.compile(pair[0])
+        except re.error as exc:
+            raise config_error(
+                owner, "key_map", f"{pair[0]!r} is not a regex ({exc})", "Fix it"
+            ) from exc
+
+
 def _identity(name: str) -> str:
     return name
 
 
+def key_mapper(key_map: KeyMap) -> Mapper:
+    """``key_map`` as a function (None: leave the entry out): a dict renames the names it
+    holds, (regex, replacement) pairs apply in order with ``re.sub``, a callable is itself."""
+    if key_map is None:
+        return _identity
+    if isinstance(key_map, Mapping):
+        table = dict(key_map)
+        return lambda name: table.get(name, name)
+    if callable(key_map):
+        return key_map
+    rules = [(re.compile(p), r) for p, r in key_map]
+
+    def apply(name: str) -> str:
+        for pattern, replacement in rules:
+            name = pattern.sub(replacement, name)
+        return name
+
+    return apply
+
+
+def describe_key_map(key_map: KeyMap) -> str:
+    """``key_map`` as ranks compare it: a dict by its sorted items, a callable by its name."""
+    if isinstance(key_map, Mapping):
+        return describe_value(dict(sorted(key_map.items())))
+    return describe_value(key_map)
+
+
+def map_name(mapper: Mapper, name: str, owner: str, given: str, wanted: str) -> str | None:
+    """``mapper(name)``; one that raises or returns neither a str nor None is refused as
+    ``owner``'s ``key_map`` (``given``: what ``name`` is; ``wanted``: what it should return)."""
+    try:
+        mapped = mapper(name)
+    except Exception as exc:
+        raise config_error(
+            owner,
+            "key_map",
+            f"raised {type(exc).__name__}: {exc} for the {given} '{name}'",
+            f"Make it return {wanted} for every {given} (or None to leave the entry out)",
+        ) from exc
+    if mapped is not None and not isinstance(mapped, str):
+        raise config_error(
+            owner,
+            "key_map",
+            f"returned {mapped!r} ({type(mapped).__name__}) for the {given} '{name}'",
+            f"Make it return {wanted} as a string, or None to leave the entry out",
+        )
+    return mapped
+
+
 @frozen
 class LoaderSpec:
-    """How a loader words its errors: its name, the argument that holds the source, the word
-    for the source in shape messages, its general fix, and whether integer/float mismatches
-    are refused (else every dtype converts to the model's)."""
+    """How a loader words its errors: its name, the argument holding the source, the word for
+    the source, its fixes, and whether integer/float mismatches are refused."""
 
     name: str
     argument: str
@@ -82,8 +161,7 @@ class LoaderSpec:
     fix: str
     check_kinds: bool
     missing_fix: str
-    # The fix when the source does not fit the model (its names, shapes or dtypes).
-    mismatch_fix: str
+    mismatch_fix: str  # the fix when the source does not fit the model
 
     def error(self, problem: str, fix: str | None = None) -> ConfigurationError:
         return config_error(self.name, self.argument, problem, fix or self.fix)
@@ -117,10 +195,8 @@ class Entry:
 def unit_entries(
     unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None = None
 ) -> Iterator[Entry]:
-    """The persistent states ``unit`` owns, and the ignored ones below its own modules (ignored
-    parameters, ignored modules' states): a load writes those whole, on every rank, as
-    ``from_pretrained`` would, never leaves them out. ``plan``: stop at the other units' modules
-    (before the build wrapped them)."""
+    """The persistent states ``unit`` owns, with the ignored ones below its modules (loaded
+    whole, on every rank); ``plan``: stop at the other units' modules (before wrapping)."""
     others = {u.module for u in plan} - {unit.module} if plan is not None else set()
     # No unit lies inside an ignored module: walking into them reaches only ignored states.
     modules = unit_modules(unit.module, others)
@@ -170,32 +246,6 @@ class Match:
     mapped: dict[str, str | None] = attrs.field(factory=dict)
 
 
-def map_keys(keys: list[str], mapper: Mapper, spec: LoaderSpec) -> dict[str, str | None]:
-    """Each checkpoint key → its model name under ``mapper``; a mapper that raises or returns
-    something other than a string or None is a problem of ``key_map``, named as such."""
-    mapped: dict[str, str | None] = {}
-    for key in keys:
-        try:
-            name = mapper(key)
-        except Exception as exc:
-            raise config_error(
-                spec.name,
-                "key_map",
-                f"raised {type(exc).__name__}: {exc} for the checkpoint key '{key}'",
-                "Make it return the model's name for every checkpoint key (or None to leave "
-                "the entry out)",
-            ) from exc
-        if name is not None and not isinstance(name, str):
-            raise config_error(
-                spec.name,
-                "key_map",
-                f"returned {name!r} ({type(name).__name__}) for the checkpoint key '{key}'",
-                "Make it return the model's name as a string, or None to leave the entry out",
-            )
-        mapped[key] = None if name is None else clean_name(name)
-    return mapped
-
-
 def match_source(
     tensors: Mapping[str, TensorMeta],
     mapper: Mapper,
@@ -208,11 +258,13 @@ def match_source(
     every_state: bool = True,
     entries: Mapping[Unit, list[Entry]] | None = None,
 ) -> Match:
-    """Map the source's names and compare them with the plan; raises a ConfigurationError in
-    ``spec``'s words naming every problem, capped per kind. ``every_state``: missing keys are
-    errors even when not ``strict``. ``entries``: each unit's ``unit_entries`` (found here
-    when not given)."""
-    found = Match(mapped=map_keys(sorted(tensors), mapper, spec))
+    """Map the source's names and compare them with the plan; a ConfigurationError in
+    ``spec``'s words names every problem. ``every_state``: missing keys are errors even when not
+    ``strict``. ``entries``: each unit's ``unit_entries`` (found here when not given)."""
+    found = Match()
+    for key in sorted(tensors):
+        name = map_name(mapper, key, spec.name, "checkpoint key", "the model's name")
+        found.mapped[key] = None if name is None else clean_name(name)
     by_name: dict[str, str] = {}
     collisions: list[str] = []
     for key, name in found.mapped.items():
@@ -312,9 +364,7 @@ def _derived(
     spec: LoaderSpec,
     entries: Mapping[Unit, list[Entry]],
 ) -> CheckpointSource:
-    """``opened`` seen through the rules of the model's checkpoint layout (e.g. per-expert
-    tensors merged into a mixture-of-experts model's fused ones); see
-    ``fsdp_builder.sources.derived``."""
+    """``opened`` seen through the model's checkpoint rules (``sources.model_rules``)."""
     held = opened.tensors()
     complete = all(
         any(n in held for n in entry.names) for found in entries.values() for entry in found
@@ -323,6 +373,23 @@ def _derived(
         return derive(opened, checkpoint_rules(env.plan.root.module, complete=complete))
     except SourceError as exc:
         raise spec.error(f"{opened.describe} {exc.problem}", exc.fix) from exc
+
+
+def open_as(
+    source: Mapping[str, Any] | str | os.PathLike[str], spec: LoaderSpec
+) -> CheckpointSource:
+    """``open_source(source)``, its errors in ``spec``'s words."""
+    try:
+        return open_source(source)
+    except MissingPath as exc:
+        raise spec.missing(exc) from exc
+    except SourceError as exc:
+        raise spec.error(exc.problem, exc.fix) from exc
+    except ConfigurationError:
+        raise
+    except Exception as exc:  # a reader's own error: the loader's words, the cause kept
+        what = f"'{os.fspath(source)}'" if not isinstance(source, Mapping) else "the state dict"
+        raise spec.error(f"{what} could not be read ({type(exc).__name__}: {exc})") from exc
 
 
 def open_matched(
@@ -334,21 +401,10 @@ def open_matched(
     strict: bool = True,
     every_state: bool = True,
 ) -> tuple[CheckpointSource, Match]:
-    """The prepare step of every load, on one rank: open ``source`` and match it against the
-    plan. The model's checkpoint rules apply between the two (``sources.model_rules``: a
-    transformers mixture-of-experts model reads its per-expert checkpoint tensors as its fused
-    ones). Raises a ConfigurationError in ``spec``'s words; nothing stays open if it does."""
-    try:
-        opened = open_source(source)
-    except MissingPath as exc:
-        raise spec.missing(exc) from exc
-    except SourceError as exc:
-        raise spec.error(exc.problem, exc.fix) from exc
-    except ConfigurationError:
-        raise
-    except Exception as exc:  # a reader's own error: the loader's words, the cause kept
-        what = f"'{os.fspath(source)}'" if not isinstance(source, Mapping) else "the state dict"
-        raise spec.error(f"{what} could not be read ({type(exc).__name__}: {exc})") from exc
+    """The prepare step of every load, on one rank: open ``source``, apply the model's
+    checkpoint rules and match it against the plan. Errors in ``spec``'s words; nothing stays
+    open then."""
+    opened = open_as(source, spec)
     try:
         # Each unit's states by name, walked once for both the layout rules and the match.
         entries = {unit: list(unit_entries(unit, env.ignored, env.plan)) for unit in env.plan}
@@ -384,7 +440,62 @@ def report_match(env: Environment, found: Match) -> None:
         )
 
 
-# -- the rank-0 load ---------------------------------------------------------------------------
+# -- a build's load, unit by unit --------------------------------------------------------------
+
+
+@define
+class LoadRun:
+    """One build's load: the open source (None on ranks that do not read), the source key of
+    each model name and the non-persistent buffers the model computes."""
+
+    env: Environment
+    spec: LoaderSpec
+    nonfinite: str = "warn"
+    source: CheckpointSource | None = None
+    keys: dict[str, str] = attrs.field(factory=dict)
+    computed: Computed = attrs.field(factory=dict)
+
+    def close(self) -> None:
+        self.computed = {}
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+    def unreadable(self, unit: Unit, exc: Exception, verb: str = "read") -> MaterializationError:
+        assert self.source is not None
+        error = MaterializationError(
+            f"`{self.spec.name}` could not {verb} unit '{unit.label}' out of "
+            f"{self.source.describe}: {type(exc).__name__}: {exc}. {self.spec.fix}."
+        )
+        error.__cause__ = exc
+        return error
+
+    def finish(
+        self,
+        unit: Unit,
+        modules: list[nn.Module],
+        device: torch.device,
+        bad: Callable[[], list[str]],
+        *errors: BaseException | None,
+        alike: bool,
+    ) -> None:
+        """The tail of a unit's load: the NaN/inf verdict over ``bad()`` (agreed unless every
+        rank holds the same values, every rank taking part, also one whose read failed), the
+        first error, then the computed buffers."""
+        failed = any(e is not None for e in errors)
+        verdict = nonfinite_verdict(
+            self.nonfinite,
+            [] if failed else bad(),
+            loader=self.spec.name,
+            unit=unit.label,
+            source="rank 0's source" if self.source is None else self.source.describe,
+            alike=alike,
+            group=self.env.agreement_group,
+        )
+        for error in (*errors, verdict):
+            if error is not None:
+                raise error
+        fill_buffers(modules, self.computed, device)
 
 
 def prepare_rank0(
@@ -392,11 +503,8 @@ def prepare_rank0(
     run: Rank0Run,
     open_on_rank0: Callable[[], tuple[CheckpointSource, Match]],
 ) -> Rank0Run:
-    """Rank 0 opens and matches its source (``open_on_rank0``); its verdict (None: it fits)
-    reaches every rank, which raises it alike; then the run gets the non-persistent buffers the
-    model computes (no source holds them; the same on every rank, so a failure there is every
-    rank's, and it is reported as what it is, not as a bad source). Collective. The run is
-    closed if the load does not start."""
+    """Rank 0 opens and matches its source; its verdict reaches every rank, which raises it
+    alike; then the run gets the computed buffers. Collective; the run is closed on failure."""
     verdict: str | None = None
     if dist.get_rank() == 0:
         try:
@@ -414,6 +522,7 @@ def prepare_rank0(
     try:
         if box[0] is not None:
             raise ConfigurationError(box[0])
+        # After the verdict: a failure here is every rank's, and not the source's.
         run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
     except BaseException:
         run.close()
@@ -422,23 +531,11 @@ def prepare_rank0(
 
 
 @define
-class Rank0Run:
-    """One build's rank-0 load: the open source (rank 0 only) and the source key of each model
-    name, streamed unit by unit."""
+class Rank0Run(LoadRun):
+    """The rank-0 load: rank 0 reads each unit and broadcasts it (FSDP1) or scatters each
+    rank's slices (FSDP2)."""
 
-    env: Environment
-    spec: LoaderSpec
-    bucket_bytes: int
-    nonfinite: str = "warn"
-    source: CheckpointSource | None = None
-    keys: dict[str, str] = attrs.field(factory=dict)
-    computed: Computed = attrs.field(factory=dict)
-
-    def close(self) -> None:
-        self.computed = {}
-        if self.source is not None:
-            self.source.close()
-            self.source = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
@@ -459,43 +556,21 @@ class Rank0Run:
                         name = next(n for n in entry.names if n in self.keys)
                         read_into(source, self.keys[name], None, entry.tensor.detach())
             except Exception as exc:  # the other ranks are about to wait for this unit
-                error = MaterializationError(
-                    f"`{self.spec.name}` could not copy unit '{unit.label}' out of "
-                    f"{source.describe}: {type(exc).__name__}: {exc}. {self.spec.fix}."
-                )
+                error = self.unreadable(unit, exc, "copy")
         agree("materialize (load)", error, unit=unit.label, group=env.agreement_group)
-        written = 0
-        # Ignored states stay where they are (another device than the group's, perhaps):
-        # they travel through a copy on the group's device.
-        tensors = [e.tensor.detach().to(device) for e in entries]
-        for group, src in sync_stages(env):
-            written += broadcast_tensors(tensors, src, group, self.bucket_bytes)
-        with torch.no_grad():
-            for entry, sent in zip(entries, tensors, strict=True):
-                if sent.data_ptr() != entry.tensor.data_ptr():
-                    entry.tensor.detach().copy_(sent)
+        # Ignored states stay where they are (another device than the group's, perhaps).
+        written = self._broadcast(entries, device)
         move_in_place(fresh, env.device)
         # Every rank now holds the same values: each decides alone, and all alike.
-        verdict = nonfinite_verdict(
-            self.nonfinite,
-            nonfinite_names((e.names[0], e.tensor.detach()) for e in entries),
-            loader=self.spec.name,
-            unit=unit.label,
-            source="rank 0's source" if source is None else source.describe,
-            alike=True,
-        )
-        if verdict is not None:
-            raise verdict
-        fill_buffers(modules, self.computed, device)
-        env.logger.debug("loaded_unit", unit=unit.label, tensors=len(tensors), bytes=written)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        named = [(e.names[0], e.tensor.detach()) for e in entries]
+        self.finish(unit, modules, device, partial(nonfinite_names, named), alike=True)
+        env.logger.debug("loaded_unit", unit=unit.label, tensors=len(entries), bytes=written)
+        return sum(e.tensor.numel() * e.tensor.element_size() for e in entries)
 
     def _scatter(self, unit: Unit) -> int:
-        """The unit is already sharded (on meta): rank 0 reads this unit's tensors, once per
-        storage (tied names share it), and sends each rank only its slices. The source was
-        validated in prepare; should reading still fail, rank 0 sends zeros in place of what
-        it could not read and raises only after the unit's last collective, so no rank is left
-        waiting (the builder then raises on every rank)."""
+        """The unit is already sharded (on meta): rank 0 reads its tensors, once per storage,
+        and sends each rank its slices. A failed read is raised after the unit's last
+        collective (rank 0 sends zeros in its place), so no rank is left waiting."""
         source = self.source
         state: dict[str, torch.Tensor] | None = None
         error: MaterializationError | None = None
@@ -508,10 +583,7 @@ class Rank0Run:
                         tensor = source.read(self.keys[present[0]])
                         state.update(dict.fromkeys(present, tensor))
             except Exception as exc:
-                error = MaterializationError(
-                    f"`{self.spec.name}` could not read unit '{unit.label}' out of "
-                    f"{source.describe}: {type(exc).__name__}: {exc}. {self.spec.fix}."
-                )
+                error = self.unreadable(unit, exc)
         scatter_error: MaterializationError | None = None
         modules = unit_modules(unit.module, self.env.ignored.modules)
         # In place, so that the ignored parameter stays the one fully_shard ignores.
@@ -522,61 +594,59 @@ class Rank0Run:
             scatter_error = exc
             received = 0  # a read error says more than the entries it left out
         received += self._broadcast_ignored(unit, state)
-        # Ranks hold different slices: with nonfinite="error" every rank takes part in the
-        # verdict (also one whose read failed), so that all raise alike.
-        names = []
-        if error is None and scatter_error is None:
-            names = nonfinite_names(
-                (e.names[0], e.tensor) for e in unit_entries(unit, self.env.ignored)
-            )
-        verdict = nonfinite_verdict(
-            self.nonfinite,
-            names,
-            loader=self.spec.name,
-            unit=unit.label,
-            source="rank 0's source" if source is None else source.describe,
-            alike=False,
-            group=self.env.agreement_group,
-        )
-        if error is not None:
-            raise error
-        if scatter_error is not None:
-            raise scatter_error
-        if verdict is not None:
-            raise verdict
-        fill_buffers(modules, self.computed, self.env.device)
+
+        def bad() -> list[str]:
+            entries = unit_entries(unit, self.env.ignored)
+            return nonfinite_names((e.names[0], e.tensor) for e in entries)
+
+        self.finish(unit, modules, self.env.device, bad, error, scatter_error, alike=False)
         return received
 
-    def _broadcast_ignored(self, unit: Unit, state: dict[str, torch.Tensor] | None) -> int:
-        """The unit's ignored states are whole on every rank: rank 0's values (``state``, None
-        elsewhere), broadcast through a copy on the group's device. Every rank joins, also
-        when rank 0's read failed. Returns the bytes received."""
-        env = self.env
-        wanted = {id(p) for p in env.ignored.params} | {id(b) for b in env.ignored.buffers}
-        entries = [e for e in unit_entries(unit, env.ignored) if id(e.tensor) in wanted]
-        if not entries:
-            return 0
-        device = collective_device(env.agreement_group)
+    def _broadcast(self, entries: list[Entry], device: torch.device) -> int:
+        """Every stage's source rank's values of ``entries``, through copies on ``device``
+        where they live elsewhere; returns the bytes received."""
+        staged = [e.tensor.detach().to(device) for e in entries]
         received = 0
+        for group, src in sync_stages(self.env):
+            received += broadcast_tensors(staged, src, group, self.bucket_bytes)
         with torch.no_grad():
-            for entry in entries:
-                value = (
-                    None
-                    if state is None
-                    else next((state[n] for n in entry.names if n in state), None)
-                )
-                if value is not None:
-                    entry.tensor.detach().copy_(value)
-            staged = [e.tensor.detach().to(device) for e in entries]
-            for group, src in sync_stages(env):
-                received += broadcast_tensors(staged, src, group, self.bucket_bytes)
             for entry, sent in zip(entries, staged, strict=True):
                 if sent.data_ptr() != entry.tensor.data_ptr():
                     entry.tensor.detach().copy_(sent)
         return received
 
+    def _broadcast_ignored(self, unit: Unit, state: dict[str, torch.Tensor] | None) -> int:
+        """The unit's ignored states, whole on every rank: rank 0's values (``state``, None
+        elsewhere) broadcast; every rank joins, also when rank 0's read failed."""
+        env = self.env
+        wanted = {id(p) for p in env.ignored.params} | {id(b) for b in env.ignored.buffers}
+        entries = [e for e in unit_entries(unit, env.ignored) if id(e.tensor) in wanted]
+        if not entries:
+            return 0
+        if state is not None:
+            for entry in entries:
+                value = next((state[n] for n in entry.names if n in state), None)
+                if value is not None:
+                    entry.tensor.detach().copy_(value)
+        return self._broadcast(entries, collective_device(env.agreement_group))
 
-# -- FromStateDict ------------------------------------------------------------------------------
+
+# -- the loaders ------------------------------------------------------------------------------
+
+
+class Loader(BaseMaterializer):
+    """A materializer that loads through the run its ``prepare`` returns."""
+
+    __slots__ = ()
+    # Honoured by backends that shard on meta (FSDP2): each rank gets only its slices.
+    shard_first: ClassVar[bool] = True
+
+    @override
+    def materialize(self, unit: Unit, env: Environment) -> int:
+        raise MaterializationError(
+            f"`{type(self).__name__}` loads through the run its prepare(env) returns; build "
+            "through a builder, which calls prepare(env) first."
+        )
 
 
 def _check_source_type(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -591,7 +661,7 @@ def _check_source_type(instance: object, attribute: attrs.Attribute[Any], value:
 
 
 @frozen
-class FromStateDict(BaseMaterializer):
+class FromStateDict(Loader):
     """Materializes from a full state dict held by global rank 0: a mapping of names to tensors,
     or a path that rank 0 reads, in any format ``fsdp_builder.sources`` knows (a ``torch.save``
     or ``.safetensors`` file, a Hugging Face folder, a DCP folder, or one you registered). Other
@@ -626,8 +696,6 @@ class FromStateDict(BaseMaterializer):
     # NaN / inf in the loaded weights: "warn" (a UserWarning naming the tensors), "error"
     # (MaterializationError on every rank) or "ignore".
     nonfinite: str = attrs.field(default="warn", validator=check_nonfinite_mode)
-    # Honoured by backends that shard on meta (FSDP2): rank 0 then scatters only the slices.
-    shard_first: ClassVar[bool] = True
 
     def describe(self) -> str:
         """What ranks compare: only rank 0's source is used, so it is left out."""
@@ -635,9 +703,8 @@ class FromStateDict(BaseMaterializer):
 
     @override
     def prepare(self, env: Environment) -> MaterializerRun:
-        """Open and validate the source on rank 0; every rank raises the same error if it does
-        not fit (collective over the build's ranks)."""
-        run = Rank0Run(env, STATE_DICT_SPEC, self.bucket_bytes, self.nonfinite)
+        """Open and validate the source on rank 0; every rank raises alike if it does not fit."""
+        run = Rank0Run(env, STATE_DICT_SPEC, self.nonfinite, bucket_bytes=self.bucket_bytes)
         return prepare_rank0(env, run, partial(self._open, env))
 
     def _open(self, env: Environment) -> tuple[CheckpointSource, Match]:
@@ -651,23 +718,23 @@ class FromStateDict(BaseMaterializer):
             )
         return open_matched(self.source, env, STATE_DICT_SPEC)
 
-    @override
-    def materialize(self, unit: Unit, env: Environment) -> int:
-        raise MaterializationError(
-            "`FromStateDict` loads through the run its prepare(env) returns; build through a "
-            "builder, which calls prepare(env) first."
-        )
-
 
 __all__ = [
     "STATE_DICT_SPEC",
     "Entry",
     "FromStateDict",
+    "KeyMap",
+    "LoadRun",
+    "Loader",
     "LoaderSpec",
     "Match",
     "Rank0Run",
-    "map_keys",
+    "check_key_map",
+    "describe_key_map",
+    "key_mapper",
+    "map_name",
     "match_source",
+    "open_as",
     "open_matched",
     "prepare_rank0",
     "report_match",
