@@ -1,19 +1,6 @@
 """Non-persistent buffers on the meta device (RoPE tables, causal masks, ``position_ids``):
-computed the way the model defines them, never loaded.
-
-A non-persistent buffer is in no state dict: its value is a function of the model's
-configuration. It is computed by the first convention that applies:
-
-1. its module's initializer by the model's convention (``fsdp_builder.materializers.
-   conventions``: a registered initializer, a transformers model's ``_init_weights``, or
-   ``reset_parameters``), run on a scratch copy of that module alone on the CPU;
-2. the model's whole-model initializer, torchtitan's ``model.init_weights(buffer_device=...)``
-   (or ``init_weights(**kwargs)``), run once on a copy of the model whose every tensor is on
-   the meta device, where weight initialization costs nothing and only the buffers it computes
-   come out real.
-
-The values are kept on the CPU to fill each unit's buffers after the unit is materialized.
-"""
+computed, never loaded, by their module's initializer run on a scratch copy on the CPU, else by
+the model's ``init_weights(buffer_device=...)`` run on a meta copy of the whole model."""
 
 from __future__ import annotations
 
@@ -29,9 +16,6 @@ from torch import nn
 
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, initializer_of, lineages
-
-# Names of whole-model initializers, in the order they are looked for on the model's root.
-WHOLE_MODEL_INITIALIZERS = ("init_weights",)
 
 # (id of the owning module, buffer name) → value
 Computed = dict[tuple[int, str], torch.Tensor]
@@ -49,11 +33,8 @@ def nonpersistent_meta(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, st
 
 
 def whole_model_initializer(model: nn.Module) -> Callable[..., Any] | None:
-    for name in WHOLE_MODEL_INITIALIZERS:
-        init = getattr(model, name, None)
-        if callable(init):
-            return init
-    return None
+    init = getattr(model, "init_weights", None)
+    return init if callable(init) else None
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -68,9 +49,8 @@ def _meta_copy(model: nn.Module) -> nn.Module:
 
 
 def _by_module(owner: nn.Module, lineage: Lineage, names: list[str]) -> dict[str, torch.Tensor]:
-    """The buffers ``names`` of ``owner`` from its own initializer, run on a copy of ``owner``
-    alone whose own states get CPU storage (its children stay meta); {} when it has none or
-    it leaves them on meta."""
+    """The buffers ``names`` of ``owner`` from its initializer, run on a copy of ``owner`` whose
+    own states are on the CPU (its children stay meta); {} when it computes none."""
     if initializer_of(owner, lineage) is None:
         return {}
     scratch = _meta_copy(owner)
@@ -89,8 +69,7 @@ def _by_module(owner: nn.Module, lineage: Lineage, names: list[str]) -> dict[str
 
 
 def whole_model_kwargs(init: Callable[..., Any], device: torch.device) -> dict[str, Any]:
-    """``buffer_device=device`` for initializers that take it by name or through ``**kwargs``
-    (torchtitan's models declare both forms), else nothing."""
+    """``buffer_device=device`` for initializers that take it (by name or ``**kwargs``)."""
     params = inspect.signature(init).parameters.values()
     takes = any(
         p.name == "buffer_device" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params
@@ -99,9 +78,8 @@ def whole_model_kwargs(init: Callable[..., Any], device: torch.device) -> dict[s
 
 
 def compute_buffers(model: nn.Module, wanted: list[tuple[nn.Module, str]]) -> Computed:
-    """The values of ``wanted`` (non-persistent buffers on meta, by owner and name) by the
-    model's convention (see the module docstring); raises MaterializationError naming the
-    buffers it cannot compute, each convention tried and the fix. Local: no collective."""
+    """The values of ``wanted`` (non-persistent buffers on meta, by owner and name); raises
+    MaterializationError naming the buffers no convention computes. Local: no collective."""
     if not wanted:
         return {}
     path = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
@@ -145,10 +123,9 @@ def _by_whole_model(
             f"The non-persistent buffers {', '.join(names[:8])} are on the meta device and no "
             "convention computes them: their modules have no initializer (reset_parameters(), "
             "a registered one, or a transformers model's _init_weights) and the model has no "
-            f"{' / '.join(WHOLE_MODEL_INITIALIZERS)}(buffer_device=...). Register an "
-            "initializer for their module class with `fsdp_builder.register_initializer(cls, "
-            "fn)`, or give the model an init_weights(buffer_device=None) as torchtitan's models "
-            "have."
+            "init_weights(buffer_device=...). Register an initializer for their module class "
+            "with `fsdp_builder.register_initializer(cls, fn)`, or give the model an "
+            "init_weights(buffer_device=None) as torchtitan's models have."
         )
     shadow = _meta_copy(model)
     shadow_init = whole_model_initializer(shadow)

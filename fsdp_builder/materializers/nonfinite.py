@@ -1,13 +1,6 @@
-"""NaN and inf in loaded weights: found per tensor a rank holds, then warned about, refused or
-let through, as the loader's ``nonfinite`` option says.
-
-The check is one sum per tensor the rank holds (finite unless the tensor holds NaN or inf, or
-the sum overflowed, which ``torch.isfinite(t).all()`` then settles).
-Where every rank holds the same values (a broadcast unit, or full tensors every rank read), each
-rank decides alone and all decide alike. Where ranks hold different slices (FSDP2 shards), an
-``"error"`` decision is agreed first, so every rank raises the same ``MaterializationError``
-instead of one rank raising while its peers wait in the next collective.
-"""
+"""NaN and inf in loaded weights, found per tensor a rank holds, then warned about, refused or
+let through, as the loader's ``nonfinite`` option says; where ranks hold different slices, an
+``"error"`` verdict is agreed so that every rank raises alike."""
 
 from __future__ import annotations
 
@@ -67,8 +60,7 @@ def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
 
 
 def _gather(names: list[str], group: dist.ProcessGroup | None) -> list[str]:
-    """Every rank's names, in rank order, without repeats (one tiny all-reduce; the names
-    travel only when some rank found any)."""
+    """Every rank's names, in rank order, without repeats (sent only when some rank found any)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return names
     count = torch.tensor([len(names)], dtype=torch.int64, device=collective_device(group))
@@ -91,10 +83,8 @@ def nonfinite_verdict(
     group: dist.ProcessGroup | None = None,
 ) -> MaterializationError | None:
     """Warn about, or return the error for, the non-finite tensors ``names`` this rank found in
-    ``unit``. ``alike``: every rank holds the same values (no exchange needed). With
-    ``mode="error"`` and ``alike=False`` every rank of ``group`` must call this for the unit (it
-    agrees, so the verdict is the same everywhere). Returns the error for the caller to raise
-    after its own cleanup; None when there is nothing to raise."""
+    ``unit``. With ``mode="error"`` and not ``alike`` (every rank holds the same values), every
+    rank of ``group`` must call this for the unit: the verdict is agreed."""
     if mode == "ignore":
         return None
     if mode == "warn":
