@@ -1,11 +1,4 @@
-"""The builders: fluent configuration, then ``build(model)`` runs the init pipeline
-(``fsdp_builder.pipeline``).
-
-Builders are single-use: ``build`` may be called once (the environment and report belong to that
-build); ``clone()`` gives an unbuilt builder with the same configuration. Each configuration call
-may be made once; a second call for the same role or option is an error, so a typo never silently
-overrides an earlier choice.
-"""
+"""The builders: fluent configuration, then ``build(model)`` runs ``fsdp_builder.pipeline``."""
 
 from __future__ import annotations
 
@@ -65,8 +58,7 @@ def _protocol_members(protocol: type) -> list[str]:
 
 
 def _require(where: str, value: Any, protocol: type, fix: str) -> None:
-    """Refuse what does not implement ``protocol``: a class instead of an instance (say how to
-    make one), or an object that lacks some of the protocol's members (name them)."""
+    """Refuse a class given for an instance, or an object lacking ``protocol``'s members."""
     if isinstance(value, type):
         raise config_error(
             f"ShardingBuilder.{where}",
@@ -109,13 +101,15 @@ def _as_group_factory(value: Any) -> GroupFactory:
 
 
 class ShardingBuilder:
-    """Fluent configuration shared by every backend; subclasses choose the backend."""
+    """Fluent configuration shared by every backend; subclasses choose the backend.
+
+    Each role and option is set once, so a typo never silently overrides an earlier choice: a
+    second call raises ConfigurationError (configure a ``clone()`` instead). A builder builds once.
+    """
 
     def __init__(self) -> None:
         self._config = BuilderConfig()
         self._result: BuildResult | None = None
-
-    # -- configuration -------------------------------------------------------------------
 
     def _set(self: B, field: str, value: Any) -> B:
         if getattr(self._config, field) is not None:
@@ -138,11 +132,10 @@ class ShardingBuilder:
         return self
 
     def device(self: B, resolver: DeviceResolver | int | str | torch.device) -> B:
-        """Which device this rank computes on (a DeviceResolver, or a device for ExplicitDevice).
+        """Which device this rank computes on: a DeviceResolver, or a device (ExplicitDevice).
 
         Raises:
-            ConfigurationError: not a resolver or device; a class instead of an instance; a CUDA
-                device without CUDA; set twice (use ``clone()``).
+            ConfigurationError: not a resolver or device; a CUDA device without CUDA.
 
         Example:
             ```python
@@ -161,8 +154,7 @@ class ShardingBuilder:
         """Which groups shard (and replicate): a GroupFactory, a group, a mesh or a pair.
 
         Raises:
-            ConfigurationError: not a factory, group, mesh or pair; a tuple of another length; set
-                twice (use ``clone()``).
+            ConfigurationError: not a factory, group, mesh or pair.
 
         Example:
             ```python
@@ -172,12 +164,11 @@ class ShardingBuilder:
         return self._set("groups", _as_group_factory(factory))
 
     def materialize(self: B, materializer: Materializer) -> B:
-        """How meta states become real (default: the backend's, ``StreamInit()`` for
-        ``FullyShardBuilder``, ``ResetParameters()`` for ``FSDPBuilder``).
+        """How meta states become real (default: ``StreamInit()`` on FullyShardBuilder,
+        ``ResetParameters()`` on FSDPBuilder).
 
         Raises:
-            ConfigurationError: not a Materializer (the missing hooks are named); a class instead of
-                an instance; set twice (use ``clone()``).
+            ConfigurationError: not a Materializer (the missing hooks are named).
 
         Example:
             ```python
@@ -191,8 +182,7 @@ class ShardingBuilder:
         """How ranks end with the same values; several run in order (default: NoSync()).
 
         Raises:
-            ConfigurationError: none given; one is not a StateSynchronizer; set twice (use
-                ``clone()``).
+            ConfigurationError: none given, or one is not a StateSynchronizer.
 
         Example:
             ```python
@@ -212,19 +202,15 @@ class ShardingBuilder:
         return self._set("synchronizer", chosen)
 
     def wrap(self: B, *policy: Any) -> B:
-        """Which modules become units: one or more classes (or an iterable of them), a
-        ``(module, fqn) -> bool``, a torch policy, or ``NoSplitModules()``. Without this call a
-        transformers model is wrapped by its ``_no_split_modules`` classes, any other model is
-        one unit.
+        """Which modules become units: module classes, a ``(module, fqn) -> bool``, a torch
+        policy, or ``NoSplitModules()``. Unset: a transformers model's ``_no_split_modules``
+        classes, else one unit. At build, classes the model has none of are refused.
 
         Raises:
-            ConfigurationError: not a module class, a two-argument predicate or a torch policy;
-                module classes of which the model has no module (the error names the classes
-                that look like its blocks); set twice (use ``clone()``).
+            ConfigurationError: not module classes, a two-argument predicate or a torch policy.
 
         Example:
             ```python
-            FSDPBuilder().wrap(TransformerBlock)
             FSDPBuilder().wrap(LlamaDecoderLayer, nn.Embedding)
             FSDPBuilder().wrap(lambda module, fqn: fqn.startswith("layers."))
             ```
@@ -236,14 +222,12 @@ class ShardingBuilder:
     ) -> B:
         """Leave modules (whole subtrees) or parameters out of sharding.
 
-        Ignored states stay unsharded, unmoved and unsynchronized, and loaders write their full
-        checkpoint values on every rank. A parameter ignored on the meta device is materialized
-        with its module (the value ``Model(config)`` gives it); a real one keeps its value.
-        States of ignored modules must be real.
+        They stay unsharded, unmoved and unsynchronized; loaders write their full values on
+        every rank. Precondition: states of ignored modules are real (an ignored parameter on
+        meta is materialized with its module). Pass everything in one call.
 
         Raises:
-            ConfigurationError: both arguments, a mix of modules and parameters, a sharded wrapper;
-                at build, an ignored module or parameter not in the model; called twice.
+            ConfigurationError: both arguments; a mix of modules and parameters; a sharded wrapper.
 
         Example:
             ```python
@@ -267,7 +251,7 @@ class ShardingBuilder:
         """FULL_SHARD (default), SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD, or their short names.
 
         Raises:
-            ConfigurationError: not a strategy or a known name; set twice (use ``clone()``).
+            ConfigurationError: not a strategy or a known name.
 
         Example:
             ```python
@@ -286,16 +270,11 @@ class ShardingBuilder:
         output_dtype: torch.dtype | str | None = None,
         cast_forward_inputs: bool | None = None,
     ) -> B:
-        """A torch MixedPrecision, or its fields as keywords, with MixedPrecision's defaults.
-        Keyword dtypes are torch dtypes or their names (``"bf16"``, ``"bfloat16"``, ``"fp16"``,
-        ``"float32"``...).
-
-        (``FullyShardBuilder`` also takes a MixedPrecisionPolicy, and maps keywords to
-        ``fully_shard``'s defaults.)
+        """A MixedPrecision (FullyShardBuilder: also a MixedPrecisionPolicy), or its fields as
+        keywords with the backend's defaults; dtypes may be names (``"bf16"``, ``"float32"``...).
 
         Raises:
-            ConfigurationError: a policy and keywords together; an unknown dtype name or an integer
-                dtype; a policy the backend cannot honour; set twice (use ``clone()``).
+            ConfigurationError: a policy and keywords together; a dtype that is not floating.
 
         Example:
             ```python
@@ -330,16 +309,14 @@ class ShardingBuilder:
         return self._option(mixed_precision=policy)
 
     def _check_backend_options(self, **changes: Any) -> None:
-        """Refuse at once, before recording them, options this builder's backend cannot take."""
         self._backend().check(ShardingOptions(**changes))
 
     def cpu_offload(self: B, offload: CPUOffload | OffloadPolicy | bool = True) -> B:
-        """Keep sharded parameters on the CPU between uses (FSDP2 also takes an OffloadPolicy /
-        CPUOffloadPolicy, used as given).
+        """Keep sharded parameters on the CPU between uses: a bool, a CPUOffload, or (FSDP2) an
+        OffloadPolicy used as given.
 
         Raises:
-            ConfigurationError: not a bool, CPUOffload or OffloadPolicy; a policy the backend cannot
-                honour; set twice (use ``clone()``).
+            ConfigurationError: not a bool, a CPUOffload or an OffloadPolicy the backend takes.
 
         Example:
             ```python
@@ -351,15 +328,11 @@ class ShardingBuilder:
 
     def per_unit(self: B, fn: PerUnitFn) -> B:
         """Per-unit overrides: ``fn(module, fqn)`` returns the backend's own arguments for that
-        unit (``FullyShardedDataParallel``'s or ``fully_shard``'s), or None for none.
-
-        ``fn`` is called for every unit in the configure stage, where its results are checked,
-        and again when the unit is sharded: keep it a pure function of its arguments.
+        unit, or None. Precondition: ``fn`` is pure (it is called when checking and again when
+        sharding). At build, arguments a unit cannot take, or ``fn`` raising, are refused.
 
         Raises:
-            ConfigurationError: ``fn`` is not callable; set twice (use ``clone()``). At build,
-                before any collective: an argument the backend cannot set per unit, or a value
-                of the wrong type (named, with the fix); ``fn`` raising (named with the unit).
+            ConfigurationError: ``fn`` is not callable.
 
         Example:
             ```python
@@ -379,15 +352,12 @@ class ShardingBuilder:
         return self._option(per_unit=fn)
 
     def activation_checkpointing(self: B, policy: Any) -> B:
-        """Activation checkpointing for the modules ``policy`` chooses (module classes or a
-        ``(module, fqn) -> bool``): each is wrapped in torch's ``checkpoint_wrapper``
-        (non-reentrant) before its unit is sharded; a chosen module inside another chosen one is
-        not wrapped again. State-dict keys stay those of the unwrapped model.
+        """Wrap the outermost modules ``policy`` chooses (module classes or a ``(module, fqn) ->
+        bool``) in torch's non-reentrant ``checkpoint_wrapper`` before their unit is sharded;
+        state-dict keys stay the same. At build, a policy choosing no module is refused.
 
         Raises:
-            ConfigurationError: not module classes or a ``(module, fqn)`` predicate; set twice (use
-                ``clone()``). At build, before any collective: a policy that chooses no module
-                of the model (the classes that look like its blocks are named).
+            ConfigurationError: not module classes or a ``(module, fqn)`` predicate.
 
         Example:
             ```python
@@ -397,15 +367,12 @@ class ShardingBuilder:
         return self._option(activation_checkpointing=checkpoint_predicate(policy))
 
     def compile(self: B, per_unit: bool = True, **torch_compile_kwargs: Any) -> B:
-        """``torch.compile`` in place (``module.compile(**torch_compile_kwargs)``: same slots,
-        same state-dict keys). ``per_unit=True``: each unit below the root, after its activation
-        checkpointing and before it is sharded, as torchtitan compiles each block;
-        ``per_unit=False``: the whole model, its root compiled after sharding. The keywords are
-        torch.compile's own (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``...).
+        """``module.compile(**torch_compile_kwargs)`` in place (same slots and state-dict keys):
+        each unit below the root before it is sharded (``per_unit=True``), or the sharded root
+        (``per_unit=False``). At build, ``per_unit=True`` with no unit below the root is refused.
 
         Raises:
-            ConfigurationError: a keyword torch.compile does not take; ``mode`` with ``options``;
-                ``per_unit=True`` with no unit below the root; set twice (use ``clone()``).
+            ConfigurationError: a keyword torch.compile does not take; ``mode`` with ``options``.
 
         Example:
             ```python
@@ -419,11 +386,11 @@ class ShardingBuilder:
         backward: BackwardPrefetch | str | None = BackwardPrefetch.BACKWARD_PRE,
         forward: bool = False,
     ) -> B:
-        """Backward prefetch mode (or None) and forward prefetch.
+        """Backward prefetch mode (or None) and forward prefetch; FullyShardBuilder takes only
+        BACKWARD_PRE and ``forward=False``.
 
         Raises:
-            ConfigurationError: an unknown mode; a mode FSDP2 cannot honour (FullyShardBuilder); set
-                twice (use ``clone()``).
+            ConfigurationError: an unknown mode, or one the backend cannot honour.
 
         Example:
             ```python
@@ -436,7 +403,7 @@ class ShardingBuilder:
         """FSDP1's ``limit_all_gathers`` (FSDP2 always limits them; False is refused there).
 
         Raises:
-            ConfigurationError: not a bool; False on FullyShardBuilder; set twice.
+            ConfigurationError: not a bool; False on FullyShardBuilder.
 
         Example:
             ```python
@@ -446,10 +413,10 @@ class ShardingBuilder:
         return self._option(limit_all_gathers=enabled)
 
     def use_orig_params(self: B, enabled: bool = True) -> B:
-        """FSDP1's ``use_orig_params`` (FSDP2 always keeps the original parameters).
+        """FSDP1's ``use_orig_params`` (FSDP2 always keeps them; False is refused there).
 
         Raises:
-            ConfigurationError: not a bool; False on FullyShardBuilder; set twice.
+            ConfigurationError: not a bool; False on FullyShardBuilder.
 
         Example:
             ```python
@@ -459,14 +426,12 @@ class ShardingBuilder:
         return self._option(use_orig_params=enabled)
 
     def timeout(self: B, seconds: float) -> B:
-        """Bound every wait of the build: a collective that does not complete within
-        ``seconds`` (a peer died, hangs or never arrived) makes every surviving rank raise
-        ``CommunicationError`` naming the stage, the unit and, where the store can tell, the
-        missing ranks. Without it the process groups' own timeouts apply (30 min on gloo,
-        10 min on NCCL by default).
+        """Bound every wait of the build: a collective not done within ``seconds`` makes every
+        surviving rank raise ``CommunicationError`` naming the stage, unit and missing ranks.
+        Unset, the process groups' own timeouts apply (30 min on gloo, 10 min on NCCL).
 
         Raises:
-            ConfigurationError: not a positive number; set twice (use ``clone()``).
+            ConfigurationError: not a positive, finite number of seconds.
 
         Example:
             ```python
@@ -508,8 +473,6 @@ class ShardingBuilder:
     def config(self) -> BuilderConfig:
         return self._config
 
-    # -- results -------------------------------------------------------------------------
-
     def _built(self) -> BuildResult:
         if self._result is None:
             raise ConfigurationError(
@@ -529,8 +492,6 @@ class ShardingBuilder:
     def plan(self) -> UnitPlan:
         return self._built().environment.plan
 
-    # -- building ------------------------------------------------------------------------
-
     def _backend(self) -> Backend:
         raise NotImplementedError
 
@@ -541,11 +502,11 @@ class ShardingBuilder:
     def build(self, model: nn.Module) -> nn.Module:
         """Shard ``model``; every rank of the group calls this with the same model.
 
-        Preconditions: the default process group is initialized; the model is an nn.Module.
+        Precondition: the default process group is initialized.
 
         Raises:
             ConfigurationError: a bad configuration or model, on every rank before any collective,
-                model untouched; a second call.
+                model untouched.
             RankDisagreementError: some ranks failed a step, or configured or built differently.
             CommunicationError: a peer died or did not arrive within ``timeout``.
             MaterializationError: a materializer could not give states values.
@@ -581,17 +542,15 @@ class FSDPBuilder(ShardingBuilder):
 
 
 class FullyShardBuilder(ShardingBuilder):
-    """Builds ``torch.distributed.fsdp.fully_shard`` (FSDP2) models; see
-    ``fsdp_builder.backends.fsdp2`` for how each option maps and which ones are refused."""
+    """Builds ``torch.distributed.fsdp.fully_shard`` (FSDP2) models."""
 
     def reshard_after_forward(self: B, value: bool | int) -> B:
         """``fully_shard``'s ``reshard_after_forward`` for every unit, the root included: True,
-        False, or the size of the group parameters are resharded to after forward. Unset, it
-        follows the strategy (and the root keeps its parameters after forward).
+        False, or the group size to reshard to. Unset, it follows the strategy (the root keeps
+        its parameters); a value contradicting an explicit ``.sharding(...)`` is refused.
 
         Raises:
-            ConfigurationError: not a bool or a positive int; a value that contradicts
-                ``.sharding(...)``; set twice (use ``clone()``).
+            ConfigurationError: not a bool or a positive int.
 
         Example:
             ```python
@@ -605,7 +564,7 @@ class FullyShardBuilder(ShardingBuilder):
         """``fully_shard``'s ``shard_placement_fn`` (a ``Shard(dim)`` or None per parameter).
 
         Raises:
-            ConfigurationError: not callable; set twice (use ``clone()``).
+            ConfigurationError: not callable.
 
         Example:
             ```python

@@ -1,17 +1,6 @@
-"""``.compile(...)``: ``torch.compile`` of each unit, or of the whole model, in place.
-
-Order, as torchtitan applies it: tensor parallelism (the user's, before the build), activation
-checkpointing, compile, then ``fully_shard`` of each unit; the root last.
-
-- ``per_unit=True``: every unit but the root is compiled with ``module.compile(**kwargs)``
-  right before the backend shards it (after its checkpoint wrapper, when the unit is chosen for
-  activation checkpointing: the wrapper is what gets compiled and sharded). The root (embeddings,
-  head...) is not compiled, as torchtitan compiles only the blocks.
-- ``per_unit=False``: the root is compiled after it is sharded: the whole model.
-
-``module.compile`` compiles in place: the module keeps its slot in its parent and its
-state-dict keys (no ``_orig_mod.`` prefix, which ``torch.compile(module)`` would add).
-"""
+"""``.compile(...)``: ``module.compile`` of each unit below the root before it is sharded (as
+torchtitan compiles only the blocks), or of the sharded root. In place, so no ``_orig_mod.`` key
+prefix; see docs/recipes/composition.md for the order."""
 
 from __future__ import annotations
 
@@ -133,8 +122,7 @@ def _check_mode(mode: Any) -> None:
 
 
 def check_units(spec: CompileSpec, unit_count: int, where: str) -> None:
-    """``per_unit=True`` compiles the units below the root: refuse a plan with none, rather
-    than compile nothing."""
+    """Refuse ``per_unit=True`` on a plan with no unit below the root (nothing to compile)."""
     if spec.per_unit and unit_count <= 1:
         raise config_error(
             where,
@@ -147,7 +135,7 @@ def check_units(spec: CompileSpec, unit_count: int, where: str) -> None:
 
 
 def compile_in_place(module: nn.Module, spec: CompileSpec) -> nn.Module:
-    """``module.compile(**kwargs)``: compiled in place, same slot, same state-dict keys."""
+    """``module.compile(**kwargs)``: in place, same slot, same state-dict keys."""
     module.compile(**spec.compile_kwargs)
     return module
 

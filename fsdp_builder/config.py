@@ -55,9 +55,7 @@ def to_sharding_strategy(value: ShardingStrategy | str) -> ShardingStrategy:
     )
 
 
-# Which modules are activation-checkpointed: ``(module, fqn) -> bool``.
 CheckpointPredicate: TypeAlias = Callable[[nn.Module, str], bool]
-# A per-unit override function: ``(module, fqn) -> {argument: value}`` or None for no override.
 PerUnitFn: TypeAlias = Callable[[nn.Module, str], "Mapping[str, Any] | None"]
 
 
@@ -95,7 +93,6 @@ def _to_names(value: Iterable[str]) -> frozenset[str]:
     return frozenset(value)
 
 
-# Dtype names users type, as torch's floating dtypes.
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -113,8 +110,7 @@ _MIXED_PRECISION_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype", "outpu
 
 
 def to_dtype(value: Any, argument: str, where: str = "ShardingBuilder.mixed_precision") -> Any:
-    """A floating ``torch.dtype`` from a dtype or its name (``"bf16"``, ``"bfloat16"``,
-    ``"torch.float32"``, ``"fp16"``...); None stays None. Anything else is a ConfigurationError."""
+    """A floating ``torch.dtype`` from a dtype or its name (``"bf16"``...); None stays None."""
     if value is None:
         return None
     dtype = value
@@ -169,8 +165,7 @@ def _check_mixed_precision(_inst: Any, _attr: Any, value: Any) -> None:
 
 
 def check_reshard_after_forward(value: Any, where: str = "reshard_after_forward") -> None:
-    """``fully_shard``'s ``reshard_after_forward``: a bool, or a positive int (the group size
-    parameters are resharded to after forward)."""
+    """``fully_shard``'s ``reshard_after_forward``: a bool, or a positive int (a group size)."""
     if isinstance(value, bool) or (isinstance(value, int) and value >= 1):
         return
     raise config_error(
@@ -208,10 +203,8 @@ def _check_bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 @frozen
 class ShardingOptions:
-    """What FSDP's core/runtime/prefetch init steps store, validated once.
-
-    ``explicit`` names the options the user set, so a backend can refuse ones it cannot honour.
-    """
+    """What FSDP's init steps store, validated once; ``explicit`` names the options the user
+    set, so a backend refuses only those it cannot honour."""
 
     strategy: ShardingStrategy = attrs.field(
         default=ShardingStrategy.FULL_SHARD, converter=to_sharding_strategy
@@ -233,13 +226,10 @@ class ShardingOptions:
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = attrs.field(
         default=None, validator=_check_callable
     )
-    # Per-unit overrides of the backend's own arguments, ``(module, fqn) -> dict | None``.
     per_unit: PerUnitFn | None = attrs.field(default=None, validator=_check_callable)
-    # Modules wrapped in torch's checkpoint_wrapper before their unit is sharded.
     activation_checkpointing: CheckpointPredicate | None = attrs.field(
         default=None, validator=_check_callable
     )
-    # torch.compile of each unit below the root, or of the whole model (see compiling.py).
     compile: CompileSpec | None = attrs.field(default=None)
     explicit: frozenset[str] = attrs.field(default=frozenset(), converter=_to_names)
 

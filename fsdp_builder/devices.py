@@ -1,9 +1,4 @@
-"""DeviceResolver role: which device this rank computes on.
-
-Mirrors FSDP's device rules: an explicit device wins (``cuda`` without an index means the current
-device, with a warning); otherwise the device is inferred from the module's parameters, and a module
-spread over two non-CPU device types, or over CPU and a GPU without an explicit device, is refused.
-"""
+"""DeviceResolver role: which device this rank computes on, by FSDP's device rules."""
 
 from __future__ import annotations
 
@@ -179,8 +174,7 @@ class CPUDevice(BaseDeviceResolver):
 
 @frozen
 class InferredDevice(BaseDeviceResolver):
-    """The non-CPU device the parameters are on; for CPU/meta modules, the current CUDA device
-    when CUDA is available, else the CPU.
+    """The non-CPU device the parameters are on; else the current CUDA device, else the CPU.
 
     Raises:
         ConfigurationError: parameters on two device types.
@@ -215,8 +209,7 @@ class InferredDevice(BaseDeviceResolver):
 
 
 def check_single_device(params: Iterable[nn.Parameter], explicit: bool) -> None:
-    """A module must sit on one device, except CPU + one other when the device is explicit
-    (its CPU part is moved there)."""
+    """One device, or CPU + one other when the device is explicit (the CPU part is moved)."""
     devices = {p.device for p in params if p.device.type != "meta"}
     if len(devices) == 2 and CPU in devices:
         if not explicit:

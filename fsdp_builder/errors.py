@@ -28,9 +28,7 @@ class StateMismatchError(FSDPBuilderError, RuntimeError):
 
 class RankDisagreementError(FSDPBuilderError, RuntimeError):
     """At least one rank failed a step, or ranks built different models; raised on every rank.
-
-    ``failures`` maps each failing rank to its message.
-    """
+    ``failures`` maps each failing rank to its message."""
 
     def __init__(self, stage: str, failures: dict[int, str], unit: str | None = None) -> None:
         self.stage = stage
@@ -44,13 +42,8 @@ class RankDisagreementError(FSDPBuilderError, RuntimeError):
 
 
 class CommunicationError(FSDPBuilderError, RuntimeError):
-    """A collective of the build failed or timed out: a peer died, hangs or never arrived.
-    Raised on every surviving rank; ``__cause__`` is the rank's own local error when it had one,
-    else the backend's error.
-
-    ``missing_ranks`` lists the ranks that did not reach the stage, where the store could tell
-    (else it is empty).
-    """
+    """A collective of the build failed or timed out (a peer died, hangs or never arrived);
+    raised on every surviving rank. ``missing_ranks``: those that did not arrive, where known."""
 
     def __init__(
         self,
@@ -86,26 +79,16 @@ def config_error(where: str, argument: str, problem: str, fix: str) -> Configura
 
 
 class ExportError(FSDPBuilderError, RuntimeError):
-    """Writing a checkpoint failed (the folder, the disk, a state or the key map); raised on
-    every rank alike, with the OS's or torch's error as ``__cause__``; what the export had
-    written is removed."""
+    """Writing a checkpoint failed; raised on every rank alike, with the OS's or torch's error
+    as ``__cause__``; what the export had written is removed."""
 
 
-# An attrs validator: (instance, attribute, value) -> None, raising to refuse.
 Validator = Callable[[Any, Any, Any], None]
 
 
 def checked(validator: Validator, expected: str, fix: str) -> Validator:
-    """An attrs validator that runs ``validator`` (e.g. ``attrs.validators.instance_of(bool)``)
-    and turns what it raises (attrs' own TypeError, whose message is a tuple holding the
-    ``Attribute``) into a ConfigurationError that names the class, the argument, what was
-    ``expected`` and the ``fix``::
-
-        allocate: bool = attrs.field(
-            default=False,
-            validator=checked(instance_of(bool), "True or False", "Pass allocate=True ..."),
-        )
-    """
+    """``validator`` (e.g. ``instance_of(bool)``) with its TypeError or ValueError, whose
+    message is unreadable, turned into a ConfigurationError naming ``expected`` and ``fix``."""
 
     def check(instance: Any, attribute: Any, value: Any) -> None:
         try:

@@ -1,7 +1,6 @@
 """GroupFactory role: the process groups (or device mesh) that shard and replicate.
 
-Hybrid layouts follow FSDP's convention: parameters are sharded inside a node (the shard group,
-mesh dim 1) and replicated across nodes (the replicate group, mesh dim 0).
+Hybrid layouts follow FSDP: shard inside a node (mesh dim 1), replicate across nodes (dim 0).
 """
 
 from __future__ import annotations
@@ -111,13 +110,12 @@ def _check_group(where: str, argument: str, value: object) -> None:
 
 @frozen
 class AutoHybridGroups(BaseGroupFactory):
-    """Hybrid groups from devices per node: shard within a node, replicate across nodes.
-
-    ``devices_per_node`` defaults to the CUDA device count, else ``LOCAL_WORLD_SIZE``.
+    """Hybrid groups: shard within a node, replicate across nodes. ``devices_per_node``
+    defaults to the CUDA device count, else ``LOCAL_WORLD_SIZE``.
 
     Raises:
-        ConfigurationError: ``devices_per_node`` is not a positive int or does not divide the
-            world size; the strategy is not hybrid; ranks resolved different node sizes.
+        ConfigurationError: a node size that is not positive, does not divide the world or
+            differs between ranks; a strategy that is not hybrid.
 
     Example:
         ```python
@@ -211,9 +209,6 @@ class AutoHybridGroups(BaseGroupFactory):
 class DefaultGroups(BaseGroupFactory):
     """Shard over the default (world) group; hybrid strategies get automatic node groups.
 
-    Raises:
-        ConfigurationError: no initialized default process group.
-
     Example:
         ```python
         FSDPBuilder().groups(DefaultGroups())  # the default when .groups() is not called
@@ -273,11 +268,8 @@ class GivenGroup(BaseGroupFactory):
 
 @frozen(eq=False)
 class HybridGroups(BaseGroupFactory):
-    """A given (shard group, replicate group) pair for hybrid strategies.
-
-    Raises:
-        ConfigurationError: not ProcessGroups; a strategy that is not hybrid; groups that do not
-            cover the world.
+    """A given (shard group, replicate group) pair for hybrid strategies; together they cover
+    the world.
 
     Example:
         ```python
@@ -329,8 +321,7 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def describe_mesh(mesh: DeviceMesh) -> str:
-    """``dims ('dp',) (size 2) of the ('dp', 'tp') mesh (2, 2)``: which dims a mesh uses, and of
-    what, for messages."""
+    """Which dims a mesh uses, and of what, for messages (``dims ('dp',) (2,) of ...``)."""
     names = mesh.mesh_dim_names
     shape = tuple(mesh.shape)
     root = root_mesh(mesh)
@@ -341,8 +332,7 @@ def describe_mesh(mesh: DeviceMesh) -> str:
 
 
 def other_dims(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The dims of the mesh ``mesh`` was sliced from that it does not use (e.g. ``('tp',)``):
-    the dims the parameters are already placed on, which FSDP does not shard over."""
+    """The root mesh's dims that ``mesh`` does not use (e.g. ``('tp',)``)."""
     root = root_mesh(mesh)
     if root is mesh or not root.mesh_dim_names:
         return ()
@@ -365,9 +355,8 @@ def check_mesh_ndim(mesh: DeviceMesh, where: str) -> None:
 
 
 def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None:
-    """A mesh fits the strategy: 2-D for hybrid, 1-D otherwise, spanning the whole world, or
-    sliced (its data-parallel dims) from a mesh that spans the whole world, whose other dims
-    (tensor parallelism...) the parameters are already placed on."""
+    """A mesh fits the strategy: 2-D for hybrid, 1-D otherwise, spanning the world itself or
+    sliced from a mesh that does."""
     check_mesh_ndim(mesh, where)
     hybrid = strategy in HYBRID_STRATEGIES
     used = describe_mesh(mesh)
@@ -408,10 +397,8 @@ def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None
 
 
 def check_placed_on_other_dims(mesh: DeviceMesh | None, model: nn.Module, where: str) -> None:
-    """A mesh sliced from a larger one (FSDP's data-parallel dims) that does not span the world
-    needs parameters already placed on the other dims (e.g. ``parallelize_module`` on
-    ``mesh["tp"]``): else the ranks along those dims would each train their own copy of the
-    model. Local: reads the parameters' DTensor meshes only."""
+    """A data-parallel slice that does not span the world needs parameters already placed on
+    the other dims, else the ranks along them would each train their own copy. Local."""
     if mesh is None or root_mesh(mesh) is mesh or mesh.size() == dist.get_world_size():
         return
     # By dim names, not by mesh identity: torch may hand out a cached slice of an equal
@@ -471,16 +458,13 @@ def _checked_dims(mesh: DeviceMesh, dims: Any) -> tuple[str, ...]:
 class MeshGroups(BaseGroupFactory):
     """A device mesh: 1-D for sharding over one group; 2-D ``(replicate, shard)`` for hybrid.
 
-    Next to tensor parallelism, pass the data-parallel dims of the full mesh: ``mesh["dp"]``
-    (or ``MeshGroups(mesh, dims=("dp",))``; for hybrid sharding
-    ``mesh["dp_replicate", "dp_shard"]``). FSDP shards over those dims; the parameters must
-    already be placed on the other dims (``parallelize_module(model, mesh["tp"], plan)`` before
-    the build). Every rank of the world still builds and agrees together.
+    Next to tensor parallelism pass the data-parallel slice (``mesh["dp"]``, or
+    ``MeshGroups(mesh, dims=("dp",))``); precondition: the parameters are already placed on the
+    other dims. Every rank of the world still builds and agrees together.
 
     Raises:
-        ConfigurationError: not a DeviceMesh; a mesh of the wrong dimension for the strategy;
-            a mesh that does not span the world (unless it is the data-parallel slice of a
-            larger mesh the model is already placed on); the dims named.
+        ConfigurationError: not a DeviceMesh; a mesh of the wrong dimension for the strategy; a
+            mesh that does not span the world and is not such a slice.
 
     Example:
         ```python
@@ -512,8 +496,6 @@ class MeshGroups(BaseGroupFactory):
         check_mesh(self.mesh, strategy, "MeshGroups")
 
     def check_context(self, context: ConfigureContext) -> None:
-        """In the configure stage, with the model: a data-parallel slice needs the parameters
-        already placed on the mesh's other dims."""
         check_placed_on_other_dims(self.mesh, context.model, "MeshGroups")
 
     @override

@@ -1,18 +1,5 @@
-"""Which torch each feature needs: one table, and the checks the configure stage runs.
-
-``setup.cfg`` declares the oldest torch the whole test subset passes on (see
-``docs/torch_versions.md`` and ``benchmarks/results/compat.md``). Images on GPU clusters often pin
-an older torch and install this library with ``--no-deps``; for them, each feature that an older
-torch cannot do is listed in :data:`FEATURES` with the first torch release that can, and the
-builder refuses it in the configure stage (before any collective, the model untouched) with a
-``ConfigurationError`` naming the feature and that release, instead of a torch-internal traceback
-in the middle of a build.
-
-Only the release (major, minor) is compared: nightlies and vendor builds such as
-``2.8.0a0+git1234`` or ``2.8.0a0+nv25.05`` count as 2.8. A version that does not start with
-``major.minor`` (some custom builds) is taken for the newest release the gates know, with a
-warning.
-"""
+"""Which torch each feature needs (:data:`FEATURES`), and the configure-stage checks that refuse
+a feature this torch lacks, naming the release that has it (see docs/torch_versions.md)."""
 
 from __future__ import annotations
 
@@ -36,12 +23,8 @@ Release = tuple[int, int]
 
 @frozen
 class Feature:
-    """A feature some torch releases cannot do.
-
-    ``name``: how messages name it. ``minimum``: the first (major, minor) release that can.
-    ``why``: what goes wrong on an older torch. ``fix``: what to do instead of upgrading, if
-    anything.
-    """
+    """A feature some torch releases cannot do: ``minimum`` is the first that can, ``why`` what
+    goes wrong before it, ``fix`` what to do instead of upgrading."""
 
     name: str
     minimum: Release
@@ -100,8 +83,7 @@ FEATURES: Final[dict[str, Feature]] = {
 
 
 def parse_release(version: str) -> Release:
-    """``"2.8.0+cpu"`` → ``(2, 8)``; anything after major.minor (patch, pre-release, local
-    label) is ignored."""
+    """``"2.8.0a0+git1234"`` → ``(2, 8)``: only major.minor counts."""
     match = re.match(r"\s*(\d+)\.(\d+)", version)
     if match is None:
         raise ValueError(f"not a torch version: {version!r}")
@@ -114,9 +96,8 @@ def newest_known() -> Release:
 
 
 def torch_release() -> Release:
-    """The (major, minor) release of the torch imported here. A custom build whose
-    ``__version__`` does not start with ``major.minor`` is taken for :func:`newest_known`
-    (every gate open), with a warning, rather than refused: such builds are usually recent."""
+    """This torch's (major, minor). An unreadable version is taken for :func:`newest_known`,
+    with a warning, rather than refused: such custom builds are usually recent."""
     return _release_of(str(torch.__version__))
 
 
@@ -150,9 +131,8 @@ def supports(feature: str, release: Release | None = None) -> bool:
 
 
 def require(feature: str, where: str, argument: str) -> None:
-    """Raise ``ConfigurationError`` naming the feature and its minimum torch when this torch
-    cannot do ``feature``. ``where`` and ``argument`` name the call that asked for it, as in
-    every configuration error."""
+    """Raise ``ConfigurationError`` (naming ``where``, ``argument`` and the minimum torch) when
+    this torch cannot do ``feature``."""
     if supports(feature):
         return
     needed = FEATURES[feature]
@@ -183,10 +163,8 @@ def check_fully_shard(
     device: torch.device,
     ignored_params: Iterable[object] = (),
 ) -> None:
-    """The version gates of a ``fully_shard`` build, run by its backend in the configure stage
-    once the compute device is known: ``strategy`` is the configured one (before clamping to the
-    world size). Raises ``ConfigurationError`` for the first feature this torch cannot do.
-    (FSDP1 needs nothing beyond the declared floor.)"""
+    """The version gates of a ``fully_shard`` build (``strategy`` as configured, before clamping
+    to the world size); FSDP1 needs nothing beyond the declared floor."""
     where = "FullyShardBuilder"
     if any(True for _ in ignored_params):
         require(FSDP2_IGNORED_PARAMS, f"{where}.ignore", "states")
