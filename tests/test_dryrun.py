@@ -3,13 +3,17 @@
 One spawn of 2 gloo ranks and one of 4 run the real builds; the dry run simulates the same
 configurations in the test process on torch's fake process group. Expected values come from
 the real builds, inspected with plain PyTorch (local shards of FSDP2's DTensors, FSDP1's flat
-parameters), and from ``safetensors.torch.load_file``.
+parameters) or measured (the kernel's resident high-water mark), and from
+``safetensors.torch.load_file``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Hashable, Iterator
 from functools import partial
@@ -26,12 +30,15 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.models import BenchConfig, BenchTransformer
+from benchmarks.models import Block as BenchBlock
 from fsdp_builder import (
     AutoHybridGroups,
     FromCheckpoint,
     FSDPBuilder,
     FullyShardBuilder,
     KeepAsIs,
+    ResetParameters,
     ShardingBuilder,
 )
 from fsdp_builder.tools.cli import main
@@ -248,7 +255,114 @@ def test_read_plan_bytes_equal_a_real_load(backend: str, folder: Path) -> None:
         assert not first & second  # the two ranks read disjoint rows
 
 
-# -- (3) scale ----------------------------------------------------------------------------------
+# -- (3) per-rank build peak ------------------------------------------------------------------
+
+# The benchmark harness's model and a transformers Llama, large enough (about 54 and 41 MiB)
+# that the build's own bytes dwarf the few hundred KiB of Python objects a build also makes.
+BENCH = BenchConfig(vocab=4096, dim=512, heads=8, layers=3)
+PEAK_LLAMA = {**TINY_LLAMA, "hidden_size": 512, "intermediate_size": 1536, "vocab_size": 4096}
+PEAK_LLAMA |= {"num_attention_heads": 8, "num_key_value_heads": 4}
+PEAK_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module]]] = {
+    # (the measured model, a tiny one of the same classes for the warm-up build)
+    "bench": (
+        lambda: BenchTransformer(BENCH),
+        lambda: BenchTransformer(BenchConfig(vocab=256, dim=64, heads=1, layers=2)),
+    ),
+    "llama": (
+        lambda: LlamaForCausalLM(LlamaConfig(**PEAK_LLAMA)),
+        lambda: LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)),
+    ),
+}
+PEAK_BUILDERS: dict[str, Callable[[], ShardingBuilder]] = {
+    "fsdp2": FullyShardBuilder,  # its default StreamInit: shards first
+    "fsdp2_reset": lambda: FullyShardBuilder().materialize(ResetParameters()),  # unit by unit
+    "fsdp1": FSDPBuilder,  # ResetParameters, then FSDP1 flattens and cuts each unit
+}
+
+
+def peak_builder(builder: str, model: str) -> ShardingBuilder:
+    made = PEAK_BUILDERS[builder]()
+    return made.wrap(BenchBlock) if model == "bench" else made
+
+
+def _resident(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def measured_peak(builder: str, model: str) -> int:
+    """Resident bytes the real build adds at its peak: the kernel's high-water mark, reset just
+    before the build, over the level then. A tiny build of the same classes runs first, so lazy
+    imports and first-call caches are not counted."""
+    measured, warm_up = PEAK_MODELS[model]
+    with torch.device("meta"):
+        tiny = warm_up()
+    peak_builder(builder, model).build(tiny)
+    with torch.device("meta"):
+        meta = measured()
+    del tiny
+    gc.collect()
+    dist.barrier()
+    before = _resident("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    built = peak_builder(builder, model).build(meta)
+    peak = _resident("VmHWM:") - before
+    del built
+    return peak
+
+
+def peak_main() -> Results:
+    # As the benchmark harness does, a fixed mmap threshold, here 64 KiB: every tensor but the
+    # smallest is a mapping of its own, whose pages leave the resident set when it is freed.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD
+    return run_each(
+        ((b, m), partial(measured_peak, b, m)) for m in PEAK_MODELS for b in PEAK_BUILDERS
+    )
+
+
+PEAK_SPAWNS = Spawns(peak_main, timeout=200)
+
+
+@pytest.mark.skipif(
+    not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resident high-water mark"
+)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", list(PEAK_MODELS))
+@pytest.mark.parametrize("builder", list(PEAK_BUILDERS))
+def test_predicted_build_peak_is_within_10_percent_of_the_real_builds(
+    builder: str, model: str, world: int
+) -> None:
+    measured = values(PEAK_SPAWNS(world), (builder, model))
+    made = PEAK_MODELS[model][0]
+    run = simulate(partial(peak_builder, builder, model), made, world, ranks=range(world))
+    predicted = [r.build_peak for r in run.runs]
+    assert all(abs(p - m) <= 0.1 * m for p, m in zip(predicted, measured, strict=True)), (
+        f"predicted {predicted}, measured {measured}"
+    )
+
+
+def test_training_step_peak_from_fsdp_mem_tracker() -> None:
+    def step(model: nn.Module) -> torch.Tensor:
+        ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 16))
+        loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+        return loss
+
+    fsdp2 = simulate(FullyShardBuilder, llama, 8, ranks=(0,), step=step).runs[0]
+    assert fsdp2.ok, fsdp2.error
+    assert fsdp2.step_peak is not None, fsdp2.step_note
+    # Shards of 1/8 of each parameter's rows (torch.chunk), and AdamW's two states of each.
+    shards = sum(torch.chunk(torch.empty(p.shape), 8)[0].nbytes for p in llama().parameters())
+    assert fsdp2.step_peak["Sharded Param"] == shards
+    assert 2 * shards <= fsdp2.step_peak["OptState"] <= 2 * shards + 4 * 64  # + step counters
+    assert fsdp2.step_peak["Total"] > shards * 3
+    fsdp1 = simulate(FSDPBuilder, llama, 8, ranks=(0,), step=step).runs[0]
+    assert fsdp1.ok and fsdp1.step_peak is None
+    assert fsdp1.step_note == "FSDPMemTracker tracks fully_shard (FSDP2) models only"
+
+
+# -- (4) scale ----------------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(120)

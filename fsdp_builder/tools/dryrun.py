@@ -23,10 +23,11 @@ What is simulated, and how:
   tensor and the byte range each read of this rank would touch (from the file's header), through
   the sources' recorder (``hf_safetensors.RECORDER``), set for this build's context only.
 
-What it measures per rank is exact for the simulated build (the local shards' shapes and bytes,
-the reads); what it cannot know is the device: real bandwidth, NCCL, allocator fragmentation
-and communication buffers. ``build_peak`` is the estimate of ``fsdp_builder.tools.estimate``
-for the strategy and shard group size the build resolved.
+What it measures per rank is exact for the simulated build: the local shards' shapes and bytes,
+the reads, and ``build_peak``, the most bytes of FakeTensor storage alive at once from their
+first write (the pages the real build touches). With ``step``, torch's ``FSDPMemTracker``
+gives a training step's peak (FSDP2 only). What it cannot know is the device: bandwidth, NCCL,
+allocator caching and fragmentation.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_builder.builder import ShardingBuilder, builder_for
 from fsdp_builder.devices import ExplicitDevice
@@ -75,6 +77,13 @@ _STRATEGY_NAMES = {
 # In-place fills whose result a FakeTensor cannot hold anyway: answered without dispatch (the
 # block-seeded initializers call them once per 64 Ki elements).
 _FILLS = frozenset({"normal_", "uniform_", "fill_", "zero_", "bernoulli_", "exponential_"})
+
+# Allocations a real build does not hold until written (their pages are never touched): FSDP1
+# makes its unsharded flat buffers this way and frees them by resizing their storage.
+_UNWRITTEN = frozenset(
+    {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.new_empty}
+    | {torch.ops.aten.new_empty_strided, torch.ops.aten.empty_like}
+)
 
 # Bytes per element of safetensors' dtype names.
 _ST_ITEMSIZE = {
@@ -126,6 +135,9 @@ class RankRun:
     largest_unit_bytes: int = 0
     build_peak: int | None = None
     reads: tuple[Read, ...] = ()
+    # Bytes by FSDPMemTracker's category ("Total": the peak) of the training step, or why none.
+    step_peak: dict[str, int] | None = None
+    step_note: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -164,11 +176,15 @@ class DryRun:
 
 class _NoStorage(TorchDispatchMode):
     """Floating-point tensors made from nothing (factories, copies off meta) become FakeTensors;
-    everything else (the agreements' integers, tensors with data) runs as usual."""
+    everything else (the agreements' integers, tensors with data) runs as usual. The bytes of
+    the FakeTensors' storages alive at once are counted from their first write (``peak``): the
+    pages the real build would hold."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.peak = 0
+        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(
         self,
@@ -177,7 +193,21 @@ class _NoStorage(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        made = self._run(func, args, kwargs or {})
+        if not (func.is_view or func.overloadpacket in _UNWRITTEN):
+            for t in pytree.tree_leaves(made):
+                if isinstance(t, FakeTensor) and t.device.type != "meta":
+                    self._count(t.untyped_storage())
+        return made
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        if storage not in self._storages:
+            self._storages[storage] = None
+            # Sizes as they are now: torch frees some storages by resizing them to 0 (FSDP1's
+            # unsharded flat parameter once sharded), which no dispatched op shows.
+            self.peak = max(self.peak, sum(s.nbytes() for s in self._storages))
+
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):
             first = args[0] if args else None
@@ -299,14 +329,6 @@ def local_shards(module: nn.Module) -> list[Shard]:
     return out
 
 
-def _peak(plan: UnitPlan, backend: str, strategy: str, shard_size: int, world: int) -> int:
-    from fsdp_builder.tools.estimate import estimate
-
-    per_node = shard_size if strategy == "hybrid" else None
-    e = estimate(plan, world, strategy, backend, per_node)
-    return e.shard_first_peak if e.shard_first_peak is not None else e.per_unit_peak
-
-
 def _check_args(world_size: int, ranks: Sequence[int]) -> list[int]:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise config_error(
@@ -379,6 +401,7 @@ def simulate_rank(
     rank: int,
     on_meta: bool = True,
     local_world_size: int | None = None,
+    step: Callable[[nn.Module], torch.Tensor] | None = None,
 ) -> RankRun:
     """One simulated rank of the real build (see the module docstring)."""
     reads: list[Read] = []
@@ -396,7 +419,7 @@ def simulate_rank(
         with warnings.catch_warnings():
             # The NaN checks and page accounting touch the FakeTensors' (absent) data.
             warnings.filterwarnings("ignore", message=".*FakeTensor.*")
-            with _NoStorage(), _recorded_reads(reads):
+            with (mode := _NoStorage()), _recorded_reads(reads):
                 try:
                     built = builder.build(model)
                 except Exception as exc:
@@ -408,6 +431,7 @@ def simulate_rank(
         env = builder.environment
         strategy = _STRATEGY_NAMES.get(env.strategy, "full")
         shard_size = env.groups.world_size
+        step_peak, step_note = _step_peak(built, step, mode) if step else (None, None)
         return RankRun(
             rank,
             backend,
@@ -418,9 +442,39 @@ def simulate_rank(
             shards=tuple(local_shards(built)),
             buffer_bytes=sum(u.buffer_bytes for u in env.plan),
             largest_unit_bytes=env.plan.largest_unit_bytes,
-            build_peak=_peak(env.plan, backend, strategy, shard_size, world_size),
+            build_peak=mode.peak,
             reads=tuple(reads),
+            step_peak=step_peak,
+            step_note=step_note,
         )
+
+
+def _step_peak(
+    model: nn.Module, step: Callable[[nn.Module], torch.Tensor], mode: _NoStorage
+) -> tuple[dict[str, int] | None, str | None]:
+    """torch's ``FSDPMemTracker`` over two training steps (``step(model).backward()``, AdamW)
+    on the built model's FakeTensors: the second step holds the optimizer states too."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return None, "FSDPMemTracker tracks fully_shard (FSDP2) models only"
+    try:
+        with mode.fake, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer = torch.optim.AdamW(model.parameters())
+            tracker = FSDPMemTracker(model, optimizer)
+            with tracker:
+                for first in (True, False):
+                    step(model).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if first:
+                        tracker.reset_mod_stats()
+    except Exception as exc:  # the step, not the build: reported beside a good build
+        return None, f"{type(exc).__name__}: {exc}"
+    ((_, peak),) = tracker.get_tracker_snapshot("peak").items()
+    return {getattr(k, "value", str(k)): int(v) for k, v in peak.items()}, None
 
 
 def simulate(
@@ -431,6 +485,7 @@ def simulate(
     *,
     on_meta: bool = True,
     local_world_size: int | None = None,
+    step: Callable[[nn.Module], torch.Tensor] | None = None,
 ) -> DryRun:
     """Run the real ``builder_factory().build(model_factory())`` as each of ``ranks`` of a world
     of ``world_size``, on torch's fake process group and without storage for model states.
@@ -439,8 +494,9 @@ def simulate(
     create groups or a DeviceMesh, as the job's script does); ``model_factory`` under
     ``torch.device("meta")`` unless ``on_meta`` is False. ``local_world_size``: ranks per node,
     set in the environment as torchrun sets it (what ``AutoHybridGroups()`` and
-    ``LocalRankDevice`` read); None leaves the environment as it is. A rank whose build
-    raises reports the error instead of results; nothing is raised for it.
+    ``LocalRankDevice`` read); None leaves the environment as it is. ``step``: a function of
+    the built model returning a loss (called on FakeTensors) for the training step's peak. A
+    rank whose build raises reports the error instead of results; nothing is raised for it.
 
     Raises:
         ConfigurationError: ``world_size`` or ``ranks`` invalid, or a process group already
@@ -455,7 +511,9 @@ def simulate(
     chosen = _check_args(world_size, ranks)
     started = time.perf_counter()
     runs = tuple(
-        simulate_rank(builder_factory, model_factory, world_size, r, on_meta, local_world_size)
+        simulate_rank(
+            builder_factory, model_factory, world_size, r, on_meta, local_world_size, step
+        )
         for r in chosen
     )
     return DryRun(world_size, runs[0].backend, runs, time.perf_counter() - started)
@@ -481,8 +539,11 @@ def format_dry_run(run: DryRun, shards: int = 0) -> str:
             head + f"strategy {r.strategy}, shard group of {r.shard_size}; parameters "
             f"{_mib(r.param_bytes)} MiB in {len(r.shards)} shard(s), buffers "
             f"{_mib(r.buffer_bytes)} MiB, largest unit in full {_mib(r.largest_unit_bytes)} MiB, "
-            f"build peak (estimate) {_mib(r.build_peak)} MiB"
+            f"build peak {_mib(r.build_peak)} MiB"
         )
+        if r.step_peak or r.step_note:
+            parts = ", ".join(f"{k} {_mib(v)}" for k, v in (r.step_peak or {}).items() if v)
+            lines.append(f"    training step peak (MiB): {parts or r.step_note}")
         for s in r.shards[:shards]:
             lines.append(
                 f"    {s.name:<48} {list(s.global_shape)} -> {list(s.local_shape)} {s.dtype}"
@@ -587,7 +648,9 @@ def as_dict(run: DryRun) -> dict[str, Any]:
                 "param_bytes": r.param_bytes,
                 "buffer_bytes": r.buffer_bytes,
                 "largest_unit_bytes": r.largest_unit_bytes,
-                "build_peak_estimate": r.build_peak,
+                "build_peak": r.build_peak,
+                "step_peak": r.step_peak,
+                "step_note": r.step_note,
                 "read_bytes": r.read_bytes,
                 "shards": [
                     [s.name, list(s.global_shape), list(s.local_shape), str(s.dtype)]
