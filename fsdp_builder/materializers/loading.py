@@ -18,7 +18,6 @@ from torch import nn
 from typing_extensions import override
 
 from fsdp_builder.common.describe import describe as describe_value
-from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
 from fsdp_builder.materializers.buffers import Computed, fill_buffers
 from fsdp_builder.materializers.ignored import give_storage_in_place, meta_ignored, move_in_place
@@ -49,8 +48,6 @@ from fsdp_builder.sources import CheckpointSource, MissingPath, SourceError, Ten
 from fsdp_builder.sources.base import listed, read_into
 from fsdp_builder.sources.derived import derive
 from fsdp_builder.sources.model_rules import checkpoint_rules
-
-log = get_logger(__name__)
 
 Mapper = Callable[[str], "str | None"]
 KeyMap = Mapping[str, str] | Sequence[tuple[str, str]] | Mapper | None

@@ -1,19 +1,6 @@
-"""``torch.distributed.checkpoint`` (DCP) folders: a ``.metadata`` file and ``*.distcp`` data
-files, read without collectives (``dcp.load(..., no_dist=True)``) so that each rank reads the
-chunks its own targets need.
-
-Opening checks that every data file the metadata names is there and long enough: a missing or
-cut file is then a problem of the path, found before any unit is loaded, instead of torch's
-``CheckpointException`` in the middle of a build (which is a ``BaseException``, not an
-``Exception``, and is caught here for that reason).
-
-``.metadata`` is a pickle, which plain ``FileSystemReader.read_metadata`` loads with
-``pickle.load``: whoever wrote the folder can make that run any code. It is read here with an
-unpickler that admits only what DCP's metadata is made of (its dataclasses, ``torch.Size``,
-dtypes, layouts, paths), for the check when the source opens and for every ``dcp.load`` after.
-Only tensor entries are ever requested, so DCP never unpickles a non-tensor entry's bytes (which
-it does without ``weights_only``).
-"""
+"""``torch.distributed.checkpoint`` (DCP) folders, read without collectives so that each rank
+reads the chunks its own targets need. Opening checks every data file the metadata names, and
+the ``.metadata`` pickle is read admitting only DCP's metadata classes (no code in it runs)."""
 
 from __future__ import annotations
 
@@ -25,25 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
 from fsdp_builder.sources.hf_safetensors import inside_folder
 from fsdp_builder.versions import DCP_NO_DIST, require
 
-log = get_logger(__name__)
-
-
-def _checkpoint_exception() -> tuple[type[BaseException], ...]:
-    try:
-        from torch.distributed.checkpoint.api import CheckpointException
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return (Exception,)
-    return (Exception, CheckpointException)
-
-
+# A failed DCP read raises CheckpointException, a BaseException rather than an Exception.
+_READ_ERRORS = (Exception, CheckpointException)
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _PATHS = ("Path", "PurePath", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 # Names outside the metadata module that DCP's metadata pickles refer to.
@@ -97,8 +75,7 @@ def read_metadata(folder: Path) -> Any:
 
 @functools.cache
 def _reader_class() -> type:
-    """``FileSystemReader`` with its metadata read by ``read_metadata`` (imported on first use,
-    as the rest of DCP)."""
+    """``FileSystemReader`` with its metadata read by ``read_metadata``."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -137,7 +114,7 @@ class DCPSource:
                 fix="Load only checkpoints from a source you trust; if you trust this one, "
                 "save it again with torch.distributed.checkpoint.save",
             ) from exc
-        except _checkpoint_exception() as exc:
+        except _READ_ERRORS as exc:
             raise SourceError(
                 f"{self.describe} has an unreadable .metadata ({type(exc).__name__}: {exc})"
             ) from exc
@@ -220,7 +197,7 @@ class DCPSource:
                 # Reading without collectives is the point, not a fallback to warn about.
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.load(request, storage_reader=_reader(self.folder), no_dist=True)
-        except _checkpoint_exception() as exc:
+        except _READ_ERRORS as exc:
             raise MaterializationError(
                 f"{self.describe} could not be read: {type(exc).__name__}: {exc}"
             ) from exc

@@ -1,23 +1,6 @@
-"""Derived tensors: model tensors built from several checkpoint tensors, read lazily.
-
-Some models store a tensor differently from the checkpoints they load. A mixture-of-experts
-model in transformers 5 holds one fused tensor per layer (``mlp.experts.gate_up_proj`` of shape
-``[experts, 2 * intermediate, hidden]``), while its checkpoints hold one tensor per expert and
-projection (``block_sparse_moe.experts.{e}.w1.weight``, ``w3``, ``w2``). Two rules describe
-such a layout:
-
-- :class:`Rename`: a regex substitution on checkpoint names (``.block_sparse_moe.`` →
-  ``.mlp.``), applied to every name, in order, before the merges.
-- :class:`MergeExperts`: per-expert tensors stacked along a new dim 0 (the experts), several
-  projections concatenated along ``dim`` of the result (gate then up along dim 1).
-
-:func:`derive` applies rules to an open source and returns a source that lists the derived
-tensors with their shapes and dtypes (the loaders then match names, shapes and dtypes as for
-any checkpoint) and reads a slice of one by reading only the parts it needs: a rank that keeps
-experts 2 and 3 of a layer (FSDP2 shards dim 0) reads those experts' tensors and no others.
-
-Which rules a model gets is decided in :mod:`fsdp_builder.sources.model_rules`.
-"""
+"""Derived tensors: model tensors built from several checkpoint tensors, read lazily, e.g. a
+transformers mixture-of-experts model's fused ``mlp.experts.gate_up_proj`` from per-expert
+``w1``/``w3`` checkpoint tensors. A read of a slice reads only the parts it needs."""
 
 from __future__ import annotations
 
@@ -255,12 +238,6 @@ class DerivedSource:
 
     def tensors(self) -> Mapping[str, TensorMeta]:
         return self._tensors
-
-    def parts(self, key: str) -> tuple[str, ...]:
-        """The checkpoint keys that ``key`` is read from."""
-        if key in self._merged:
-            return tuple(k for keys in self._merged[key].parts for k in keys)
-        return (self._plain[key],)
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         merged = self._merged.get(key)

@@ -48,10 +48,6 @@ def check_state_dict(value: Any, what: str) -> Mapping[str, torch.Tensor]:
     return value
 
 
-def _meta(tensor: torch.Tensor) -> TensorMeta:
-    return TensorMeta(tuple(tensor.shape), tensor.dtype)
-
-
 class StateDictSource:
     """Tensors held in a mapping; reads are views of them (copied by the loader)."""
 
@@ -60,7 +56,7 @@ class StateDictSource:
         self._tensors = tensors
         # Through __getitem__, as every later read: a mapping that loads lazily is asked the
         # same way for its listing and its values.
-        self._meta = {k: _meta(tensors[k]) for k in tensors}
+        self._meta = {k: TensorMeta(tuple(tensors[k].shape), tensors[k].dtype) for k in tensors}
 
     def tensors(self) -> Mapping[str, TensorMeta]:
         return self._meta

@@ -1,18 +1,6 @@
-"""Which derived-tensor rules (:mod:`fsdp_builder.sources.derived`) a model's checkpoints get.
-
-The rules of a model are looked up by its ``config.model_type`` (models without a config get
-none), in this order:
-
-1. rules registered with :func:`register_checkpoint_rules` (a user's own, or an override);
-   a checkpoint that holds every state of the model under the model's own name gets only
-   these (the next two convert other layouts);
-2. transformers' own conversion mapping for the model (the one ``from_pretrained`` applies),
-   read when every transform in it is a plain rename or an expert merge this library can
-   express (``WeightRenaming``; ``WeightConverter`` with ``MergeModulelist(dim=0)``, then
-   ``Concatenate``). A mapping with anything else is not half-applied: step 3 decides;
-3. the rules written here for Mixtral and Qwen2-MoE / Qwen3-MoE (the layouts of their
-   ``save_pretrained`` folders), used when transformers is older or its mapping unreadable.
-"""
+"""Which derived-tensor rules a model's checkpoints get, by its ``config.model_type``: rules
+registered with :func:`register_checkpoint_rules`, else transformers' own conversion mapping
+where this library can express it, else the built-in Mixtral and Qwen-MoE rules."""
 
 from __future__ import annotations
 
@@ -107,8 +95,8 @@ def unregister_checkpoint_rules(model_type: str) -> None:
 
 
 def _from_transformers(model: Any) -> tuple[Rule, ...] | None:
-    """transformers' conversion mapping for ``model`` as rules, or None if some transform in it
-    cannot be expressed (or transformers has no such mapping)."""
+    """transformers' conversion mapping for ``model`` as rules; None if it has none or some
+    transform in it cannot be expressed."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
@@ -157,12 +145,9 @@ def _from_transformers(model: Any) -> tuple[Rule, ...] | None:
 
 
 def checkpoint_rules(model: Any, *, complete: bool = False) -> tuple[Rule, ...]:
-    """The rules ``model``'s checkpoints are read through (empty: read as they are).
-
-    ``complete``: the checkpoint already holds every state of the model under the model's own
-    name. Only rules registered for the model type then apply: transformers' mapping and the
-    built-in rules convert other layouts, and building transformers' mapping costs a good part
-    of a second in each process."""
+    """The rules ``model``'s checkpoints are read through (empty: as they are). ``complete``:
+    the checkpoint holds every state under the model's own name, so only registered rules
+    apply (building transformers' mapping costs a good part of a second)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not isinstance(model_type, str):
         return ()

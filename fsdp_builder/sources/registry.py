@@ -1,9 +1,5 @@
-"""Which format a path holds, and how to open it: a registry that users can extend.
-
-Formats are tried in order; the first whose ``detect(path)`` is true opens the path. Formats a
-user registers are tried before the built-in ones, so a user can also take over a layout the
-library knows. ``detect`` should only look (names, a few bytes), never load values.
-"""
+"""Which format a path holds, and how to open it: formats a user registers are tried first,
+then the built-in ones, in order; the first whose ``detect(path)`` is true opens the path."""
 
 from __future__ import annotations
 
@@ -45,11 +41,7 @@ _BUILT_IN: tuple[Format, ...] = (
     Format(
         "safetensors-index", _is_file_with(".safetensors.index.json"), hf_safetensors.open_index
     ),
-    Format(
-        "torch-index",
-        _is_file_with(".bin.index.json"),
-        lambda path: torch_files.ShardedTorchSource(path),
-    ),
+    Format("torch-index", _is_file_with(".bin.index.json"), torch_files.open_index),
     Format(
         "hf-safetensors-folder", hf_safetensors.is_index_folder, hf_safetensors.open_index_folder
     ),
@@ -129,10 +121,6 @@ def formats() -> list[str]:
     return [f.name for f in (*_USER, *_BUILT_IN)]
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> CheckpointSource:
     """Open ``source``: a state dict in memory, or a path whose format is detected.
 
@@ -161,8 +149,8 @@ def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> Checkpoin
 
 
 def _user_call(fmt: Format, step: str, path: Path) -> Any:
-    """``fmt.detect(path)`` or ``fmt.open(path)`` of a registered format; what it raises
-    (other than the library's own errors) is reported naming the format and the step."""
+    """``fmt.detect(path)`` or ``fmt.open(path)`` of a registered format; what it raises is
+    reported naming the format and the step."""
     detect = step == "detect"
     try:
         return (fmt.detect if detect else fmt.open)(path)
@@ -192,7 +180,8 @@ def _missing(path: Path) -> MissingPath:
     parent = path.parent
     names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
     near = difflib.get_close_matches(path.name, names, n=1)
-    return MissingPath(str(path), _rank(), str(parent / near[0]) if near else None)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return MissingPath(str(path), rank, str(parent / near[0]) if near else None)
 
 
 def _unknown_folder(path: Path) -> str:

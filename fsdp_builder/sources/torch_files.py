@@ -1,10 +1,6 @@
 """``torch.save`` checkpoints: one ``.bin`` / ``.pt`` file holding a state dict, or a Hugging
-Face folder of ``.bin`` shards with a ``pytorch_model.bin.index.json`` (what transformers wrote
-with ``save_pretrained(..., safe_serialization=False)``).
-
-Files are loaded with ``mmap=True`` where their format allows (zip files, torch >= 1.6), so
-opening one maps it without reading its values; reads then touch only the pages they need.
-"""
+Face folder of ``.bin`` shards with a ``pytorch_model.bin.index.json``; files are mapped
+(``mmap=True``) where their format allows, so reads touch only the pages they need."""
 
 from __future__ import annotations
 
@@ -14,12 +10,9 @@ from typing import Any
 
 import torch
 
-from fsdp_builder.common.logs import get_logger
-from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
+from fsdp_builder.sources.base import SourceError, listed
 from fsdp_builder.sources.hf_safetensors import only_index, read_weight_map, refuse_a_shard
 from fsdp_builder.sources.memory import StateDictSource, check_state_dict
-
-log = get_logger(__name__)
 
 
 def load_state_dict_file(path: Path, describe: str) -> Mapping[str, torch.Tensor]:
@@ -46,54 +39,40 @@ def open_file(path: Path) -> StateDictSource:
     return StateDictSource(load_state_dict_file(path, where), where)
 
 
-class ShardedTorchSource:
-    """``.bin`` shards named by an index; each shard is loaded (mapped) when the source opens."""
-
-    def __init__(self, index: Path) -> None:
-        self.describe = f"'{index}'"
-        by_file: dict[str, list[str]] = {}
-        for key, name in read_weight_map(index).items():
-            by_file.setdefault(name, []).append(key)
-        absent_files = sorted(n for n in by_file if not (index.parent / n).is_file())
-        if absent_files:
-            raise SourceError(
-                f"{self.describe} names shard file(s) that do not exist: {listed(absent_files)}"
-            )
-        self._tensors: dict[str, torch.Tensor] = {}
-        absent: list[str] = []
-        for name, keys in by_file.items():
-            held = load_state_dict_file(
-                index.parent / name, f"{self.describe} holds '{name}', which"
-            )
-            for key in keys:
-                if key in held:
-                    self._tensors[key] = held[key]
-                else:
-                    absent.append(f"{key} (in {name})")
-        if absent:
-            raise SourceError(
-                f"{self.describe} has {len(absent)} key(s) in its index but not in their "
-                f"file: {listed(absent)}"
-            )
-        self._meta = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in self._tensors.items()}
-
-    def tensors(self) -> Mapping[str, TensorMeta]:
-        return self._meta
-
-    def read(self, key: str, index: Index | None = None) -> torch.Tensor:
-        tensor = self._tensors[key]
-        return tensor[index] if index else tensor
-
-    def close(self) -> None:
-        self._tensors = {}
+def open_index(index: Path) -> StateDictSource:
+    """``.bin`` shards named by an index, each loaded (mapped) when the source opens."""
+    describe = f"'{index}'"
+    by_file: dict[str, list[str]] = {}
+    for key, name in read_weight_map(index).items():
+        by_file.setdefault(name, []).append(key)
+    absent_files = sorted(n for n in by_file if not (index.parent / n).is_file())
+    if absent_files:
+        raise SourceError(
+            f"{describe} names shard file(s) that do not exist: {listed(absent_files)}"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    absent: list[str] = []
+    for name, keys in by_file.items():
+        held = load_state_dict_file(index.parent / name, f"{describe} holds '{name}', which")
+        for key in keys:
+            if key in held:
+                tensors[key] = held[key]
+            else:
+                absent.append(f"{key} (in {name})")
+    if absent:
+        raise SourceError(
+            f"{describe} has {len(absent)} key(s) in its index but not in their file: "
+            f"{listed(absent)}"
+        )
+    return StateDictSource(tensors, describe)
 
 
 def is_index_folder(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.bin.index.json"))
 
 
-def open_index_folder(folder: Path) -> ShardedTorchSource:
-    return ShardedTorchSource(only_index(folder, "*.bin.index.json"))
+def open_index_folder(folder: Path) -> StateDictSource:
+    return open_index(only_index(folder, "*.bin.index.json"))
 
 
 def single_file_in(folder: Path) -> Path | None:
@@ -113,11 +92,11 @@ def open_single_file_folder(folder: Path) -> StateDictSource:
 
 
 __all__ = [
-    "ShardedTorchSource",
     "is_index_folder",
     "is_single_file_folder",
     "load_state_dict_file",
     "open_file",
+    "open_index",
     "open_index_folder",
     "open_single_file_folder",
 ]
