@@ -56,19 +56,14 @@ class _Tally:
         self.peak = 0
 
     def hold(self, tensor: torch.Tensor) -> torch.Tensor:
-        size = _nbytes(tensor)
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(tensor, self._release, size)
+        self.extra(_nbytes(tensor))
+        weakref.finalize(tensor, self.extra, -_nbytes(tensor))
         return tensor
 
     def extra(self, size: int) -> None:
         """Account for bytes held outside the tally's tensors (an unsharded FSDP1 unit)."""
         self.live += size
         self.peak = max(self.peak, self.live)
-
-    def _release(self, size: int) -> None:
-        self.live -= size
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

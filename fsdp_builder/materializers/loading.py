@@ -246,18 +246,17 @@ class Match:
 def match_source(
     tensors: Mapping[str, TensorMeta],
     mapper: Mapper,
-    plan: UnitPlan,
-    ignored: IgnoredStates,
+    entries: list[Entry],
+    model: nn.Module,
     *,
     spec: LoaderSpec,
     describe: str,
     strict: bool = True,
     every_state: bool = True,
-    entries: Mapping[Unit, list[Entry]] | None = None,
 ) -> Match:
-    """Map the source's names and compare them with the plan; a ConfigurationError in
-    ``spec``'s words names every problem. ``every_state``: missing keys are errors even when not
-    ``strict``. ``entries``: each unit's ``unit_entries`` (found here when not given)."""
+    """Map the source's names and compare them with every unit's ``entries``; a
+    ConfigurationError in ``spec``'s words names every problem. ``every_state``: missing keys
+    are errors even when not ``strict``."""
     found = Match()
     for key in sorted(tensors):
         name = map_name(mapper, key, spec.name, "checkpoint key", "the model's name")
@@ -274,32 +273,31 @@ def match_source(
     dtypes: list[str] = []
     unfillable: list[str] = []
     matched = 0
-    for unit in plan:
-        for entry in entries[unit] if entries is not None else unit_entries(unit, ignored, plan):
-            present = [n for n in entry.names if n in by_name]
-            if not present:
-                found.missing.append(" / ".join(entry.names))
-                if entry.tensor.is_meta:
-                    unfillable.append(entry.names[0])
-                continue
-            matched += 1
-            key = by_name[present[0]]
-            got, want = tensors[key], entry.tensor
-            if got.shape != tuple(want.shape):
-                shapes.append(
-                    f"'{key}' is {list(got.shape)} in the {spec.word} but "
-                    f"{list(want.shape)} in the model"
-                )
-            elif spec.check_kinds and _kind(got.dtype) != _kind(want.dtype):
-                dtypes.append(
-                    f"'{key}' is {got.dtype} in the {spec.word} but {want.dtype} in the model"
-                )
-            elif got.dtype != want.dtype:
-                pair = "->".join(str(d).removeprefix("torch.") for d in (got.dtype, want.dtype))
-                found.converted[pair] = found.converted.get(pair, 0) + 1
-            for n in entry.names:
-                found.keys[n] = key
-    known = {clean_name(k) for k in plan.root.module.state_dict(keep_vars=True)}
+    for entry in entries:
+        present = [n for n in entry.names if n in by_name]
+        if not present:
+            found.missing.append(" / ".join(entry.names))
+            if entry.tensor.is_meta:
+                unfillable.append(entry.names[0])
+            continue
+        matched += 1
+        key = by_name[present[0]]
+        got, want = tensors[key], entry.tensor
+        if got.shape != tuple(want.shape):
+            shapes.append(
+                f"'{key}' is {list(got.shape)} in the {spec.word} but "
+                f"{list(want.shape)} in the model"
+            )
+        elif spec.check_kinds and _kind(got.dtype) != _kind(want.dtype):
+            dtypes.append(
+                f"'{key}' is {got.dtype} in the {spec.word} but {want.dtype} in the model"
+            )
+        elif got.dtype != want.dtype:
+            pair = "->".join(str(d).removeprefix("torch.") for d in (got.dtype, want.dtype))
+            found.converted[pair] = found.converted.get(pair, 0) + 1
+        for n in entry.names:
+            found.keys[n] = key
+    known = {clean_name(k) for k in model.state_dict(keep_vars=True)}
     found.unexpected = sorted(by_name[n] for n in set(by_name) - known)
     problems: list[str] = []
     if collisions:
@@ -319,7 +317,7 @@ def match_source(
         spec.name,
         spec.argument,
         f"{describe} does not match the model: {'; '.join(problems)}"
-        f"{_hint(found, matched, shapes, tensors, plan, ignored, strict, unfillable, every_state)}",
+        f"{_hint(found, matched, shapes, tensors, entries, strict, unfillable, every_state)}",
         spec.mismatch_fix,
     )
 
@@ -329,8 +327,7 @@ def _hint(
     matched: int,
     shapes: list[str],
     tensors: Mapping[str, TensorMeta],
-    plan: UnitPlan,
-    ignored: IgnoredStates,
+    entries: list[Entry],
     strict: bool,
     unfillable: list[str],
     every_state: bool,
@@ -339,7 +336,7 @@ def _hint(
         return " (keys start with a wrapper prefix: strip 'module.' / '_orig_mod.')"
     total = matched + len(found.missing)
     if matched * 2 < total:
-        names = [n for u in plan for e in unit_entries(u, ignored, plan) for n in e.names]
+        names = [n for e in entries for n in e.names]
         return (
             f". Only {matched} of the model's {total} states are in it: a checkpoint of another "
             "model, or a key_map that misses a rule? Checkpoint keys start "
@@ -353,23 +350,6 @@ def _hint(
     if not strict and unfillable and not every_state:
         return " (strict=False leaves out only states that are already real, not on meta)"
     return ""
-
-
-def _derived(
-    opened: CheckpointSource,
-    env: Environment,
-    spec: LoaderSpec,
-    entries: Mapping[Unit, list[Entry]],
-) -> CheckpointSource:
-    """``opened`` seen through the model's checkpoint rules (``sources.model_rules``)."""
-    held = opened.tensors()
-    complete = all(
-        any(n in held for n in entry.names) for found in entries.values() for entry in found
-    )
-    try:
-        return derive(opened, checkpoint_rules(env.plan.root.module, complete=complete))
-    except SourceError as exc:
-        raise spec.error(f"{opened.describe} {exc.problem}", exc.fix) from exc
 
 
 def open_as(
@@ -402,20 +382,25 @@ def open_matched(
     checkpoint rules and match it against the plan. Errors in ``spec``'s words; nothing stays
     open then."""
     opened = open_as(source, spec)
+    model = env.plan.root.module
     try:
         # Each unit's states by name, walked once for both the layout rules and the match.
-        entries = {unit: list(unit_entries(unit, env.ignored, env.plan)) for unit in env.plan}
-        opened = _derived(opened, env, spec, entries)
+        entries = [e for unit in env.plan for e in unit_entries(unit, env.ignored, env.plan)]
+        held = opened.tensors()
+        complete = all(any(n in held for n in e.names) for e in entries)
+        try:
+            opened = derive(opened, checkpoint_rules(model, complete=complete))
+        except SourceError as exc:
+            raise spec.error(f"{opened.describe} {exc.problem}", exc.fix) from exc
         found = match_source(
             opened.tensors(),
             mapper,
-            env.plan,
-            env.ignored,
+            entries,
+            model,
             spec=spec,
             describe=opened.describe,
             strict=strict,
             every_state=every_state,
-            entries=entries,
         )
     except BaseException:
         opened.close()
