@@ -42,7 +42,11 @@ from fsdp_builder.devices import (
 )
 from fsdp_builder.errors import ConfigurationError, FSDPBuilderError
 from fsdp_builder.groups import DefaultGroups, GroupFactory, check_placed_on_other_dims
-from fsdp_builder.materializers.initializers import Materializer, MaterializerRun
+from fsdp_builder.materializers.initializers import (
+    Materializer,
+    MaterializerRun,
+    check_materializer,
+)
 from fsdp_builder.planning.context import ChecksContext, ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
 from fsdp_builder.planning.plan import (
@@ -276,16 +280,13 @@ class _Build:
     def check_roles(self, context: ConfigureContext) -> None:
         """Every role's check of the whole configuration: the backend's first (what torch
         would refuse), then the group factory's, the device resolver's, the synchronizer's
-        (those that define ``check_context``) and the materializer's (``check_context``, else
-        its ``check(plan, ignored)``). Local and pure: the model is untouched."""
+        (those that define ``check_context``) and the materializer's. Local and pure: the
+        model is untouched."""
         self.backend.check_context(context)
         for role in (self.factory, self.resolver, self.synchronizer):
             if isinstance(role, ChecksContext):
                 role.check_context(context)
-        if isinstance(self.materializer, ChecksContext):
-            self.materializer.check_context(context)
-        else:
-            self.materializer.check(context.plan, context.ignored)
+        check_materializer(self.materializer, context)
         # Last: each role's own refusal says more than how two of them combine.
         self.check_composition()
 

@@ -75,7 +75,8 @@ def test_a_protocol_implementation_missing_a_hook_is_named() -> None:
             return 0
 
     assert not isinstance(Bare(), Materializer)
-    with pytest.raises(ConfigurationError, match=r"lacks communicates, prepare, shard_first"):
+    lacks = r"lacks check_context, communicates, prepare, shard_first"
+    with pytest.raises(ConfigurationError, match=lacks):
         FSDPBuilder().materialize(Bare())  # type: ignore[arg-type]
 
 

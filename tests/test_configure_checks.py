@@ -206,8 +206,11 @@ class SeesTheContext(BaseSynchronizer):
 
 
 def test_a_materializer_checking_the_plan_still_refuses_in_configure(world1: None) -> None:
+    """The former ``check(plan, ignored)`` hook still refuses, with a deprecation warning
+    naming the one hook that replaces it."""
     build = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(RefusesInCheck()).build
-    refused(build, demo(), r"`RefusesInCheck` got an invalid `plan`: 3 units", r"Fix")
+    with pytest.warns(DeprecationWarning, match=r"RefusesInCheck.check.*check_context"):
+        refused(build, demo(), r"`RefusesInCheck` got an invalid `plan`: 3 units", r"Fix")
 
 
 def test_any_role_may_check_the_whole_context(world1: None) -> None:

@@ -113,16 +113,12 @@ def test_modules_without_an_initializer_are_named_together() -> None:
 @pytest.mark.parametrize("name", ["ResetParameters", "ShardFirstReset", "StreamInit"])
 def test_the_refusal_names_the_materializer_that_was_given(name: str) -> None:
     import fsdp_builder
-    from fsdp_builder.planning.ignored import IgnoredStates
-    from fsdp_builder.planning.plan import plan_units
-    from fsdp_builder.planning.wrap import WrapPolicy
-
     model = on_meta(TwoStrangers)
-    plan = plan_units(model, WrapPolicy(), IgnoredStates())
     with pytest.raises(
         MaterializationError, match=rf"^`{name}` cannot initialize .*first \(NoInit\)"
     ):
-        getattr(fsdp_builder, name)().check(plan, IgnoredStates())
+        getattr(fsdp_builder, name)().materialize_model(model)
+    assert all(p.is_meta for p in model.parameters())  # refused before anything changed
 
 
 def test_a_failing_initializer_names_the_module_and_its_type() -> None:

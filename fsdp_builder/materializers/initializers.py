@@ -3,7 +3,7 @@
 Works on one unit at a time and only on the modules the unit owns: the walk stops at ignored
 modules and at children that are already sharded.
 
-The pipeline calls ``check(plan, ignored)`` before any collective, then ``prepare(env)`` once per
+The pipeline calls ``check_context(context)`` before any collective, then ``prepare(env)`` once per
 build on every rank; ``prepare`` returns the build's :class:`MaterializerRun`, which holds what
 the build needs between units (an open checkpoint, an agreed seed) and is closed in a ``finally``
 whether the build succeeds or fails. Materializer objects stay immutable and can be shared
@@ -13,6 +13,7 @@ between builders.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
@@ -26,6 +27,7 @@ from typing_extensions import override
 from fsdp_builder.common.hashing import digest63
 from fsdp_builder.common.hooks import DeclaredHooks
 from fsdp_builder.common.logs import warn_user
+from fsdp_builder.config import ShardingOptions
 from fsdp_builder.errors import MaterializationError, checked, config_error
 from fsdp_builder.materializers.buffers import (
     Computed,
@@ -53,7 +55,7 @@ from fsdp_builder.materializers.ignored import (
     reseat,
     settling_ignored,
 )
-from fsdp_builder.planning.context import ConfigureContext
+from fsdp_builder.planning.context import BackendCapabilities, ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.environment import Environment
@@ -68,6 +70,11 @@ from fsdp_builder.runtime.tree import (
     retie,
     tied_groups,
     unit_modules,
+)
+
+# The backend a single-process reference (``materialize_model``) stands for: none shards.
+_REFERENCE = BackendCapabilities(
+    "reference", "materialize_model", supports_shard_first=True, shard_communicates=False
 )
 
 
@@ -159,13 +166,29 @@ class Materializer(Protocol):
     @property
     def shard_first(self) -> bool: ...
 
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        """Local validation of the whole model before any collective; raise to refuse."""
+    def check_context(self, context: ConfigureContext) -> None:
+        """The configure stage's check (local and pure, before any collective): raise a
+        ``ConfigurationError``/``MaterializationError`` naming the fix to refuse."""
         ...
 
     def prepare(self, env: Environment) -> MaterializerRun:
         """Start one build (every rank calls it, after the groups exist; may communicate)."""
         ...
+
+
+def check_materializer(materializer: Materializer, context: ConfigureContext) -> None:
+    """The materializer's configure check; one written against the former
+    ``check(plan, ignored)`` hook is still called, with a ``DeprecationWarning``."""
+    materializer.check_context(context)
+    legacy = getattr(materializer, "check", None)
+    if callable(legacy):
+        warnings.warn(
+            f"`{type(materializer).__name__}.check(plan, ignored)` is deprecated: override "
+            "`check_context(context)` instead (`context.plan`, `context.ignored`).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        legacy(context.plan, context.ignored)
 
 
 def initialize_children_first(
@@ -239,14 +262,9 @@ class BaseMaterializer(DeclaredHooks):
     # convention, stateless ones included (see fsdp_builder.materializers.conventions).
     library_conventions: ClassVar[bool] = False
 
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        return None
-
     def check_context(self, context: ConfigureContext) -> None:
-        """The configure stage's check, with the whole context (the model, the plan, the
-        options, the backend's capabilities); the default calls ``check(plan, ignored)``.
-        Override it to refuse what depends on more than the plan, e.g. the backend."""
-        self.check(context.plan, context.ignored)
+        """Accept everything; a subclass overrides it to refuse (see the protocol)."""
+        return None
 
     def prepare(self, env: Environment) -> MaterializerRun:
         return _PerUnit(self, env, buffers_to_compute(env.plan.root.module, env.ignored))
@@ -329,7 +347,12 @@ class BaseMaterializer(DeclaredHooks):
 
         ignored = resolve_ignored(model)
         plan = plan_units(model, WrapPolicy.of(wrap), ignored)
-        self.check(plan, ignored)
+        check_materializer(
+            self,
+            ConfigureContext(
+                model, plan, ignored, ShardingOptions(), _REFERENCE, torch.device(device)
+            ),
+        )
         plan.tie_declared()  # as a build does once its checks passed
         computed = buffers_to_compute(model, ignored)
         for unit in plan:
@@ -504,8 +527,8 @@ class ResetParameters(BaseMaterializer):
     library_conventions: ClassVar[bool] = True
 
     @override
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        missing = _uninitializable(plan, ignored, meta_only=True)
+    def check_context(self, context: ConfigureContext) -> None:
+        missing = _uninitializable(context.plan, context.ignored, meta_only=True)
         if missing:
             raise MaterializationError(
                 f"`{type(self).__name__}` cannot initialize these modules on the meta device "
@@ -584,8 +607,8 @@ class InitFn(BaseMaterializer):
     )
 
     @override
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        warn_unreached_subtrees(plan, "InitFn")
+    def check_context(self, context: ConfigureContext) -> None:
+        warn_unreached_subtrees(context.plan, "InitFn")
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
@@ -789,8 +812,8 @@ class DeterministicInit(ResetParameters):
     )
 
     @override
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        missing = _uninitializable(plan, ignored, meta_only=False)
+    def check_context(self, context: ConfigureContext) -> None:
+        missing = _uninitializable(context.plan, context.ignored, meta_only=False)
         if missing:
             raise MaterializationError(
                 "`DeterministicInit` cannot initialize these modules because they have no "
@@ -865,7 +888,8 @@ class KeepAsIs(BaseMaterializer):
     communicates: ClassVar[bool] = False
 
     @override
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
+    def check_context(self, context: ConfigureContext) -> None:
+        plan, ignored = context.plan, context.ignored
         meta = [
             t.name for u in plan for t in u.params + u.buffers if _is_meta(u.module, t.name, u.fqn)
         ]

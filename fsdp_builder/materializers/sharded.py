@@ -58,8 +58,7 @@ from fsdp_builder.materializers.initializers import (
     seed_generators,
 )
 from fsdp_builder.planning.context import ConfigureContext
-from fsdp_builder.planning.ignored import IgnoredStates
-from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.collectives import collective_device
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import (
@@ -379,16 +378,6 @@ class InitWeights(BaseMaterializer):
     needs_shard_first: ClassVar[bool] = True
 
     @override
-    def check(self, plan: UnitPlan, ignored: IgnoredStates) -> None:
-        if not callable(getattr(plan.root.module, self.method, None)):
-            raise MaterializationError(
-                f"`InitWeights` needs the model's whole-model initializer, but "
-                f"{type(plan.root.module).__name__} has no method `{self.method}`. Pass "
-                "InitWeights(method=...) naming it, or use ResetParameters() / "
-                "DeterministicInit(seed) for models initialized module by module."
-            )
-
-    @override
     def check_context(self, context: ConfigureContext) -> None:
         if not context.backend.supports_shard_first:
             raise config_error(
@@ -399,7 +388,14 @@ class InitWeights(BaseMaterializer):
                 "Use FullyShardBuilder, or DeterministicInit(seed) / InitFn(fn) with "
                 f"{context.backend.builder}.",
             )
-        self.check(context.plan, context.ignored)
+        model = context.plan.root.module
+        if not callable(getattr(model, self.method, None)):
+            raise MaterializationError(
+                f"`InitWeights` needs the model's whole-model initializer, but "
+                f"{type(model).__name__} has no method `{self.method}`. Pass "
+                "InitWeights(method=...) naming it, or use ResetParameters() / "
+                "DeterministicInit(seed) for models initialized module by module."
+            )
 
     @override
     def prepare(self, env: Environment) -> MaterializerRun:
