@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-from typing import Any
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -260,3 +263,130 @@ def test_seed_is_validated() -> None:
 
     with pytest.raises(ConfigurationError):
         StreamInit(seed=-1)
+
+
+# torch's own functions, as imported before any build.
+TORCH_NORMAL = nn.init.normal_
+TORCH_XAVIER_UNIFORM = nn.init.xavier_uniform_
+
+
+def _torch_normal(n: int) -> torch.Tensor:
+    return torch.empty(n).normal_(generator=torch.Generator().manual_seed(5))
+
+
+def _in_thread(fn: Callable[[], None]) -> None:
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+def test_a_named_tensor_draws_from_its_stream_on_this_thread_only() -> None:
+    t = torch.empty(1000)
+    streams = _Streams(SEED)
+    streams.names[id(t)] = "t"
+    seen: dict[str, torch.Tensor] = {}
+
+    def other_thread() -> None:
+        nn.init.normal_(t, generator=torch.Generator().manual_seed(5))
+        seen["other"] = t.clone()
+
+    with torch.no_grad(), streamed_init(streams):
+        _in_thread(other_thread)
+        nn.init.normal_(t, generator=torch.Generator().manual_seed(5))
+    # The other thread got torch's draw though the tensor is named; this one the stream's.
+    assert torch.equal(seen["other"], _torch_normal(1000))
+    assert not torch.equal(t, _torch_normal(1000))
+    assert abs(float(t.std()) - 1.0) < 0.1
+
+
+class _Probe(nn.Module):
+    """Records, from inside its initializer during a build, torch's and transformers'
+    initializers and another thread's ``nn.init.normal_``."""
+
+    seen: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(8, 4))
+        self.attn = nn.MultiheadAttention(4, 2)
+
+    def reset_parameters(self) -> None:
+        from transformers.initialization import TORCH_INIT_FUNCTIONS as table
+
+        seen = _Probe.seen
+        seen["nn.init"] = nn.init.normal_, nn.init.xavier_uniform_
+        seen["transformers"] = table["normal_"], table["trunc_normal_"]
+        seen["activation"] = sys.modules["torch.nn.modules.activation"].xavier_uniform_
+
+        def other_thread() -> None:
+            seen["drawn"] = nn.init.normal_(
+                torch.empty(100), generator=torch.Generator().manual_seed(5)
+            )
+
+        _in_thread(other_thread)
+        nn.init.normal_(self.weight)
+
+
+@pytest.mark.timeout(60)
+def test_a_build_replaces_no_function_of_torch_or_transformers(world1: None) -> None:
+    pytest.importorskip("transformers")
+    from transformers.initialization import TORCH_INIT_FUNCTIONS
+
+    table = dict(TORCH_INIT_FUNCTIONS)
+    with torch.device("meta"):
+        model = _Probe()
+    builder = FullyShardBuilder().device(CPUDevice()).materialize(StreamInit(seed=SEED))
+    with pytest.warns(UserWarning):  # NO_SHARD on one rank
+        sharded = builder.build(model)
+    seen = _Probe.seen
+    assert seen["nn.init"] == (TORCH_NORMAL, TORCH_XAVIER_UNIFORM)
+    assert seen["transformers"] == (table["normal_"], table["trunc_normal_"])
+    assert seen["transformers"][0] is TORCH_NORMAL
+    assert seen["activation"] is TORCH_XAVIER_UNIFORM
+    assert torch.equal(seen["drawn"], _torch_normal(100))
+    assert TORCH_INIT_FUNCTIONS == table
+    weight = full_state_dict(sharded)["weight"]
+    assert weight.std() > 0.5  # drawn during the build
+
+
+class _Truncated(nn.Module):
+    def __init__(self, via_data: bool) -> None:
+        super().__init__()
+        self.via_data = via_data
+        self.torch_init = nn.Parameter(torch.empty(64, 8))
+        self.transformers_init = nn.Parameter(torch.empty(64, 8))
+
+    def reset_parameters(self) -> None:
+        from transformers import initialization
+
+        if self.via_data:  # a draw on an alias: answered on whole tensors
+            self.torch_init.data.normal_()
+        else:
+            nn.init.trunc_normal_(self.torch_init, std=1.0, a=-1.5, b=2.0)
+        initialization.trunc_normal_(self.transformers_init, std=1.0)  # in [-2, 2]
+
+
+@pytest.mark.timeout(60)
+def test_trunc_normal_is_drawn_on_the_shard(world1: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    on_whole: list[str] = []
+    original = streams._StreamedInit._on_whole_tensors
+
+    def spy(self: Any, entry: Any, why: str) -> None:
+        on_whole.append(why)
+        original(self, entry, why)
+
+    monkeypatch.setattr(streams._StreamedInit, "_on_whole_tensors", spy)
+    for via_data in (False, True):
+        with torch.device("meta"):
+            model = nn.Sequential(_Truncated(via_data))
+        builder = FullyShardBuilder().device(CPUDevice()).materialize(StreamInit(seed=SEED))
+        with pytest.warns(UserWarning):  # NO_SHARD on one rank
+            state = full_state_dict(builder.build(model))
+        assert len(on_whole) == via_data, via_data
+        if not via_data:
+            drawn = state["0.torch_init"]
+            assert -1.5 <= float(drawn.min()) and float(drawn.max()) <= 2.0
+            assert float(drawn.min()) < -1.0 and float(drawn.max()) > 1.5
+        assert 1.5 < float(state["0.transformers_init"].abs().max()) <= 2.0

@@ -139,12 +139,16 @@ def settling_ignored(
 # -- the constructor's values -----------------------------------------------------------------
 
 
-def _constructors() -> frozenset[Callable[..., Any]]:
-    from torch.utils._device import _device_constructors
-
-    return frozenset(_device_constructors())
-
-
+# The public factory functions that take ``device=`` (those a ``torch.device`` context redirects,
+# less the sparse, nested and quantized ones).
+_FACTORIES: frozenset[Callable[..., Any]] = frozenset(
+    getattr(torch, name)
+    for name in (
+        "empty empty_strided empty_permuted zeros ones full eye arange linspace logspace rand "
+        "randn randint randperm tril_indices triu_indices tensor as_tensor asarray scalar_tensor "
+        "bartlett_window blackman_window hamming_window hann_window kaiser_window"
+    ).split()
+)
 _FROM_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor})
 _FILLS = frozenset({torch.full, torch.ones, torch.zeros})
 
@@ -169,10 +173,6 @@ class _ConstantsOnly(TorchFunctionMode):
     fills) on the CPU and everything else on meta: a constructor run under it allocates nothing
     of size but keeps the constants it sets."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.constructors = _constructors()
-
     def __torch_function__(
         self,
         func: Callable[..., Any],
@@ -181,7 +181,7 @@ class _ConstantsOnly(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if kwargs.get("device") is None and func in self.constructors:
+        if kwargs.get("device") is None and func in _FACTORIES:
             constant = func in _FROM_DATA or (
                 func in _FILLS and _fill_numel(func, args, kwargs) <= _CONSTANT_FILL_LIMIT
             )

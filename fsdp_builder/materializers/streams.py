@@ -9,17 +9,16 @@ gets exactly the values the full tensor would have, at any world size and on eit
 sampler on 1/W of the elements plus one generator seeding per block.
 
 ``StreamInit`` runs each module's initializer by its model's convention (as ``ResetParameters``
-does) with the ``torch.nn.init`` functions PyTorch modules and transformers use answered from
-these streams: ``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``ones_``, ``zeros_``
-and the Kaiming and Xavier variants, wherever they are bound (``torch.nn.init``, torch's module
-files, transformers' table of the functions it captured at import: ``CAPTURED_TABLES``). Their
-bounds and standard deviations come from the full shape (a DTensor's ``shape`` is global), as
-eager init computes them. The values are the same distributions as eager init, not the same
-numbers: the generators are seeded per block, not once per build.
+does) under ``_StreamMode``, a ``TorchFunctionMode`` (so on the building thread only, with no
+function of torch or transformers replaced): the ``torch.nn.init`` initializers called on a
+parameter of the unit (``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``ones_``,
+``zeros_``, Kaiming, Xavier, and transformers' wrappers of them) draw from its stream, with
+bounds and standard deviations from the full shape, as eager init computes them. The values
+have eager init's distributions, not its numbers.
 
 While a module initializes on shards, ``_ShardWatch`` stops the first operation on a DTensor
-that is not element-wise with plain numbers (``ELEMENTWISE_ON_SHARDS``): a tensor method's
-random draw, a row view (``weight[padding_idx].zero_()``), ``orthogonal_``, a copy. The module
+that is not element-wise with plain numbers (``ELEMENTWISE_ON_SHARDS``): a draw on an alias
+(``weight.data.normal_()``), a row view (``weight[padding_idx].zero_()``), a copy. The module
 is then initialized again, with the modules of its unit below it, on whole tensors under the
 same seeds and stream draws, and each rank keeps its slice; so no value depends on the world
 size, whatever the initializer does.
@@ -31,6 +30,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, ClassVar
 
 import attrs
@@ -39,6 +39,7 @@ from attrs import define, frozen
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -107,10 +108,9 @@ def _draw_flat(
             out[lo - start : hi - start].copy_(scratch[lo - first : hi - first])
 
 
-def global_indices(tensor: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+def global_indices(tensor: torch.Tensor) -> torch.Tensor:
     """Row-major index in the full tensor of each element this rank holds, shaped like the local
-    tensor (a DTensor's local shard; all of a plain tensor); ``rows``: only those rows (first
-    dimension) of the local tensor."""
+    tensor (a DTensor's local shard; all of a plain tensor)."""
     shape = tuple(tensor.shape)
     if isinstance(tensor, DTensor):
         local_shape, offsets = compute_local_shape_and_global_offset(
@@ -120,10 +120,6 @@ def global_indices(tensor: torch.Tensor, rows: slice | None = None) -> torch.Ten
     else:
         local_shape, offsets = shape, (0,) * len(shape)
         device = tensor.device
-    if rows is not None and shape:
-        start, stop, _ = rows.indices(local_shape[0])
-        local_shape = (stop - start, *local_shape[1:])
-        offsets = (offsets[0] + start, *offsets[1:])
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for dim in reversed(range(len(shape))):
@@ -133,6 +129,9 @@ def global_indices(tensor: torch.Tensor, rows: slice | None = None) -> torch.Ten
         index = index + (steps * stride).view(view)
         stride *= shape[dim]
     return index.expand(tuple(local_shape)) if shape else index
+
+
+_Draw = Callable[[torch.Tensor, torch.Generator], object]
 
 
 class _Streams:
@@ -152,34 +151,34 @@ class _Streams:
             found = self.generators[device] = torch.Generator(device=device)
         return found
 
-    def key(self, tensor: torch.Tensor) -> int | None:
-        name = self.names.get(id(tensor))
-        if name is None:
-            return None
+    def key(self, tensor: torch.Tensor) -> int:
+        name = self.names[id(tensor)]
         draw = self.draws.get(name, 0)
         self.draws[name] = draw + 1
         return digest63(f"{self.seed}/{name}/{draw}")
 
-    def fill(self, tensor: torch.Tensor, key: int, draw: Callable[..., object]) -> None:
-        """Write this rank's part of ``tensor`` from stream ``key``: ``draw(out, generator)``
+    def draw(self, tensor: torch.Tensor, draw: _Draw) -> torch.Tensor:
+        """Write this rank's part of ``tensor`` from its stream's next key: ``draw(out, g)``
         fills a 1-D tensor in place with torch's own sampler. A shard that is a run of whole
         rows (FSDP's dim-0 shards, a whole tensor) is drawn in place; any other layout draws
         the run of elements that covers it and keeps its own."""
+        key = self.key(tensor)
         local = local_tensor(tensor)
         if not local.numel():
-            return
+            return tensor
         total = tensor.numel()
         with _unwatched():
             span = _flat_span(tensor)
             generator = self.generator(local.device)
             if span is not None and local.is_contiguous():
                 _draw_flat(key, local.view(-1), span, total, draw, generator)
-                return
+                return tensor
             index = global_indices(tensor)
             low, high = int(index.min()), int(index.max()) + 1
             covering = torch.empty(high - low, dtype=local.dtype, device=local.device)
             _draw_flat(key, covering, low, total, draw, generator)
             local.copy_(covering[index - low])
+        return tensor
 
 
 def _flat_span(tensor: torch.Tensor) -> int | None:
@@ -226,206 +225,149 @@ class _unwatched:
             torch.set_grad_enabled(True)
 
 
-_Init = Callable[..., Any]
+_Answer = Callable[[_Streams, Any, torch.Tensor, Any, Any], Any]
 
 
-def fan_in_and_fan_out(tensor: torch.Tensor) -> tuple[int, int]:
-    """``torch.nn.init._calculate_fan_in_and_fan_out`` from the shape alone: torch's reads
-    ``tensor[0][0]``, which on a sharded DTensor is a collective and an op on the shard."""
+def _kaiming_std(tensor: torch.Tensor, a: float, mode: str, nonlinearity: str) -> float:
+    """The standard deviation ``kaiming_uniform_`` asks for, from the full shape, as torch's."""
+    if mode.lower() not in ("fan_in", "fan_out"):
+        raise ValueError(f"Mode {mode} not supported, please use one of fan_in, fan_out")
     shape = tuple(tensor.shape)
     if len(shape) < 2:
         raise ValueError(
             "Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"
         )
-    receptive = math.prod(shape[2:])
-    return shape[1] * receptive, shape[0] * receptive
-
-
-def _kaiming_std(tensor: torch.Tensor, a: float, mode: str, nonlinearity: str) -> float:
-    """The standard deviation Kaiming init asks for, from the full shape (as torch computes it)."""
-    mode = mode.lower()
-    if mode not in ("fan_in", "fan_out"):
-        raise ValueError(f"Mode {mode} not supported, please use one of fan_in, fan_out")
-    fan_in, fan_out = fan_in_and_fan_out(tensor)
-    fan = fan_in if mode == "fan_in" else fan_out
+    fan = shape[1 if mode.lower() == "fan_in" else 0] * math.prod(shape[2:])
     return nn.init.calculate_gain(nonlinearity, a) / math.sqrt(fan)  # type: ignore[arg-type]
 
 
-def _streamed(streams: _Streams) -> dict[str, _Init]:
-    """Replacements for ``torch.nn.init``'s element-wise initializers: a tensor the build named
-    draws from its stream; any other tensor goes to torch's own function."""
-    init = nn.init
-    original: dict[str, _Init] = {}
+def _truncated(mean: float, std: float, a: float, b: float) -> _Draw:
+    """Draws of a normal truncated to ``[a, b]``: the inverse CDF of a uniform between the
+    bounds' CDF values, so one draw per element and none rejected."""
 
-    def uniform_(
-        tensor: torch.Tensor, a: float = 0.0, b: float = 1.0, generator: Any = None
-    ) -> torch.Tensor:
-        key = streams.key(tensor)
-        if key is None:
-            return original["uniform_"](tensor, a, b, generator=generator)
-        streams.fill(tensor, key, lambda out, g: out.uniform_(a, b, generator=g))
-        return tensor
+    def cdf(x: float) -> float:
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
 
-    def normal_(
-        tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator: Any = None
-    ) -> torch.Tensor:
-        key = streams.key(tensor)
-        if key is None:
-            return original["normal_"](tensor, mean, std, generator=generator)
-        streams.fill(tensor, key, lambda out, g: out.normal_(mean, std, generator=g))
-        return tensor
+    low, high = 2 * cdf((a - mean) / std) - 1, 2 * cdf((b - mean) / std) - 1
 
-    def trunc_normal_(
-        tensor: torch.Tensor,
-        mean: float = 0.0,
-        std: float = 1.0,
-        a: float = -2.0,
-        b: float = 2.0,
-        generator: Any = None,
-    ) -> torch.Tensor:
-        key = streams.key(tensor)
-        if key is None:
-            return original["trunc_normal_"](tensor, mean, std, a, b, generator=generator)
+    def draw(out: torch.Tensor, g: torch.Generator) -> None:
+        out.uniform_(low, high, generator=g).erfinv_()
+        out.mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
 
-        def cdf(x: float) -> float:
-            return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+    return draw
 
-        # As torch does it: the inverse CDF of a uniform between the bounds' CDF values.
-        low, high = 2 * cdf((a - mean) / std) - 1, 2 * cdf((b - mean) / std) - 1
 
-        def draw(out: torch.Tensor, g: torch.Generator) -> None:
-            out.uniform_(low, high, generator=g).erfinv_()
-            out.mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
+_TRUNC_NORMAL = nn.init.trunc_normal_.__code__
 
-        streams.fill(tensor, key, draw)
-        return tensor
 
-    def constant_(tensor: torch.Tensor, val: float) -> torch.Tensor:
-        if streams.names.get(id(tensor)) is None:
-            return original["constant_"](tensor, val)
+def _trunc_normal_args(tensor: torch.Tensor) -> tuple[float, float, float, float] | None:
+    """``(mean, std, a, b)`` when ``torch.nn.init.trunc_normal_`` is running on ``tensor`` a
+    few calls up: it has no hook of its own, so its draw and bounds check are recognized here."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return None
+        if frame.f_code is _TRUNC_NORMAL and frame.f_locals.get("tensor") is tensor:
+            found = frame.f_locals
+            return found["mean"], found["std"], found["a"], found["b"]
+        frame = frame.f_back
+    return None
+
+
+def _args(rest: tuple[Any, ...], kwargs: dict[str, Any], *spec: tuple[str, Any]) -> list[Any]:
+    """Arguments after the tensor, by position or keyword, with their defaults."""
+    return [rest[i] if i < len(rest) else kwargs.get(k, d) for i, (k, d) in enumerate(spec)]
+
+
+def _sampler(method: str, *spec: tuple[str, Any]) -> _Answer:
+    """Answer to ``nn.init.uniform_`` / ``normal_`` or the tensor method of that name: the
+    stream's draw by ``out.<method>(x, y)``; one inside ``trunc_normal_`` draws it truncated."""
+
+    def answer(streams: _Streams, func: Any, tensor: torch.Tensor, rest: Any, kw: Any) -> Any:
+        truncated = _trunc_normal_args(tensor)
+        if truncated is not None:
+            return streams.draw(tensor, _truncated(*truncated))
+        x, y = _args(rest, kw, *spec)
+        return streams.draw(tensor, lambda out, g: getattr(out, method)(x, y, generator=g))
+
+    return answer
+
+
+def _kaiming_uniform(streams: _Streams, func: Any, tensor: torch.Tensor, rest: Any, kw: Any) -> Any:
+    a, mode, nonlinearity = _args(
+        rest, kw, ("a", 0), ("mode", "fan_in"), ("nonlinearity", "leaky_relu")
+    )
+    if 0 in tensor.shape:
+        return None  # torch's own warns and returns
+    bound = math.sqrt(3.0) * _kaiming_std(tensor, a, mode, nonlinearity)
+    return streams.draw(tensor, lambda out, g: out.uniform_(-bound, bound, generator=g))
+
+
+def _constant(name: str, default: float | None) -> _Answer:
+    """A fill with a number, written to the local shard (no draw)."""
+
+    def answer(streams: _Streams, func: Any, tensor: torch.Tensor, rest: Any, kw: Any) -> Any:
+        (value,) = _args(rest, kw, (name, default))
+        if not isinstance(value, int | float | bool):
+            return None
         with _unwatched():
-            local_tensor(tensor).fill_(val)
+            local_tensor(tensor).fill_(value)
         return tensor
 
-    def ones_(tensor: torch.Tensor) -> torch.Tensor:
-        return constant_(tensor, 1.0)
-
-    def zeros_(tensor: torch.Tensor) -> torch.Tensor:
-        return constant_(tensor, 0.0)
-
-    def kaiming_uniform_(
-        tensor: torch.Tensor,
-        a: float = 0,
-        mode: str = "fan_in",
-        nonlinearity: str = "leaky_relu",
-        generator: Any = None,
-    ) -> torch.Tensor:
-        if streams.names.get(id(tensor)) is None or 0 in tensor.shape:
-            return original["kaiming_uniform_"](tensor, a, mode, nonlinearity, generator)
-        bound = math.sqrt(3.0) * _kaiming_std(tensor, a, mode, nonlinearity)
-        return uniform_(tensor, -bound, bound)
-
-    def kaiming_normal_(
-        tensor: torch.Tensor,
-        a: float = 0,
-        mode: str = "fan_in",
-        nonlinearity: str = "leaky_relu",
-        generator: Any = None,
-    ) -> torch.Tensor:
-        if streams.names.get(id(tensor)) is None or 0 in tensor.shape:
-            return original["kaiming_normal_"](tensor, a, mode, nonlinearity, generator)
-        return normal_(tensor, 0.0, _kaiming_std(tensor, a, mode, nonlinearity))
-
-    def xavier_uniform_(
-        tensor: torch.Tensor, gain: float = 1.0, generator: Any = None
-    ) -> torch.Tensor:
-        if streams.names.get(id(tensor)) is None:
-            return original["xavier_uniform_"](tensor, gain, generator)
-        fan_in, fan_out = fan_in_and_fan_out(tensor)
-        bound = math.sqrt(3.0) * gain * math.sqrt(2.0 / float(fan_in + fan_out))
-        return uniform_(tensor, -bound, bound)
-
-    def xavier_normal_(
-        tensor: torch.Tensor, gain: float = 1.0, generator: Any = None
-    ) -> torch.Tensor:
-        if streams.names.get(id(tensor)) is None:
-            return original["xavier_normal_"](tensor, gain, generator)
-        fan_in, fan_out = fan_in_and_fan_out(tensor)
-        return normal_(tensor, 0.0, gain * math.sqrt(2.0 / float(fan_in + fan_out)))
-
-    replacements: dict[str, _Init] = {
-        "uniform_": uniform_,
-        "normal_": normal_,
-        "trunc_normal_": trunc_normal_,
-        "constant_": constant_,
-        "ones_": ones_,
-        "zeros_": zeros_,
-        "kaiming_uniform_": kaiming_uniform_,
-        "kaiming_normal_": kaiming_normal_,
-        "xavier_uniform_": xavier_uniform_,
-        "xavier_normal_": xavier_normal_,
-        "_calculate_fan_in_and_fan_out": fan_in_and_fan_out,
-    }
-    original.update({name: getattr(init, name) for name in replacements})
-    return replacements
+    return answer
 
 
-STREAMED_INITIALIZERS: tuple[str, ...] = tuple(_streamed(_Streams(0)))
+def _bounds_check(streams: _Streams, func: Any, tensor: torch.Tensor, rest: Any, kw: Any) -> Any:
+    """``trunc_normal_``'s check of a shard it drew (truncated, so no element is out of bounds):
+    on the local shard, rather than a reduction over the mesh."""
+    if not isinstance(tensor, DTensor) or _trunc_normal_args(tensor) is None:
+        return None
+    return func(local_tensor(tensor), *rest, **kw)
 
 
-# Where a library keeps torch's initializers it captured at import, by module name: the table
-# transformers' own ``init.normal_`` & co. call (``transformers.initialization``).
-CAPTURED_TABLES: dict[str, str] = {"transformers.initialization": "TORCH_INIT_FUNCTIONS"}
-
-_Binding = tuple[Any, str, Any]  # (a module or a dict, the name in it, torch's function)
-
-
-def _bindings() -> list[_Binding]:
-    """Where the initializers are bound: ``torch.nn.init`` itself, torch's module files that
-    import them by name (``nn.MultiheadAttention`` calls its own ``xavier_uniform_``), and the
-    tables of ``CAPTURED_TABLES`` that libraries loaded so far hold."""
-    found: list[_Binding] = []
-    for module_name, module in list(sys.modules.items()):
-        if module is None or not (
-            module_name == "torch.nn.init" or module_name.startswith("torch.nn.modules.")
-        ):
-            continue
-        for name in STREAMED_INITIALIZERS:
-            fn = getattr(module, name, None)
-            if fn is not None and fn is getattr(nn.init, name):
-                found.append((module, name, fn))
-    for module_name, table_name in CAPTURED_TABLES.items():
-        table = getattr(sys.modules.get(module_name), table_name, None)
-        if isinstance(table, dict):
-            for name in STREAMED_INITIALIZERS:
-                fn = table.get(name)
-                if fn is not None and fn is getattr(nn.init, name):
-                    found.append((table, name, fn))
-    return found
+_T = torch.Tensor
+# What a named tensor's initializers reach: the ``torch.nn.init`` functions that offer a torch
+# function hook, else the tensor methods the others call on the tensor itself.
+_ANSWERS: dict[Any, _Answer] = {
+    nn.init.uniform_: _sampler("uniform_", ("a", 0.0), ("b", 1.0)),
+    nn.init.normal_: _sampler("normal_", ("mean", 0.0), ("std", 1.0)),
+    nn.init.constant_: _constant("val", None),
+    nn.init.kaiming_uniform_: _kaiming_uniform,
+    _T.uniform_: _sampler("uniform_", ("from", 0.0), ("to", 1.0)),
+    _T.normal_: _sampler("normal_", ("mean", 0.0), ("std", 1.0)),
+    _T.fill_: _constant("value", None),
+    _T.zero_: _constant("", 0.0),
+    _T.lt: _bounds_check,
+    _T.gt: _bounds_check,
+}
 
 
-def _bind(target: Any, name: str, fn: Any) -> None:
-    if isinstance(target, dict):
-        target[name] = fn
-    else:
-        setattr(target, name, fn)
+class _StreamMode(TorchFunctionMode):
+    """On this thread only: the initializers of a tensor ``streams`` names answered from its
+    stream; everything else runs as torch runs it."""
+
+    def __init__(self, streams: _Streams) -> None:
+        super().__init__()
+        self.streams = streams
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        answer = _ANSWERS.get(func)
+        if answer is not None:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if id(tensor) in self.streams.names:
+                rest = {k: v for k, v in kwargs.items() if k != "tensor"}
+                done = answer(self.streams, func, tensor, args[1:], rest)
+                if done is not None:
+                    return done
+        return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def streamed_init(streams: _Streams, bindings: list[_Binding] | None = None) -> Iterator[None]:
-    """``torch.nn.init``'s initializers answered from ``streams`` inside the block, wherever
-    torch binds them; the originals are back when the block ends, however it ends. Not
-    thread-safe: another thread initializing meanwhile would draw from the streams too.
-    ``bindings``: a build's ``_bindings()``, found once instead of on every unit."""
-    replacements = _streamed(streams)
-    bindings = _bindings() if bindings is None else bindings
-    for target, name, _ in bindings:
-        _bind(target, name, replacements[name])
-    try:
-        yield
-    finally:
-        for target, name, fn in bindings:
-            _bind(target, name, fn)
+def streamed_init(streams: _Streams) -> TorchFunctionMode:
+    """A context in which, on this thread, the tensors ``streams`` names draw from it."""
+    return _StreamMode(streams)
 
 
 # Operations on a sharded parameter that touch each element alone, with plain numbers: the
@@ -488,20 +430,17 @@ class _Done:
 @define
 class _StreamedInit:
     """``StreamInit``'s part of the shard-first run: a unit's parameters named for their
-    streams and ``torch.nn.init`` answered from them while the unit initializes; each module's
-    other draws from torch's generator seeded from ``(seed, module name)``. A module whose
-    initializer needs more than element-wise work on a shard is initialized again, with the
-    modules below it, on whole tensors, of which each rank keeps its slice."""
+    streams while it initializes; each module's other draws from torch's generator seeded
+    from ``(seed, module name)``. A module whose initializer needs more than element-wise work
+    on a shard is initialized again on whole tensors (see ``_on_whole_tensors``)."""
 
     seed: int
     env: Environment
-    bindings: list[_Binding] = attrs.field(factory=_bindings)
     streams: _Streams = attrs.field(init=False)
     done: list[_Done] = attrs.field(init=False, factory=list)
-    # What the build holds from its first unit to close(): torch's generators saved and
-    # torch.nn.init answered from the streams. Per unit, both cost more than a small unit's
-    # draws; none of the builder's other steps draws random numbers or initializes.
-    held: contextlib.ExitStack | None = attrs.field(init=False, default=None)
+    # Torch's generators, saved at the first unit and restored by close(): per unit, saving
+    # them costs more than a small unit's draws.
+    held: contextlib.AbstractContextManager[object] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self.streams = _Streams(self.seed)
@@ -519,21 +458,20 @@ class _StreamedInit:
                 if param is not None and not ignored.ignores(param):
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
         if self.held is None:
-            with contextlib.ExitStack() as entering:  # a half-entered pair is undone at once
-                entering.enter_context(torch.random.fork_rng(devices=fork_devices(self.env.device)))
-                entering.enter_context(streamed_init(streams, self.bindings))
-                self.held = entering.pop_all()
+            held = torch.random.fork_rng(devices=fork_devices(self.env.device))
+            held.__enter__()
+            self.held = held
         try:
-            yield
+            with _StreamMode(streams):
+                yield
         finally:
-            # Between units nothing is named: torch.nn.init answers as torch does.
             streams.names.clear()
             self.done = []
 
     def close(self) -> None:
         held, self.held = self.held, None
         if held is not None:
-            held.close()
+            held.__exit__(None, None, None)
 
     def _seeded(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         seed_generators(derived_seed(self.seed, fqn), self.env.device)
@@ -614,34 +552,24 @@ def _local_slices(tensor: DTensor) -> tuple[slice, ...]:
 @frozen
 class StreamInit(ResetParameters):
     """Each module's initializer by its model's convention (``reset_parameters()``, a
-    transformers model's ``_init_weights``, a registered one), with ``torch.nn.init``'s
-    element-wise initializers drawn by torch's samplers from one generator per block of
-    ``BLOCK`` elements, seeded from ``(seed, parameter name, block)``: with
-    ``FullyShardBuilder`` every rank allocates and fills only its shards (shard-first), and the
-    full weights are bit-identical at any world size, and between both backends.
+    transformers model's ``_init_weights``, a registered one), with the ``torch.nn.init``
+    initializers it calls on a parameter drawn by torch's samplers from one generator per block
+    of ``BLOCK`` elements, seeded from ``(seed, parameter name, block)``: with
+    ``FullyShardBuilder`` every rank allocates and fills only its shards, and the full weights
+    are bit-identical at any world size and between both backends. Nothing of torch or
+    transformers is replaced: the draws are answered by a ``TorchFunctionMode`` on the building
+    thread, and other threads initialize as torch does.
 
-    The distributions are those of eager init (same bounds and standard deviations, from the
-    full shapes); the numbers are not those of one generator seeded once. What an initializer
-    draws from torch's generator itself comes from a generator seeded from ``(seed, module
-    name)``. A module whose
-    initializer does more to a sharded parameter than element-wise work with plain numbers (a
-    tensor method's random draw, ``weight[padding_idx].zero_()``, ``orthogonal_``, ``eye_``,
-    a copy from another tensor) is initialized again, with the modules of its unit below it, on
-    whole tensors under the same seeds, and each rank keeps its slice: still world-size
-    invariant, for that module's whole tensors in memory while it initializes.
+    The distributions are eager init's (bounds and standard deviations from the full shapes),
+    not its numbers. Other draws from torch's generator come from one seeded from ``(seed,
+    module name)``. A module whose initializer does more to a sharded parameter than
+    element-wise work with plain numbers (a draw on ``weight.data``, ``weight[padding_idx]``,
+    ``orthogonal_``, a copy) is initialized again, with the modules of its unit below it, on
+    whole tensors under the same seeds, and each rank keeps its slice.
 
-    ``seed=None`` (the default) takes ``torch.initial_seed()`` of the first rank (shared in
-    ``prepare``): ``torch.manual_seed(s)`` before the build changes the weights, as it does
-    for an eager model. Torch's generators are saved at the first unit and restored when the
-    build ends (the caller's random stream continues as if the build drew nothing); in
-    between, a synchronizer of one's own that draws random numbers draws from the state the
-    last initialized module left, the same on every rank.
-
-    ``FullyShardBuilder``'s default materializer.
-
-    Cost: torch's sampler on 1/W of the elements (the two blocks cut by a shard's edges drawn in
-    full), one generator seeding per block, and a little per module (its generator seeded, its
-    operations watched).
+    ``seed=None`` (the default) takes ``torch.initial_seed()`` of the first rank:
+    ``torch.manual_seed(s)`` before the build changes the weights, as for an eager model.
+    Torch's generators are restored when the build ends. ``FullyShardBuilder``'s default.
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
@@ -674,11 +602,8 @@ class StreamInit(ResetParameters):
 
 
 __all__ = [
-    "CAPTURED_TABLES",
     "ELEMENTWISE_ON_SHARDS",
-    "STREAMED_INITIALIZERS",
     "StreamInit",
-    "fan_in_and_fan_out",
     "global_indices",
     "streamed_init",
 ]
