@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import override
 
 from fsdp_builder.common.hashing import digest63
-from fsdp_builder.errors import ConfigurationError, MaterializationError, config_error
+from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.materializers.ignored import give_storage_in_place, meta_ignored
-from fsdp_builder.materializers.initializers import MaterializerRun, buffers_to_compute
+from fsdp_builder.materializers.initializers import MaterializerRun
 from fsdp_builder.materializers.loading import (
     KeyMap,
     Loader,
@@ -212,29 +212,22 @@ class FromCheckpoint(Loader):
     def prepare(self, env: Environment) -> MaterializerRun:
         """Open and validate the checkpoint (on every rank, or on rank 0 alone without a shared
         filesystem); every rank raises if any rank's check failed (collective)."""
-        mapper = key_mapper(self.key_map)
+        opener = partial(
+            open_matched,
+            self.path,
+            env,
+            CHECKPOINT_SPEC,
+            key_mapper(self.key_map),
+            strict=self.strict,
+            every_state=not self.shared_filesystem,
+        )
         if not self.shared_filesystem:
             run = Rank0Run(env, CHECKPOINT_SPEC, self.nonfinite, bucket_bytes=self.bucket_bytes)
-            opener = partial(
-                open_matched, self.path, env, CHECKPOINT_SPEC, mapper, strict=self.strict
-            )
             return prepare_rank0(env, run, opener)
         local = LocalRun(env, CHECKPOINT_SPEC, self.nonfinite)
-        error: BaseException | None = None
-        found = Match()
-        try:
-            local.source, found = open_matched(
-                self.path, env, CHECKPOINT_SPEC, mapper, strict=self.strict, every_state=False
-            )
-        except ConfigurationError as exc:
-            error = exc
-        except Exception as exc:  # anything else a reader raised: every rank must hear about it
-            error = CHECKPOINT_SPEC.error(
-                f"'{os.fspath(self.path)}' could not be read ({type(exc).__name__}: {exc})"
-            )
-            error.__cause__ = exc
+        found, error = local.open(opener, f"'{os.fspath(self.path)}'")
         settings = _mapping_settings(local.source.tensors() if local.source else {}, found)
-        try:
+        with local.starting():
             agree(
                 "materialize (validate)",
                 error,
@@ -242,14 +235,6 @@ class FromCheckpoint(Loader):
                 fingerprint=digest63(repr(settings)),
                 description={"config": settings, "plan": []},
             )
-            # After the agreement: a failure to compute the buffers is not the path's.
-            local.computed = buffers_to_compute(
-                env.plan.root.module, env.ignored, initialized=False
-            )
-        except BaseException:
-            local.close()
-            raise
-        local.keys = found.keys
         report_match(env, found)
         return local
 

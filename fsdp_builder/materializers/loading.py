@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, ClassVar
 
@@ -443,6 +444,34 @@ class LoadRun:
             self.source.close()
             self.source = None
 
+    def open(
+        self, opener: Callable[[], tuple[CheckpointSource, Match]], what: str
+    ) -> tuple[Match, ConfigurationError | None]:
+        """Open and match the source on this rank; what that raises is returned, in the spec's
+        words, for every rank to hear."""
+        try:
+            self.source, found = opener()
+        except ConfigurationError as exc:
+            return Match(), exc
+        except Exception as exc:  # whatever a reader raises, the other ranks must hear it
+            error = self.spec.error(f"{what} could not be read ({type(exc).__name__}: {exc})")
+            error.__cause__ = exc
+            return Match(), error
+        self.keys = found.keys
+        return found, None
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around every rank's agreement on the sources: then the buffers the model computes (a
+        failure there is not the source's); the run is closed if either fails."""
+        try:
+            yield
+            env = self.env
+            self.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
+        except BaseException:
+            self.close()
+            raise
+
     def unreadable(self, unit: Unit, exc: Exception, verb: str = "read") -> MaterializationError:
         assert self.source is not None
         error = MaterializationError(
@@ -486,29 +515,17 @@ def prepare_rank0(
     open_on_rank0: Callable[[], tuple[CheckpointSource, Match]],
 ) -> Rank0Run:
     """Rank 0 opens and matches its source; its verdict reaches every rank, which raises it
-    alike; then the run gets the computed buffers. Collective; the run is closed on failure."""
-    verdict: str | None = None
+    alike. Collective."""
+    error: ConfigurationError | None = None
     if dist.get_rank() == 0:
-        try:
-            run.source, found = open_on_rank0()
-            run.keys = found.keys
+        found, error = run.open(open_on_rank0, "the source")
+        if error is None:
             report_match(env, found)
-        except ConfigurationError as exc:
-            verdict = str(exc)
-        except Exception as exc:  # whatever a reader raises, the other ranks must hear it
-            verdict = str(
-                run.spec.error(f"the source could not be read ({type(exc).__name__}: {exc})")
-            )
-    box: list[Any] = [verdict]
-    dist.broadcast_object_list(box, src=0, group=env.agreement_group)
-    try:
+    box: list[Any] = [None if error is None else str(error)]
+    with run.starting():
+        dist.broadcast_object_list(box, src=0, group=env.agreement_group)
         if box[0] is not None:
             raise ConfigurationError(box[0])
-        # After the verdict: a failure here is every rank's, and not the source's.
-        run.computed = buffers_to_compute(env.plan.root.module, env.ignored, initialized=False)
-    except BaseException:
-        run.close()
-        raise
     return run
 
 
