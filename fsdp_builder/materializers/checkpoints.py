@@ -127,36 +127,25 @@ def _check_flag(fix: str) -> Callable[[object, attrs.Attribute[Any], Any], None]
 @frozen
 class FromCheckpoint(Loader):
     """Materializes from a checkpoint every rank reads itself, in any format
-    ``fsdp_builder.sources`` knows: a ``.safetensors`` file, a Hugging Face folder (safetensors
-    shards and ``*.safetensors.index.json``, or ``.bin`` shards and
-    ``pytorch_model.bin.index.json``), a ``torch.save`` file, a
-    ``torch.distributed.checkpoint`` folder (``.metadata``), or a format you registered with
-    :func:`fsdp_builder.sources.register_format`; the format is detected from the path, which
-    every rank passes.
+    ``fsdp_builder.sources`` knows (a ``.safetensors`` file, a Hugging Face folder of
+    safetensors or ``.bin`` shards, a ``torch.save`` file, a ``torch.distributed.checkpoint``
+    folder, or a format you registered with :func:`fsdp_builder.sources.register_format`),
+    detected from the path every rank passes.
 
-    Each rank reads only what it keeps: with a backend that shards first (FSDP2,
-    ``FullyShardBuilder``) the rows of its local shards; with FSDP1 one unit's full tensors at a
-    time. No collective carries weights. ``shared_filesystem=False``: only rank 0 reads and the
-    weights travel as with ``FromStateDict`` (scatter with FSDP2, broadcast with FSDP1); every
-    state must then be in the checkpoint.
+    Each rank reads only what it keeps: with FSDP2 the rows of its local shards, with FSDP1 one
+    unit's full tensors at a time; no collective carries weights. ``shared_filesystem=False``:
+    rank 0 alone reads and the weights travel as with ``FromStateDict``.
 
     ``key_map`` maps checkpoint names to model names: a dict (names it lacks are kept),
-    ``(regex, replacement)`` pairs applied in order, or a callable (returning None leaves an
-    entry out). Keys, shapes and dtypes are checked on every rank before any weight is written;
-    a bad checkpoint raises the same ``ConfigurationError`` everywhere. Floating dtypes convert
-    to the model's (logged as the ``converted_dtypes`` event); integer/float mismatches are
-    errors. ``strict=False`` loads what matches and logs the rest (``checkpoint_partial``);
-    states missing from the checkpoint must then already be real. Non-persistent buffers are
-    not in checkpoints: the model computes them (see ``fsdp_builder.materializers.buffers``).
-    Ignored states (``ignore(...)``) are loaded too, whole, on every rank, into the tensors the
-    user passed (kept unsharded); with ``strict=True`` one the checkpoint lacks is refused by
-    name.
+    ``(regex, replacement)`` pairs applied in order, or a callable (None leaves an entry out).
+    Floating dtypes convert to the model's; ``strict=False`` loads what matches (the rest must
+    already be real). Non-persistent buffers are computed, not loaded; ignored states are
+    loaded whole on every rank.
 
     Raises:
-        ConfigurationError: on every rank before any weight is written: a path that holds no
-            checkpoint, missing or unexpected keys, wrong shapes, an index naming a missing file,
-            a truncated file, a DCP folder without metadata or missing a data file, an
-            integer/float mismatch, a key_map that fails or differs between ranks.
+        ConfigurationError: on every rank before any weight is written: no checkpoint at the
+            path, missing or unexpected keys, wrong shapes, an integer/float mismatch, a broken
+            or truncated checkpoint, a key_map that fails or differs between ranks.
         MaterializationError: ``nonfinite="error"`` and NaN/inf found (named).
 
     Example:

@@ -662,17 +662,13 @@ def _check_source_type(instance: object, attribute: attrs.Attribute[Any], value:
 @frozen
 class FromStateDict(Loader):
     """Materializes from a full state dict held by global rank 0: a mapping of names to tensors,
-    or a path that rank 0 reads, in any format ``fsdp_builder.sources`` knows (a ``torch.save``
-    or ``.safetensors`` file, a Hugging Face folder, a DCP folder, or one you registered). Other
-    ranks pass None (or anything; only rank 0's source is used) and may hold the model on meta.
+    or a path rank 0 reads, in any format ``fsdp_builder.sources`` knows. Other ranks pass None
+    and may hold the model on meta.
 
-    Keys and shapes are checked in ``prepare`` against every unit, on rank 0, and the verdict
-    reaches every rank before any weight is written. Each unit is then copied out of the source on
-    rank 0 and broadcast in buckets of ``bucket_bytes`` to every rank (every replica too under
-    hybrid sharding); with a backend that shards first (FSDP2) rank 0 scatters only each rank's
-    slices instead. Dtypes follow the model. Ignored states (``ignore(...)``) are broadcast
-    whole into the tensors the user passed. The source is closed when the build ends, however
-    it ends.
+    Rank 0 checks keys and shapes against every unit in ``prepare``, and its verdict reaches
+    every rank before any weight is written. Each unit is then broadcast from rank 0 in buckets
+    of ``bucket_bytes`` (with FSDP2, rank 0 scatters each rank's slices). Dtypes follow the
+    model; ignored states are broadcast whole.
 
     Raises:
         ConfigurationError: on every rank before any weight is written: rank 0 has no source, a
