@@ -292,13 +292,8 @@ def _bounds(index: slice, size: int) -> tuple[int, int]:
 
 
 def derive(source: CheckpointSource, rules: Sequence[Rule]) -> CheckpointSource:
-    """``source`` seen through ``rules``; the source itself when no rule changes a name.
-
-    Raises:
-        SourceError: the rules make two keys one name, a merge lacks an expert or a source, or
-            its parts differ in shape or dtype (the message names them). The source stays open;
-            the caller closes it.
-    """
+    """``source`` seen through ``rules`` (itself when no rule changes a name); a SourceError
+    names keys the rules make one, a merge's missing parts or parts that differ."""
     if not rules:
         return source
     plain, merged = _plan(source.tensors(), rules)

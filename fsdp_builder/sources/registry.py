@@ -122,12 +122,8 @@ def formats() -> list[str]:
 
 
 def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> CheckpointSource:
-    """Open ``source``: a state dict in memory, or a path whose format is detected.
-
-    Raises:
-        SourceError: the path is missing (:class:`MissingPath`), matches no format, or holds a
-            broken checkpoint; the message says which.
-    """
+    """Open ``source``: a state dict in memory, or a path whose format is detected; a
+    SourceError (:class:`MissingPath` for a missing path) says what is wrong."""
     if isinstance(source, Mapping):
         return memory.open_state_dict(source)
     path = Path(os.fspath(source))
