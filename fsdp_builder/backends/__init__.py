@@ -1,9 +1,6 @@
 """Backends: the PyTorch engine that shards one unit, and everything the library knows about it.
 
-A backend owns its knowledge: its name and its builder's name, the options it refuses, the
-models it refuses (from the unit plan, in the configure stage), its memory layout for
-``plan``/``estimate``, and how it shards a unit. Code outside this package asks the backend
-object; it never compares backend names. ``registry.py`` lists the backends by name.
+Code outside this package asks the backend object; it never compares backend names.
 """
 
 from __future__ import annotations
@@ -27,12 +24,8 @@ from fsdp_builder.runtime.environment import Environment
 class Backend(Protocol):
     """Shards one unit (children first, root last) with PyTorch's own engine.
 
-    ``name``: the short name (``--backend`` of the CLI, reports). ``builder``: the builder class
-    that uses it, named in errors. ``supports_shard_first``: a unit may be sharded while still on
-    meta (a shard-first materializer then fills only the local shards). ``shard_communicates``:
-    whether ``shard`` runs collectives (the pipeline then agrees on the local steps before it).
-    ``default_materializer()``: how meta states become real when the builder sets no
-    materializer.
+    ``builder`` is named in errors; ``supports_shard_first``: a unit may be sharded on meta;
+    ``shard_communicates``: the pipeline must agree on the local steps before ``shard``.
     """
 
     @property
@@ -48,19 +41,15 @@ class Backend(Protocol):
     def shard_communicates(self) -> bool: ...
 
     def default_materializer(self) -> Materializer:
-        """The materializer of a build that sets none (``FSDPBuilder``: ``ResetParameters()``;
-        ``FullyShardBuilder``: ``StreamInit()``)."""
+        """The materializer of a build that sets none."""
         ...
 
     def check(self, options: ShardingOptions) -> None:
-        """Refuse options this backend cannot honour; local, pure. Called when an option is
-        set (with that option alone) and in the configure stage (with all of them)."""
+        """Refuse options this backend cannot honour; local, pure."""
         ...
 
     def check_context(self, context: ConfigureContext) -> None:
-        """Refuse, in the configure stage, what this backend would refuse later for this model:
-        from the unit plan, the per-unit overrides, the composition options. Local, pure: the
-        model is untouched and no collective has run."""
+        """Refuse now what this backend would refuse later for this model; local, pure."""
         ...
 
     def keyword_mixed_precision(
@@ -74,15 +63,13 @@ class Backend(Protocol):
         ...
 
     def sharding_bytes(self, unit: Unit, shards: int) -> int:
-        """Bytes the backend allocates on top of the full unit while sharding it (its working
-        copies), for the build's peak estimate."""
+        """Bytes allocated on top of the full unit while sharding it (peak estimate)."""
         ...
 
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
     ) -> ProcessGroups:
-        """The backend's view of the build's groups (FSDP2: with its mesh). Called once, on
-        every rank, before the first unit; may communicate."""
+        """The backend's view of the build's groups; called once on every rank, may communicate."""
         ...
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
@@ -106,9 +93,7 @@ def check_model(
     options: ShardingOptions,
     ignored: IgnoredStates | None = None,
 ) -> None:
-    """``backend.check_context`` for ``plan`` alone (no process group, CPU device): what the
-    configure stage refuses about the model. Raises ``ConfigurationError`` naming the parameter
-    or module and the fix."""
+    """``backend.check_context`` for ``plan`` alone (no process group, CPU device)."""
     backend.check_context(
         ConfigureContext(
             model=plan.root.module,

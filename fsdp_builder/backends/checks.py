@@ -1,10 +1,5 @@
-"""Model checks done in the configure stage: what torch would refuse at shard time, found from
-the unit plan (module tree, shapes, dtypes, flags, existing wrappers) while the model is still
-untouched, with a message that names the parameter or module and the fix.
-
-Each check is local and pure (no collective, no mutation), so every rank raises the same
-``ConfigurationError`` before the first collective of the build.
-"""
+"""Configure-stage checks of what torch would refuse at shard time, read from the unit plan.
+Local and pure, so every rank raises the same error before the first collective."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ def unit_parameters(plan: UnitPlan) -> Iterator[tuple[Unit, str, nn.Parameter]]:
 
 
 def check_root_not_wrapped(plan: UnitPlan, builder: str) -> None:
-    """A model already sharded at its root cannot be sharded again (children already sharded
-    are fine: the plan keeps their units as they are)."""
+    """Refuse a model already sharded at its root (sharded children keep their units)."""
     root = plan.root.module
     if not is_wrapped(root):
         return
@@ -63,15 +57,13 @@ def check_root_not_wrapped(plan: UnitPlan, builder: str) -> None:
 
 
 def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
-    """What FullyShardedDataParallel's FlatParameter refuses: non-floating and scalar
-    parameters, several dtypes in one unit, and (without ``use_orig_params``) mixed
-    ``requires_grad`` in one unit."""
+    """What FSDP1's FlatParameter refuses: non-floating or scalar parameters, mixed dtypes and
+    (without ``use_orig_params``) mixed ``requires_grad`` in a unit."""
     where = "FSDPBuilder"
     integers: list[str] = []
     scalars: list[str] = []
     dtypes: dict[Unit, dict[torch.dtype, str]] = {}
     grads: dict[Unit, dict[bool, str]] = {}
-    # The plan's own record of each parameter: no walk of the model for the tensors.
     for unit in plan:
         for info in unit.params:
             name = info.name
@@ -154,8 +146,7 @@ def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
 
 
 def called_overrides(unit: Unit, options: ShardingOptions, where: str) -> dict[str, Any]:
-    """The unit's overrides (the wrap policy's and ``per_unit(module, fqn)``'s), with a failure
-    of the user's function named as ours: ``per_unit`` and the unit."""
+    """The unit's overrides, with an exception of the user's function named with the unit."""
     try:
         return unit_overrides(unit.module, unit.fqn, unit.overrides, options.per_unit, where)
     except ConfigurationError:
@@ -174,8 +165,7 @@ def called_overrides(unit: Unit, options: ShardingOptions, where: str) -> dict[s
 def check_per_unit(
     plan: UnitPlan, options: ShardingOptions, checked: Callable[[Unit], object]
 ) -> None:
-    """Run the backend's per-unit argument check on every unit now, in the configure stage,
-    rather than when each unit is sharded after the units before it changed."""
+    """Run ``checked`` on every unit now, before the units before it change."""
     if options.per_unit is None and not any(unit.overrides for unit in plan):
         return
     for unit in plan:
@@ -183,9 +173,7 @@ def check_per_unit(
 
 
 def check_composition(context: ConfigureContext) -> None:
-    """What both backends apply around sharding, checked before anything is applied:
-    ``compile(per_unit=True)`` needs units below the root; ``activation_checkpointing`` must
-    choose some module of the model."""
+    """``compile(per_unit=True)`` needs units below the root; checkpointing must choose some."""
     options = context.options
     where = context.backend.builder
     if options.compile is not None:

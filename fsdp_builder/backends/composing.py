@@ -1,7 +1,5 @@
-"""What both backends do to a unit around sharding it, in torchtitan's order: (tensor
-parallelism, applied by the user before the build) → activation checkpointing → compile →
-shard; with ``compile(per_unit=False)`` the sharded root is compiled last. What could refuse
-these is checked in the configure stage (``checks.check_composition``)."""
+"""What both backends do to a unit around sharding it, in torchtitan's order: activation
+checkpointing, compile, shard; with ``compile(per_unit=False)`` the sharded root last."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from fsdp_builder.runtime.environment import Environment
 
 
 def before_shard(unit: Unit, env: Environment) -> nn.Module:
-    """The module to shard for ``unit``: checkpointed and compiled as configured (in place
-    where torch allows, so state-dict keys stay the model's)."""
+    """The module to shard for ``unit``: checkpointed and compiled as configured."""
     target = unit.module
     chosen = env.options.activation_checkpointing
     if chosen is not None:

@@ -1,13 +1,5 @@
-"""FSDP1 backend: each unit becomes a ``FullyShardedDataParallel`` instance.
-
-Per-unit overrides (a torch ``CustomPolicy``'s kwargs dict, or ``per_unit(fn)``) are passed to
-that unit's ``FullyShardedDataParallel``, as torch's auto-wrap does. The arguments that must be
-the same for every unit of a build (groups, device, ignored states, initialization,
-``use_orig_params``) are refused, as are FSDP2's own option objects.
-
-``activation_checkpointing(policy)``: the chosen modules of a unit are wrapped in torch's
-``checkpoint_wrapper`` before the unit's ``FullyShardedDataParallel``.
-"""
+"""FSDP1 backend: each unit becomes a ``FullyShardedDataParallel`` instance, given its per-unit
+overrides as torch's auto-wrap gives them; arguments that are build-wide are refused per unit."""
 
 from __future__ import annotations
 
@@ -56,7 +48,6 @@ def _strict_bool(value: Any) -> bool:
     return value
 
 
-# What one unit may override, and how the value is normalized.
 _PER_UNIT: dict[str, Any] = {
     "sharding_strategy": to_sharding_strategy,
     "cpu_offload": to_cpu_offload,
@@ -65,7 +56,6 @@ _PER_UNIT: dict[str, Any] = {
     "forward_prefetch": _strict_bool,
     "limit_all_gathers": _strict_bool,
 }
-# Arguments that are the same for every unit of a build, and where they are set.
 _BUILD_WIDE = {
     "process_group": "groups(...)",
     "device_mesh": "groups(...)",
@@ -170,12 +160,8 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
 
 
 def fsdp1_kwargs(env: Environment, unit: Unit | None = None) -> dict[str, Any]:
-    """The FullyShardedDataParallel arguments for one unit of this environment (with the
-    unit's own overrides when ``unit`` is given).
-
-    States are already materialized, moved and synchronized, so FSDP's own init steps for those
-    (``param_init_fn``, ``sync_module_states``) stay off.
-    """
+    """FullyShardedDataParallel's arguments (with ``unit``'s overrides, if given). States are
+    already materialized and synchronized, so FSDP's own steps for those stay off."""
     opts = env.options
     kwargs: dict[str, Any] = {
         "sharding_strategy": opts.strategy,
@@ -228,17 +214,14 @@ class FSDP1Backend:
     shard_communicates: ClassVar[bool] = False
 
     def default_materializer(self) -> Materializer:
-        """``ResetParameters()``: each unit initialized whole, as FSDP1's ``param_init_fn``
-        would, from each rank's own generator."""
+        """``ResetParameters()``, as FSDP1's ``param_init_fn`` would, per rank."""
         return ResetParameters()
 
     def check(self, options: ShardingOptions) -> None:
         check_fsdp2_only_options(options)
 
     def check_context(self, context: ConfigureContext) -> None:
-        """Refuse what FullyShardedDataParallel would refuse at shard time: a model sharded at
-        its root, what ``check_fsdp1_plan`` lists, per-unit arguments, and the composition
-        options; local, model untouched."""
+        """Refuse now, locally, what FullyShardedDataParallel would refuse at shard time."""
         check_root_not_wrapped(context.plan, _WHERE)
         check_fsdp1_plan(context.plan, context.options)
         check_per_unit(
@@ -247,7 +230,6 @@ class FSDP1Backend:
         check_composition(context)
 
     def keyword_mixed_precision(self, given: dict[str, Any]) -> MixedPrecision:
-        """FullyShardedDataParallel's MixedPrecision, with its defaults."""
         if "output_dtype" in given:
             raise config_error(
                 f"{_WHERE}.mixed_precision",
@@ -267,8 +249,7 @@ class FSDP1Backend:
         return sum(_ceil_div(n, shards) * d.itemsize for d, n in by_dtype.items())
 
     def sharding_bytes(self, unit: Unit, shards: int) -> int:
-        """The flat tensor (a second full copy of the unit), then the shard copied out of it
-        before the flat tensor is freed."""
+        """The flat tensor (a second full copy), then the shard copied out of it."""
         return unit.param_bytes + (self.kept_bytes(unit, shards) if shards > 1 else 0)
 
     def prepare_groups(

@@ -1,61 +1,9 @@
-"""FSDP2 backend: ``torch.distributed.fsdp.fully_shard`` applied to each unit, root last.
+"""FSDP2 backend: ``fully_shard`` applied to each unit, root last.
 
-How the shared configuration maps onto ``fully_shard``:
-
-================================  =============================================================
-shared option                     ``fully_shard``
-================================  =============================================================
-FULL_SHARD                        1-D mesh; ``reshard_after_forward=True`` (False for the root,
-                                  which FSDP1 never frees after forward either)
-SHARD_GRAD_OP                     1-D mesh; ``reshard_after_forward=False``
-HYBRID_SHARD / _HYBRID_SHARD_ZERO2 2-D ``(replicate, shard)`` mesh; reshard as the two above
-NO_SHARD                          2-D ``(replicate=N, shard=1)`` mesh: every rank holds whole
-                                  parameters and gradients are all-reduced, as DDP would (a
-                                  world of one rank gets a 1-D mesh of size one)
-MixedPrecisionPolicy              ``mp_policy``, as given, for every unit
-keyword dtypes                    MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
-                                  cast_forward_inputs): fully_shard's defaults (inputs cast)
-MixedPrecision (FSDP1's object)   MixedPrecisionPolicy(param_dtype, reduce_dtype); the root unit
-                                  casts its inputs when ``cast_root_forward_inputs``, others
-                                  when ``cast_forward_inputs``. ``buffer_dtype`` and
-                                  ``keep_low_precision_grads`` have no FSDP2 counterpart:
-                                  ConfigurationError
-OffloadPolicy / CPUOffloadPolicy  ``offload_policy``, as given (``pin_memory`` included)
-CPUOffload(offload_params=True)   CPUOffloadPolicy (pinned memory on CUDA); on a CPU compute
-                                  device parameters already live on the CPU: no policy
-reshard_after_forward(x)          ``reshard_after_forward=x`` (bool or int) for every unit, the
-                                  root included, as ``fully_shard`` calls written out by hand;
-                                  unset: from the strategy as above
-shard_placement_fn(fn)            ``shard_placement_fn=fn`` for every unit
-compile(per_unit, **kwargs)       ``module.compile(**kwargs)`` in place: per unit, each unit
-                                  below the root after its checkpoint wrapper and before
-                                  ``fully_shard``; else the root after ``fully_shard``
-activation_checkpointing(policy)  the chosen modules of a unit are wrapped in torch's
-                                  ``checkpoint_wrapper`` before ``fully_shard`` (a chosen unit:
-                                  ``fully_shard`` of its wrapper, which takes its slot)
-per_unit(fn) / CustomPolicy       ``fn(module, fqn)`` / the policy's dict: ``fully_shard``
-                                  arguments for that unit (``reshard_after_forward``,
-                                  ``mp_policy``, ``offload_policy``, ``shard_placement_fn``);
-                                  anything else: ConfigurationError
-ignored modules / parameters      ``ignored_params`` (the parameters of ignored modules too);
-                                  a torch without that argument: ConfigurationError
-================================  =============================================================
-
-FSDP1-only options, judged only when the user set them (``ShardingOptions.explicit``):
-
-- ``limit_all_gathers``: FSDP2 always bounds in-flight all-gathers, so True is accepted and False
-  (which FSDP2 cannot honour) is a ConfigurationError.
-- ``use_orig_params``: FSDP2 always exposes the original parameters (as DTensors), so True is
-  accepted and False (flat parameters) is a ConfigurationError.
-- ``backward_prefetch``: FSDP2 prefetches the next all-gather before each backward unit, as
-  BACKWARD_PRE does; BACKWARD_PRE is accepted, BACKWARD_POST and None are ConfigurationErrors
-  (set ``FSDPModule.set_modules_to_backward_prefetch`` on the built model instead).
-- ``forward_prefetch``: False is accepted; True is a ConfigurationError, because FSDP1 derives
-  the order from the first iteration while FSDP2 needs it given
-  (``FSDPModule.set_modules_to_forward_prefetch`` after the build).
-
-Refusing rather than warning keeps a model from silently training with a different schedule
-than the one asked for.
+docs/migration.md tables how each option maps. Beyond it: NO_SHARD runs on a 2-D
+``(replicate=N, shard=1)`` mesh (whole parameters, gradients all-reduced as DDP would), and
+FSDP1-only options set to values FSDP2 cannot honour are refused rather than warned about, so a
+model never silently trains with another schedule than the one asked for.
 """
 
 from __future__ import annotations
@@ -110,7 +58,7 @@ _WHERE = "FullyShardBuilder"
 
 
 def check_fsdp1_only_options(options: ShardingOptions) -> None:
-    """Refuse FSDP1-only options the user set to values FSDP2 cannot honour (see module doc)."""
+    """Refuse FSDP1-only options the user set to values FSDP2 cannot honour."""
     explicit = options.explicit
     if "limit_all_gathers" in explicit and not options.limit_all_gathers:
         raise config_error(
@@ -170,9 +118,7 @@ def check_reshard_option(options: ShardingOptions) -> None:
 
 
 def check_reshard_divides(value: bool | int | None, shard_size: int, what: str, where: str) -> None:
-    """An int ``reshard_after_forward`` is the size of the group parameters are resharded to:
-    ``fully_shard`` needs it to divide the shard group (``what`` says which group size is
-    known)."""
+    """An int ``reshard_after_forward`` must divide the shard group (``what`` names the size)."""
     if value is None or isinstance(value, bool) or shard_size % value == 0:
         return
     divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
@@ -194,8 +140,7 @@ _NO_OFFLOAD = OffloadPolicy()
 def mixed_precision_policy(
     policy: MixedPrecision | MixedPrecisionPolicy | None, is_root: bool
 ) -> MixedPrecisionPolicy:
-    """The FSDP2 policy for one unit: a MixedPrecisionPolicy as given, an FSDP1 MixedPrecision
-    mapped (refusing the fields FSDP2 has no counterpart for)."""
+    """One unit's MixedPrecisionPolicy: as given, or mapped from FSDP1's MixedPrecision."""
     if policy is None:
         return _NO_MIXED_PRECISION
     if isinstance(policy, MixedPrecisionPolicy):
@@ -223,7 +168,7 @@ def mixed_precision_policy(
 
 
 def check_offload(options: ShardingOptions) -> None:
-    """Pinned host memory needs an accelerator: refused before anything is built."""
+    """Refuse pinned host memory without an accelerator."""
     offload = options.cpu_offload
     if (
         isinstance(offload, CPUOffloadPolicy)
@@ -287,8 +232,7 @@ def _check_mesh(mesh: DeviceMesh, groups: ProcessGroups, strategy: ShardingStrat
 
 
 def _hybrid_layout(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> torch.Tensor:
-    """The global ranks as a (replicate, shard) grid; row ``i`` is the shard group of the ``i``-th
-    member of this rank's replicate group. Collective over the replicate group."""
+    """The global ranks as a (replicate, shard) grid. Collective over the replicate group."""
     rows: list[list[int] | None] = [None] * replicate.size()
     dist.all_gather_object(rows, dist.get_process_group_ranks(shard), group=replicate)
     layout = torch.tensor(rows, dtype=torch.int)
@@ -311,7 +255,7 @@ def _singleton_group() -> dist.ProcessGroup:
 
 
 def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str) -> DeviceMesh:
-    """The mesh ``fully_shard`` runs on for these groups and strategy (see the module doc)."""
+    """The mesh ``fully_shard`` runs on for these groups and strategy."""
     strategy = options.strategy
     if strategy == ShardingStrategy.NO_SHARD:
         over = groups.shard_group
@@ -457,9 +401,7 @@ def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
 
 @frozen
 class FullyShardBackend:
-    """Shards each unit in place with ``fully_shard`` (FSDP2); see the module doc for how every
-    option maps. ``supports_shard_first``: a unit may be sharded while still on the meta device,
-    so a shard-first materializer allocates and initializes only the local shards."""
+    """Shards each unit in place with ``fully_shard`` (FSDP2); a unit may be sharded on meta."""
 
     name: str = attrs.field(default="fsdp2", init=False)
     builder: str = attrs.field(default=_WHERE, init=False)
@@ -468,8 +410,7 @@ class FullyShardBackend:
     shard_communicates: ClassVar[bool] = False
 
     def default_materializer(self) -> Materializer:
-        """``StreamInit()``: shard-first, every rank fills only its shards, and the full
-        weights are the same at any world size; seeded from ``torch.initial_seed()``."""
+        """``StreamInit()``: each rank fills only its shards, equal at any world size."""
         return StreamInit()
 
     def check(self, options: ShardingOptions) -> None:
@@ -481,9 +422,7 @@ class FullyShardBackend:
         mixed_precision_policy(options.mixed_precision, is_root=True)
 
     def check_context(self, context: ConfigureContext) -> None:
-        """Refuse what fully_shard would refuse at shard time: a model sharded at its root,
-        what ``check_fsdp2_plan`` lists, per-unit arguments, a ``reshard_after_forward`` int
-        that does not divide the world, and the composition options; local, model untouched."""
+        """Refuse now, locally, what fully_shard would refuse at shard time."""
         options = context.options
         check_fully_shard(options.strategy, context.device, context.ignored.params)
         check_root_not_wrapped(context.plan, _WHERE)
@@ -508,7 +447,7 @@ class FullyShardBackend:
         check_composition(context)
 
     def keyword_mixed_precision(self, given: dict[str, Any]) -> MixedPrecisionPolicy:
-        """Keywords are fully_shard's: MixedPrecisionPolicy with its defaults (inputs cast)."""
+        """MixedPrecisionPolicy with fully_shard's defaults (inputs cast)."""
         if "buffer_dtype" in given:
             raise config_error(
                 f"{_WHERE}.mixed_precision",
@@ -536,10 +475,9 @@ class FullyShardBackend:
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
     ) -> ProcessGroups:
-        """The groups with the mesh ``fully_shard`` runs on (collective: every rank calls it)."""
+        """The groups with the mesh ``fully_shard`` runs on; collective."""
         mesh = build_mesh(groups, options, device.type)
         if "reshard_after_forward" in options.explicit:
-            # The same on every rank, before any unit changes.
             check_reshard_divides(
                 options.reshard_after_forward,
                 mesh.shape[-1],

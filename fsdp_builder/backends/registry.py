@@ -1,8 +1,5 @@
-"""The backends by name, for the tools that take a name (``--backend`` of the CLI, estimates).
-
-A new backend is one class in this package that implements ``Backend``, added to ``BACKENDS``
-here and given a builder subclass in ``builder.py``; nothing else names it.
-"""
+"""The backends by name (``--backend`` of the CLI, estimates). A new backend is a ``Backend``
+class added here, with a builder subclass in ``builder.py``."""
 
 from __future__ import annotations
 
