@@ -1,22 +1,9 @@
-"""Stable descriptions of a build's configuration, for ranks to compare before anything changes.
+"""Descriptions of a build's configuration, equal on every rank of a correct program.
 
-Every rank describes its configuration as ``(setting, text)`` pairs; equal configurations give
-equal texts on every rank. A description holds only what is the same on every rank of a correct
-program: names, global shapes, dtypes and settings. What legitimately differs between ranks is
-left out: a device's index (``cuda:{local_rank}``), a process group's members (each node has its
-own shard group), the source only rank 0 holds (``FromStateDict``), and anything that depends
-on the process rather than the program: storage addresses, object ids, the iteration order of
-dicts and sets (mappings and sets are described sorted), and local shard sizes.
-
-A tensor is described by its global shape and dtype (a DTensor's ``shape`` is global). The
-ignored modules and states are not described at all (:data:`NOT_COMPARED`): they are never
-communicated, so ranks may ignore different objects (PyTorch's FSDP tests ignore a different
-number of modules per rank), and the ignored parameters of an already sharded child are views of
-each rank's own shard, whose sizes differ by design. What they decide, which states each unit
-shards, is compared exactly by the unit plan's signature (names, global shapes, dtypes).
-
-A strategy can say how it is described with a ``describe() -> str`` method; otherwise an attrs
-strategy is described by its type and fields, and any other object by its type.
+Left out is what differs between ranks by design: device indexes, a group's members, the source
+only rank 0 holds, addresses, ids, dict and set order, local shard sizes. Ignored states are not
+described (:data:`NOT_COMPARED`): ranks may ignore different objects (PyTorch's FSDP tests do),
+and the unit plan's signature compares what they decide. A strategy may define ``describe()``.
 """
 
 from __future__ import annotations
@@ -33,13 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-# Settings that ranks do not compare (see the module doc): what they select is compared through
-# the unit plan instead.
 NOT_COMPARED = frozenset({"ignored_modules", "ignored_states"})
 
 
 def describe(value: Any) -> str:
-    """A text equal on every rank for equal configuration values (see the module doc)."""
+    """A text equal on every rank for equal configuration values."""
     if value is None or isinstance(value, bool | int | float | str):
         return repr(value)
     if isinstance(value, enum.Enum):

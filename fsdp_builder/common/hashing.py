@@ -1,8 +1,5 @@
-"""Stable 63-bit digests: plan fingerprints, per-module seeds and tensor checksums.
-
-One function, so that every rank and every version of this library derive the same numbers from
-the same inputs (63 bits: they fit a signed int64 tensor for collectives and a torch seed).
-"""
+"""Stable 63-bit digests (plan fingerprints, seeds, checksums): 63 bits fit a signed int64
+tensor for collectives and a torch seed."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The base class every ``Base*`` strategy class derives from: it refuses misspelled hooks.
-
-The pipeline calls only members that the role protocols declare (``communicates``,
-``shard_first``, ``prepare``, ``check``...). A subclass that means to override one of them but
-misspells it (``communicate = False``) would otherwise be silently ignored and change how ranks
-agree; such a name is refused when the class is created.
-"""
+"""The base of every ``Base*`` strategy class: a misspelled hook would be silently ignored (and
+could change how ranks agree), so it is refused when the class is created."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ class DeclaredHooks:
     """Refuses, at class creation, a public name that is not a member of any base class but is
     within a typo of one (e.g. ``communicate`` for ``communicates``)."""
 
-    # Slotted ready-made strategies stay free of instance dicts (nothing can be stored on them).
+    # Empty: slotted ready-made strategies stay free of instance dicts.
     __slots__ = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

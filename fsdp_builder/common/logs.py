@@ -1,14 +1,4 @@
-"""Where the library's events go, and how its warnings point at the user's code.
-
-Events are structlog events with flat snake_case keys; every event of a build carries ``rank``
-and ``world_size`` (and ``unit`` for per-unit events). The library never configures structlog:
-
-- an application that configured structlog gets the events through its own configuration;
-- otherwise they go to the standard ``logging`` module, to the logger named after the module
-  that emits them (``fsdp_builder.pipeline``, ``fsdp_builder.sources.registry``, ...), rendered
-  as ``key=value`` text. Its level and handlers decide: with no logging configured the library
-  prints nothing (it installs a ``NullHandler``, as libraries should), and
-  ``logging.basicConfig(level=logging.DEBUG)`` shows every event.
+"""Where the library's events go (docs/logging.md), and how its warnings point at user code.
 
 Modules log through :func:`get_logger`, never ``structlog.get_logger``: structlog's own default,
 when nothing is configured, prints every debug event to standard output.

@@ -1,10 +1,4 @@
-"""What the configure stage knows, handed to every role's check before the first collective.
-
-The configure stage runs on every rank with the same model and configuration, before any
-process group is used and before the model changes. A check that sees this context can refuse
-anything a later stage would refuse, so the refusal is the same on every rank and leaves the
-model untouched.
-"""
+"""What the configure stage knows, handed to every role's check before the first collective."""
 
 from __future__ import annotations
 
@@ -21,9 +15,7 @@ from fsdp_builder.planning.plan import UnitPlan
 
 @frozen
 class BackendCapabilities:
-    """What a role may ask about the backend: its name (``"fsdp1"``), the builder that uses it
-    (named in errors), whether it can shard a unit still on meta, and whether sharding
-    communicates."""
+    """What a role may ask about the backend (see ``Backend``)."""
 
     name: str
     builder: str
@@ -33,12 +25,8 @@ class BackendCapabilities:
 
 @frozen(eq=False)
 class ConfigureContext:
-    """The configure stage's view of one build. Checks must stay local and pure: read it, never
-    change the model, never communicate.
-
-    ``world_size`` is the default group's (1 without a process group); the shard group, which
-    the group factory creates later, spans it or a divisor of it.
-    """
+    """The configure stage's view of one build; checks read it, never change the model or
+    communicate. ``world_size`` is the default group's (1 without one)."""
 
     model: nn.Module
     plan: UnitPlan
@@ -51,9 +39,7 @@ class ConfigureContext:
 
 @runtime_checkable
 class ChecksContext(Protocol):
-    """A role that checks the whole configuration in the configure stage. Optional for every
-    role: ``BaseMaterializer`` implements it by calling ``check(plan, ignored)``; a group
-    factory, device resolver or synchronizer that defines it is called too."""
+    """A role that checks the whole configuration in the configure stage (optional)."""
 
     def check_context(self, context: ConfigureContext) -> None:
         """Raise (a ``ConfigurationError`` naming the argument and the fix) to refuse."""

@@ -1,9 +1,4 @@
-"""Which modules, parameters and buffers the sharding must leave alone.
-
-Follows FSDP's rules: ``ignored_modules`` and ``ignored_states`` are exclusive, ignored states are
-all parameters or all modules, module subtrees are ignored whole, and modules already wrapped by
-FSDP are never ignored themselves but pass on what they already ignore.
-"""
+"""Which modules, parameters and buffers the sharding must leave alone, by FSDP's rules."""
 
 from __future__ import annotations
 
@@ -34,15 +29,13 @@ WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module",
 _ANY_WRAPPER = re.compile("|".join(re.escape(name) for name in sorted(WRAPPER_NAMES)))
 
 
-# ``list(root.named_modules())``, taken once per plan and read by each step of planning (every
-# walk of a model is a generator per module; planning took five, ten for a transformers model).
+# ``list(root.named_modules())``, taken once per plan: each walk costs a generator per module.
 NamedModules: TypeAlias = Sequence[tuple[str, nn.Module]]
 
 
 def clean_name(name: str) -> str:
-    """A module or state name without the parts wrappers insert (as FSDP's
-    ``clean_tensor_name``, and also torch.compile's ``_orig_mod``): the name the unwrapped model
-    gives it, so seeds and state-dict keys do not change when wrappers are added."""
+    """The name without the parts wrappers insert (as FSDP's ``clean_tensor_name``, plus
+    ``_orig_mod``), so seeds and state-dict keys do not change when wrappers are added."""
     if _ANY_WRAPPER.search(name) is None:
         return name  # the common case: no split and join
     return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
@@ -61,8 +54,7 @@ def unsharded_class(module: nn.Module) -> type[nn.Module]:
 
 
 def is_replicated(module: nn.Module) -> bool:
-    """True for a module under torch's composable ``replicate`` (DDP), which cannot also be
-    sharded: FSDP ignores its subtree, and so do we."""
+    """True under torch's composable ``replicate`` (DDP), whose subtree FSDP ignores."""
     if _REGISTRY_KEY is None:  # a torch without composable APIs has no replicated modules
         return False
     # Where torch's contract keeps it (``_get_registry`` reads it with getattr, which for a
@@ -197,8 +189,7 @@ def resolve_ignored(
     states: Iterable[Any] | None = None,
     named: NamedModules | None = None,
 ) -> IgnoredStates:
-    """Expand the user's ignore arguments over ``root`` (``named``: its ``named_modules()``,
-    when already taken). Pure: no process group, no mutation."""
+    """Expand the user's ignore arguments over ``root``. Pure: no process group, no mutation."""
     module_list, state_list = validate_ignore_arguments(modules, states)
     params: list[nn.Parameter] = []
     if state_list and isinstance(state_list[0], nn.Parameter):
@@ -245,8 +236,7 @@ def resolve_ignored(
 def managed_params(
     module: nn.Module, ignored: IgnoredStates, named: NamedModules | None = None
 ) -> Iterator[nn.Parameter]:
-    """Parameters of ``module`` the sharding manages: not ignored, not already flattened; each
-    once, in ``parameters()`` order (``named``: ``module.named_modules()``, when taken)."""
+    """Parameters of ``module`` the sharding manages (not ignored, not flattened), each once."""
     # Each module's own dict, deduplicated by id: parameters() hashes every tensor (a Python
     # call each) through a generator chain per module.
     seen: set[int] = set()
@@ -260,9 +250,7 @@ def managed_params(
 
 
 def check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
-    """The states of ignored modules are never materialized (FSDP leaves them as they are): on
-    meta they would stay so; say it now, while the model is untouched. Parameters ignored one
-    by one are materialized with their module (see ``fsdp_builder.materializers.ignored``)."""
+    """Refuse ignored modules with states on meta: they are never materialized, as in FSDP."""
     if not ignored.modules:
         return
     buffers = {id(b) for b in ignored.buffers}

@@ -1,13 +1,8 @@
-"""Ties a model declares but does not hold: the parameter pairs a Hugging Face transformers model
-ties (``all_tied_weights_keys``, target → source, as its ``get_expanded_tied_weights_keys``
-computed them in ``post_init``) whose two sides are separate tensors on the meta device.
+"""Ties a transformers model declares (``all_tied_weights_keys``) but holds as two meta tensors.
 
-Accelerate's ``init_empty_weights`` gives every parameter a new meta tensor as it is registered,
-after which transformers' own ``tie_weights`` has nothing to tie by identity: ``lm_head.weight``
-and the input embedding stay two parameters, although ``Model(config)`` and ``from_pretrained``
-give one. The plan treats each such pair as the one state the model declares, and the build ties
-it for real (``UnitPlan.tie_declared``) once every rank agreed on the configuration, so a refused
-build leaves the model as it was given.
+Accelerate's ``init_empty_weights`` gives every parameter a new meta tensor, so ``tie_weights``
+has nothing to tie by identity. The plan treats each pair as one state; the build ties it
+(``UnitPlan.tie_declared``) only once ranks agreed, so a refused build leaves the model as given.
 """
 
 from __future__ import annotations
@@ -79,10 +74,8 @@ def _parameter_at(
 def declared_ties(
     model: nn.Module, ignored: IgnoredStates, named: NamedModules | None = None
 ) -> tuple[DeclaredTie, ...]:
-    """The pairs the library models in ``model`` declare tied whose target is a separate
-    parameter on meta (no values to lose) of the source's shape and dtype. A pair whose target
-    holds values, or that an ignored state is part of, is left as the model holds it. Local and
-    pure. ``named``: ``list(model.named_modules())``, when the caller has it."""
+    """Declared pairs whose target is a separate meta parameter (no values to lose) of the
+    source's shape and dtype, neither side ignored. Local and pure."""
     found: dict[tuple[int, str], DeclaredTie] = {}
     for prefix, module in named if named is not None else model.named_modules():
         keys = _declares_ties(module)
@@ -117,8 +110,7 @@ def declared_ties(
 
 @contextlib.contextmanager
 def held(ties: tuple[DeclaredTie, ...]) -> Iterator[None]:
-    """``ties`` tied inside the block and untied again when it ends, however it ends: the
-    model as the build will hold it, for planning that must leave the model unchanged."""
+    """``ties`` tied inside the block and untied when it ends, however it ends."""
     # The modules' own dicts: no registration hooks run for a tie that is undone.
     for tie in ties:
         tie.owner._parameters[tie.name] = tie.source

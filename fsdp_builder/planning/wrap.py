@@ -1,11 +1,5 @@
-"""Wrap policies: which modules become their own shard unit.
-
-Four forms are accepted: module classes, a predicate on ``(module, fqn)``, one of torch's own
-wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``), or :class:`NoSplitModules` (the
-block classes a Hugging Face transformers model names in ``_no_split_modules``, as Accelerate's
-transformer-based wrap picks them). Without a policy, a model that names such classes is wrapped
-by them; any other model is one unit.
-"""
+"""Wrap policies: which modules become their own shard unit (module classes, a ``(module, fqn)``
+predicate, a torch policy, or :class:`NoSplitModules`)."""
 
 from __future__ import annotations
 
@@ -27,10 +21,8 @@ WrapPredicate: TypeAlias = Callable[[nn.Module, str], bool]
 
 @frozen
 class NoSplitModules:
-    """Wrap the block classes the model names in ``_no_split_modules`` (Hugging Face
-    transformers models, nested ones included): each decoder or encoder layer becomes a unit.
-
-    What a build without ``.wrap(...)`` uses for such a model; pass it to say so explicitly.
+    """Wrap the block classes a transformers model names in ``_no_split_modules``, as
+    Accelerate does; the default for such a model.
 
     Example:
         ```python
@@ -40,9 +32,8 @@ class NoSplitModules:
 
 
 def no_split_class_names(model: nn.Module, named: NamedModules | None = None) -> tuple[str, ...]:
-    """The class names in ``_no_split_modules`` of ``model`` and of every module below it that
-    declares one (transformers' own collection rule), in first-seen order. ``named``: the
-    model's ``named_modules()``, when already taken."""
+    """The ``_no_split_modules`` class names of ``model`` and every module below it, in
+    first-seen order (transformers' rule). ``named``: ``model.named_modules()``, if taken."""
     names: dict[str, None] = {}
     for _, module in model.named_modules() if named is None else named:
         declared = getattr(module, "_no_split_modules", None)
@@ -141,9 +132,8 @@ class WrapPolicy:
         ignored_modules: frozenset[nn.Module],
         named: NamedModules | None = None,
     ) -> set[nn.Module]:
-        """The modules of ``root`` (root excluded) that this policy makes units. ``named``:
-        ``list(root.named_modules())``, when the caller already took it. Raises a
-        ConfigurationError when module classes are given and the model has none of them."""
+        """The modules of ``root`` (root excluded) that this policy makes units. Raises when
+        module classes are given and the model has none of them."""
         if self.no_split or self.is_default():
             named = list(root.named_modules()) if named is None else named
             declared = no_split_class_names(root, named)
@@ -188,7 +178,6 @@ class WrapPolicy:
         named: NamedModules,
         declared: tuple[str, ...],
     ) -> set[nn.Module]:
-        """``select`` by the model's ``_no_split_modules`` (``declared``; explicit or default)."""
         classes = self._by_names(root, named, declared)
         if not classes:
             raise config_error(
@@ -215,12 +204,8 @@ class WrapPolicy:
     def overrides(
         self, root: nn.Module, ignored_modules: frozenset[nn.Module]
     ) -> dict[nn.Module, dict[str, Any]]:
-        """The per-unit arguments a torch ``CustomPolicy`` returns (module -> its kwargs dict);
-        empty for every other form. The backend applies them to that unit.
-
-        FullyShardedDataParallel's auto-wrap never applies an override to the root (the root
-        takes the constructor's arguments), so an override for the root is refused rather than
-        applied or dropped."""
+        """The per-unit kwargs a torch ``CustomPolicy`` returns. One for the root is refused:
+        FSDP1's auto-wrap would silently drop it."""
         if self.torch_policy is None:
             return {}
         chosen = self.torch_policy._run_policy(root, set(ignored_modules), {})
@@ -253,8 +238,7 @@ class WrapPolicy:
 
 
 def _tied_outside(named: NamedModules, chosen: set[nn.Module]) -> dict[nn.Module, str]:
-    """The modules of ``chosen`` holding a parameter that is also registered outside them,
-    with their qualified names (``named``: the root's ``named_modules()``)."""
+    """The modules of ``chosen`` holding a parameter also registered outside them, by name."""
     registrations: dict[int, int] = {}
     for _, module in named:
         for p in module._parameters.values():
@@ -332,8 +316,7 @@ def unit_overrides(
 
 
 def checkpoint_predicate(spec: Any) -> CheckpointPredicate:
-    """What ``.activation_checkpointing(...)`` takes: module classes or a ``(module, fqn)``
-    predicate, as a predicate."""
+    """Module classes or a ``(module, fqn)`` predicate, as a predicate."""
     if isinstance(spec, _Policy) or (callable(spec) and _is_legacy_policy(spec)):
         raise config_error(
             "ShardingBuilder.activation_checkpointing",
@@ -378,13 +361,9 @@ class ChosenClasses:
 def checkpoint_unit(
     module: nn.Module, fqn: str, chosen: CheckpointPredicate, stop: frozenset[nn.Module]
 ) -> nn.Module:
-    """Wrap the modules of one unit that ``chosen`` selects in torch's ``checkpoint_wrapper``
-    (non-reentrant), outermost only, before the unit is sharded. Nested units (already
-    sharded) and ``stop`` modules are not entered. Returns the module to shard: the unit's own
-    module, or its wrapper when the unit itself is chosen (it then takes the unit's slot).
-
-    ``checkpoint_wrapper`` removes its ``_checkpoint_wrapped_module.`` prefix from state-dict
-    keys (and adds it back on load), so saved keys stay those of the unwrapped model."""
+    """Wrap the outermost modules of one unit that ``chosen`` selects in ``checkpoint_wrapper``,
+    not entering sharded units or ``stop``. Returns the module to shard (the wrapper when the
+    unit itself is chosen)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     if chosen(module, fqn):
@@ -436,9 +415,7 @@ def _is_legacy_policy(fn: Callable[..., Any]) -> bool:
 def _legacy_select(
     root: nn.Module, policy: Callable[..., bool], ignored_modules: frozenset[nn.Module]
 ) -> set[nn.Module]:
-    """The modules FSDP1's recursive auto-wrap would wrap with ``policy``, without wrapping:
-    a module is entered when the policy says ``recurse=True`` for its parameter count, and
-    wrapped when, after its children, it says ``recurse=False`` for the count they left."""
+    """The modules FSDP1's recursive auto-wrap would wrap with ``policy``, without wrapping."""
     ignored_params = {p for m in ignored_modules for p in m.parameters()}
     selected: set[nn.Module] = set()
 

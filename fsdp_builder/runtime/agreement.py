@@ -1,14 +1,6 @@
-"""Rank agreement: before and after every step that can fail locally, ranks compare notes.
-
-A rank that failed, or that built a different model or configuration, makes every rank raise
-the same RankDisagreementError instead of leaving the others blocked in the next collective. The
-happy path costs one tiny all-gather; messages are exchanged only when something failed.
-
-When the all-gather itself fails (a peer died, or did not arrive within the build's timeout),
-every surviving rank raises CommunicationError naming the stage, the unit and, when the build has
-a timeout, from marks each rank leaves in the process group's store before it waits, the ranks
-that never arrived; the rank's own local error, if it had one, stays its cause.
-"""
+"""Rank agreement: around every step that can fail locally, ranks compare notes, so a rank's
+failure raises on every rank instead of blocking the others in the next collective (see
+docs/architecture.md). The happy path costs one tiny all-gather."""
 
 from __future__ import annotations
 
@@ -126,10 +118,8 @@ def agree(
     timeout: float | None = None,
 ) -> None:
     """Every rank of ``group`` calls this at the same point. Raises RankDisagreementError on all
-    of them if any passed an ``error`` or if their ``fingerprint``s differ (``description``, a
-    dict of ``config`` settings and ``plan`` signature, is then exchanged to name the first
-    difference); CommunicationError if the exchange itself fails (``arrival`` names the ranks
-    that never came; ``timeout`` is quoted in the message)."""
+    if any passed an ``error`` or ``fingerprint``s differ (``description`` then names the first
+    difference); CommunicationError if the exchange itself fails."""
     if group is None and not dist.is_initialized():
         if error is not None:
             raise error
@@ -152,9 +142,8 @@ def agree(
         # Every rank failed: each raises its own error, which already says what to fix.
         raise error
     if any(flags):
-        # Each failing rank sends its own stage, unit and message, so that every rank raises the
-        # same error, named after the first failing rank's stage and unit (not after where it
-        # waited).
+        # Each failing rank sends its stage and unit, so every rank names the first failure,
+        # not where it waited.
         notes: list[Any] = [None] * world
         local = None if error is None else (stage, unit, f"{type(error).__name__}: {error}")
         try:
@@ -186,12 +175,9 @@ def agree(
 
 
 class Agreement:
-    """How a build's steps agree: a step that runs collectives is preceded by an agreement on
-    the local steps before it; a local step only records its failure (and the rank skips its
-    next local steps until the agreement). No rank can be left waiting by a peer's local
-    failure, since every collective is preceded by an agreement: a build whose per-unit steps
-    are all local agrees once, at its end. A step that communicates must fail on every rank
-    alike, or only after its last collective."""
+    """How a build's steps agree: a local step only records its failure (the rank then skips
+    local steps); every collective step is preceded by an agreement on them. Precondition: a
+    step that communicates fails on every rank alike, or only after its last collective."""
 
     def __init__(self, group: dist.ProcessGroup | None, timeout: float | None = None) -> None:
         self.group = group
@@ -204,9 +190,8 @@ class Agreement:
     def agree(
         self, stage: str, error: BaseException | None, unit: str | None = None, **kw: Any
     ) -> None:
-        """``agree`` over this build's group. With a timeout set, each rank first leaves an
-        arrival mark in the store (one round trip), so a failed exchange can name the ranks
-        that never came; without one the default path costs no store traffic."""
+        """``agree`` over this build's group. Only with a timeout does each rank leave an
+        arrival mark in the store (one round trip), to name the ranks that never came."""
         arrival = None
         if self.timeout is not None and dist.is_initialized():
             arrival = Arrival(f"fsdp_builder/{self.build}/{next(self.count)}", self.group)
@@ -239,15 +224,13 @@ class Agreement:
             return None
 
     def settle(self, unit: str | None) -> None:
-        """Agree on the local steps run since the last agreement (named after the failed one's
-        stage and unit)."""
+        """Agree on the local steps run since the last agreement."""
         stage, where, error = self.pending or ("unit", unit, None)
         self.pending = None
         self.agree(stage, error, where)
 
     def finish(self, fn: Callable[[], None]) -> None:
-        """The build's last agreement: on the local steps not yet agreed on, and on ``fn``
-        (run only when no local step failed on this rank)."""
+        """The last agreement: on pending local steps, and on ``fn`` (run if none failed)."""
         if self.pending is not None:
             self.settle(None)
             return

@@ -20,9 +20,7 @@ from fsdp_builder.planning.plan import UnitPlan
 @frozen(eq=False)
 class Environment:
     """Immutable after resolution; handed to every strategy and to the backend.
-
-    ``rank``/``world_size`` are global; ``groups`` holds the shard/replicate view.
-    """
+    ``rank``/``world_size`` are global; ``groups`` holds the shard/replicate view."""
 
     rank: int
     world_size: int
@@ -31,7 +29,7 @@ class Environment:
     options: ShardingOptions
     ignored: IgnoredStates
     plan: UnitPlan
-    # The ranks that build together and agree on each step (None: the default group).
+    # None: the default group.
     agreement_group: dist.ProcessGroup | None = None
     # True when each unit is sharded on meta before its materializer runs (a shard-first
     # materializer with a backend that supports it): materializers then fill local shards.
@@ -39,11 +37,9 @@ class Environment:
     # True when the synchronizer gives every rank global rank 0's values after each unit is
     # materialized (BroadcastFromRank0): values materialized on other ranks are never used.
     values_from_rank0: bool = False
-    # Equal DTensor sharding specs of FSDP2 shards, kept once per build (runtime.tree's
-    # allocate_unit): one per distinct shard layout rather than one per parameter, as DTensor's
-    # own cached propagation gives to_empty's tensors.
+    # One DTensor sharding spec per distinct FSDP2 shard layout, not per parameter, as DTensor's
+    # cached propagation gives to_empty's tensors.
     shard_specs: dict[Any, Any] = attrs.field(factory=dict)
-    # The build's event logger, bound to rank and world_size (see fsdp_builder.common.logs).
     logger: Any = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:

@@ -59,9 +59,8 @@ class BuildReport:
     def measure(
         self, stage: str, unit: str, device: torch.device, logger: Any
     ) -> AbstractContextManager[StageMeter]:
-        """Time the block and record it (not when it raises); ``logger`` (the build's) gets a
-        ``build_stage`` event, None sends none (for a logger that drops debug events:
-        ``debug_enabled``)."""
+        """Time and record the block unless it raises; ``logger`` gets a ``build_stage`` event
+        (None: no event)."""
         return _Measurement(self, stage, unit, device, logger)
 
     def stages(self) -> list[dict[str, Any]]:
