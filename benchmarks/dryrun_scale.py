@@ -1,23 +1,31 @@
-"""Dry runs of Llama-3-sized builds at large world sizes (``fsdp_builder.tools.dryrun``).
+"""Dry runs of Llama-3- and Mixtral-sized builds at large world sizes
+(``fsdp_builder.tools.dryrun``).
 
 Each row is one simulated rank of the real build of a transformers ``LlamaForCausalLM`` with
-Llama 3's sizes, created on the meta device: FSDP2 (``fully_shard`` over all ranks), HSDP
-(FSDP2 over a (nodes, 8) mesh: shards within a node of 8, replicas across nodes) and FSDP1
-(``FullyShardedDataParallel``, FULL_SHARD), each with its backend's default materializer and
-transformers' ``_no_split_modules`` as units. Written to ``benchmarks/results/dryrun.md``:
+Llama 3's sizes or ``MixtralForCausalLM`` with Mixtral 8x7B's, created on the meta device: FSDP2
+(``fully_shard`` over all ranks), HSDP (FSDP2 over a (nodes, 8) mesh: shards within a node of 8,
+replicas across nodes) and FSDP1 (``FullyShardedDataParallel``, FULL_SHARD), each with its
+backend's default materializer and transformers' ``_no_split_modules`` as units; for the MoE
+also FSDP2 with its 3-D expert tensors sharded on dim 1. Written to
+``benchmarks/results/dryrun.md`` (Llama rows in the block ``table``, MoE rows in ``moe``):
 
-    python benchmarks/dryrun_scale.py [--models 8b,70b,405b] [--worlds 8,64,512,1024,4096]
+    python -m benchmarks.dryrun_scale [--models 8b,70b,405b] [--worlds 8,64,512,1024,4096]
+    python -m benchmarks.dryrun_scale --models mixtral-8x7b --block moe --max-local 1e12
+    python -m benchmarks.dryrun_scale --peaks   # predicted vs measured build peaks, 2 and 4 ranks
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import platform
 import struct
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +33,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import LlamaConfig, LlamaForCausalLM
+from torch.distributed.tensor import Shard
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from fsdp_builder import FromCheckpoint, FSDPBuilder, FullyShardBuilder, ShardingBuilder
+from benchmarks.models import BenchConfig, BenchTransformer
+from benchmarks.models import Block as BenchBlock
+from fsdp_builder import (
+    FromCheckpoint,
+    FSDPBuilder,
+    FullyShardBuilder,
+    ResetParameters,
+    ShardingBuilder,
+)
 from fsdp_builder.tools.dryrun import RankRun, simulate
+from fsdp_builder.tools.launch import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dryrun.md"
 PER_NODE = 8
@@ -43,11 +61,22 @@ LLAMA3: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+# Mixtral 8x7B's published config (transformers fuses each layer's 8 experts into 3-D tensors).
+MIXTRAL: dict[str, dict[str, Any]] = {
+    "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                         num_local_experts=8, num_experts_per_tok=2),
+}  # fmt: skip
+
+
 def model_factory(size: str) -> Callable[[], nn.Module]:
-    config = LlamaConfig(vocab_size=128256, **LLAMA3[size])
+    moe = size in MIXTRAL
 
     def make() -> nn.Module:
-        model: nn.Module = LlamaForCausalLM(config)
+        if moe:
+            model: nn.Module = MixtralForCausalLM(MixtralConfig(**MIXTRAL[size]))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(vocab_size=128256, **LLAMA3[size]))
         return model.to(torch.bfloat16)
 
     return make
@@ -67,7 +96,112 @@ def fsdp1() -> ShardingBuilder:
     return FSDPBuilder()
 
 
+def fsdp2_experts_dim1() -> ShardingBuilder:
+    # The fused experts' dim 0 is the expert count (8): sharded there, at most 8 ranks get rows.
+    return FullyShardBuilder().shard_placement_fn(lambda p: Shard(1) if p.ndim == 3 else None)
+
+
 LAYOUTS: dict[str, Callable[[], ShardingBuilder]] = {"FSDP2": fsdp2, "HSDP": hsdp, "FSDP1": fsdp1}
+MOE_LAYOUTS = {**LAYOUTS, "FSDP2, experts dim 1": fsdp2_experts_dim1}
+
+
+# -- the build peak predicted and measured (--peaks; the tests hold it to 10 %) ---------------
+
+# The benchmark harness's model and a transformers Llama, large enough (about 104 and 80 MiB)
+# that the build's own bytes dwarf the half MiB or so by which a process's resident size
+# drifts during a build for reasons of its own (Python's and the allocator's free lists).
+BENCH = BenchConfig(vocab=8192, dim=512, heads=8, layers=6)
+SMALL_LLAMA: dict[str, Any] = dict(
+    hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, vocab_size=8192,
+)  # fmt: skip
+TINY = dict(SMALL_LLAMA, hidden_size=64, intermediate_size=160, vocab_size=300)
+PEAK_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module]]] = {
+    # (the measured model, a tiny one of the same classes for the warm-up build)
+    "bench": (
+        lambda: BenchTransformer(BENCH),
+        lambda: BenchTransformer(BenchConfig(vocab=256, dim=64, heads=1, layers=2)),
+    ),
+    "llama": (
+        lambda: LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA)),
+        lambda: LlamaForCausalLM(LlamaConfig(**TINY)),
+    ),
+}
+PEAK_BUILDERS: dict[str, Callable[[], ShardingBuilder]] = {
+    "fsdp2": FullyShardBuilder,  # its default StreamInit: shards first
+    "fsdp2_reset": lambda: FullyShardBuilder().materialize(ResetParameters()),  # unit by unit
+    "fsdp1": FSDPBuilder,  # ResetParameters, then FSDP1 flattens and cuts each unit
+}
+
+
+def peak_builder(builder: str, model: str) -> ShardingBuilder:
+    made = PEAK_BUILDERS[builder]()
+    return made.wrap(BenchBlock) if model == "bench" else made
+
+
+def fixed_mmap_threshold() -> None:
+    """As the benchmark harness does, a fixed glibc mmap threshold, here 64 KiB: every tensor but
+    the smallest is a mapping of its own, whose pages leave the resident set when freed."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD
+
+
+def _resident(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def measured_peak(builder: str, model: str) -> int:
+    """Resident bytes the real build adds at its peak: the kernel's high-water mark, reset just
+    before the build, over the level then. A tiny build of the same classes runs first, so lazy
+    imports and first-call caches are not counted. Collective (a barrier)."""
+    measured, warm_up = PEAK_MODELS[model]
+    with torch.device("meta"):
+        tiny = warm_up()
+    peak_builder(builder, model).build(tiny)
+    with torch.device("meta"):
+        meta = measured()
+    del tiny
+    gc.collect()
+    dist.barrier()
+    before = _resident("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    built = peak_builder(builder, model).build(meta)
+    peak = _resident("VmHWM:") - before
+    del built
+    return peak
+
+
+def _measured_peaks() -> dict[tuple[str, str], int]:
+    fixed_mmap_threshold()
+    return {(b, m): measured_peak(b, m) for m in PEAK_MODELS for b in PEAK_BUILDERS}
+
+
+def peak_rows(worlds: list[int]) -> list[str]:
+    """Predicted (dry run) and measured (real gloo build) build peak of every rank."""
+    lines = [
+        "| model | builder | world | predicted, per rank (MiB) | measured, per rank (MiB) "
+        "| largest difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    for world in worlds:
+        measured = run_ranks(_measured_peaks, world, timeout=600)
+        for (builder, model), factories in (
+            ((b, m), PEAK_MODELS[m]) for m in PEAK_MODELS for b in PEAK_BUILDERS
+        ):
+            make = partial(peak_builder, builder, model)
+            runs = simulate(make, factories[0], world, ranks=range(world)).runs
+            real = [ranks[(builder, model)] for ranks in measured]
+            worst = max(abs((r.build_peak or 0) - m) / m for r, m in zip(runs, real, strict=True))
+            lines.append(
+                f"| {model} | {builder} | {world} | "
+                + " / ".join(f"{(r.build_peak or 0) / 2**20:.2f}" for r in runs)
+                + " | "
+                + " / ".join(f"{m / 2**20:.2f}" for m in real)
+                + f" | {worst:.1%} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
 
 
 # Hugging Face's shard size for these checkpoints.
@@ -148,14 +282,15 @@ def row(size: str, layout: str, world: int, runs: tuple[RankRun, ...], seconds: 
     failed = next((r for r in runs if not r.ok), None)
     if failed is not None:
         error = f"{failed.error_type}: {failed.error}"
-        return f"| {size} | {layout} | {world} | {error} | | | | | | {seconds:.1f} |"
+        return f"| {size} | {layout} | {world} | {error} | | | | | | | {seconds:.1f} |"
     first, last = runs[0], runs[-1]
     largest = max((s.nbytes for s in first.shards), default=0)
     last_bytes = gib(last.param_bytes) if last is not first else "-"
+    last_peak = gib(last.build_peak) if last is not first else "-"
     return (
         f"| {size} | {layout} | {world} | {first.shard_size} | {gib(first.param_bytes)} | "
         f"{last_bytes} | {largest / 2**20:,.1f} | {gib(first.largest_unit_bytes)} | "
-        f"{gib(first.build_peak)} | {seconds:.1f} |"
+        f"{gib(first.build_peak)} | {last_peak} | {seconds:.1f} |"
     )
 
 
@@ -171,6 +306,10 @@ def main() -> None:
         "safetensors folder with the model's layout (e.g. 405b@1024)",
     )
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/dryrun_checkpoints"))
+    parser.add_argument("--block", default="table", help="the results block the rows replace")
+    parser.add_argument(
+        "--peaks", action="store_true", help="only the predicted and measured peaks at 2 and 4"
+    )
     parser.add_argument(
         "--max-local",
         type=float,
@@ -180,12 +319,15 @@ def main() -> None:
         "elements of the rank's shard in a dry run)",
     )
     args = parser.parse_args()
+    if args.peaks:
+        write_block(args.out, "peaks", peak_rows([2, 4]))
+        return
     worlds = [int(w) for w in args.worlds.split(",")]
     lines = [
         "| model | layout | world | shard group | params, rank 0 (GiB) | params, last rank (GiB) "
-        "| largest shard, rank 0 (MiB) | largest unit, full (GiB) | build peak, estimate (GiB) "
-        "| dry run (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| largest shard, rank 0 (MiB) | largest unit, full (GiB) | build peak, rank 0 (GiB) "
+        "| build peak, last rank (GiB) | dry run (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     built: list[str] = []
     for size in [m for m in args.models.split(",") if m]:
@@ -196,13 +338,13 @@ def main() -> None:
         construct = time.perf_counter() - started
         built.append(f"{size} {numel / 1e9:.2f} G parameters in {construct:.2f} s")
         print(built[-1], flush=True)
-        for layout, builder in LAYOUTS.items():
+        for layout, builder in (MOE_LAYOUTS if size in MIXTRAL else LAYOUTS).items():
             for world in worlds:
                 local = numel / (PER_NODE if layout == "HSDP" else world)
                 if layout != "FSDP1" and local > args.max_local and world != 1024:
                     lines.append(
                         f"| {size} | {layout} | {world} | not run: {local / 1e9:.1f} G elements "
-                        f"per rank, about {local / 65536 * 6e-4:.0f} s | | | | | | |"
+                        f"per rank, about {local / 65536 * 6e-4:.0f} s | | | | | | | |"
                     )
                     print(lines[-1], flush=True)
                     continue
@@ -217,7 +359,7 @@ def main() -> None:
     lines.append("")
     lines.append(f"models built on meta: {', '.join(built)}")
     if built:
-        write_block(args.out, "table", lines)
+        write_block(args.out, args.block, lines)
     if args.reads:
         reads = [
             "| model | layout | world | read per rank, ranks 0 / W/2-1 / W-1 (GiB) | reads "

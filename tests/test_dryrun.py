@@ -9,8 +9,6 @@ parameters) or measured (the kernel's resident high-water mark), and from
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import math
 import os
@@ -30,15 +28,19 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.models import BenchConfig, BenchTransformer
-from benchmarks.models import Block as BenchBlock
+from benchmarks.dryrun_scale import (
+    PEAK_BUILDERS,
+    PEAK_MODELS,
+    fixed_mmap_threshold,
+    measured_peak,
+    peak_builder,
+)
 from fsdp_builder import (
     AutoHybridGroups,
     FromCheckpoint,
     FSDPBuilder,
     FullyShardBuilder,
     KeepAsIs,
-    ResetParameters,
     ShardingBuilder,
 )
 from fsdp_builder.tools.cli import main
@@ -257,65 +259,8 @@ def test_read_plan_bytes_equal_a_real_load(backend: str, folder: Path) -> None:
 
 # -- (3) per-rank build peak ------------------------------------------------------------------
 
-# The benchmark harness's model and a transformers Llama, large enough (about 54 and 41 MiB)
-# that the build's own bytes dwarf the few hundred KiB of Python objects a build also makes.
-BENCH = BenchConfig(vocab=4096, dim=512, heads=8, layers=3)
-PEAK_LLAMA = {**TINY_LLAMA, "hidden_size": 512, "intermediate_size": 1536, "vocab_size": 4096}
-PEAK_LLAMA |= {"num_attention_heads": 8, "num_key_value_heads": 4}
-PEAK_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module]]] = {
-    # (the measured model, a tiny one of the same classes for the warm-up build)
-    "bench": (
-        lambda: BenchTransformer(BENCH),
-        lambda: BenchTransformer(BenchConfig(vocab=256, dim=64, heads=1, layers=2)),
-    ),
-    "llama": (
-        lambda: LlamaForCausalLM(LlamaConfig(**PEAK_LLAMA)),
-        lambda: LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)),
-    ),
-}
-PEAK_BUILDERS: dict[str, Callable[[], ShardingBuilder]] = {
-    "fsdp2": FullyShardBuilder,  # its default StreamInit: shards first
-    "fsdp2_reset": lambda: FullyShardBuilder().materialize(ResetParameters()),  # unit by unit
-    "fsdp1": FSDPBuilder,  # ResetParameters, then FSDP1 flattens and cuts each unit
-}
-
-
-def peak_builder(builder: str, model: str) -> ShardingBuilder:
-    made = PEAK_BUILDERS[builder]()
-    return made.wrap(BenchBlock) if model == "bench" else made
-
-
-def _resident(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-
-
-def measured_peak(builder: str, model: str) -> int:
-    """Resident bytes the real build adds at its peak: the kernel's high-water mark, reset just
-    before the build, over the level then. A tiny build of the same classes runs first, so lazy
-    imports and first-call caches are not counted."""
-    measured, warm_up = PEAK_MODELS[model]
-    with torch.device("meta"):
-        tiny = warm_up()
-    peak_builder(builder, model).build(tiny)
-    with torch.device("meta"):
-        meta = measured()
-    del tiny
-    gc.collect()
-    dist.barrier()
-    before = _resident("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-    built = peak_builder(builder, model).build(meta)
-    peak = _resident("VmHWM:") - before
-    del built
-    return peak
-
-
 def peak_main() -> Results:
-    # As the benchmark harness does, a fixed mmap threshold, here 64 KiB: every tensor but the
-    # smallest is a mapping of its own, whose pages leave the resident set when it is freed.
-    ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD
+    fixed_mmap_threshold()
     return run_each(
         ((b, m), partial(measured_peak, b, m)) for m in PEAK_MODELS for b in PEAK_BUILDERS
     )
