@@ -206,7 +206,9 @@ def _to_empty_keeping_values(module: nn.Module, device: torch.device) -> int:
     module.to_empty(device=device, recurse=False)
     with torch.no_grad():
         for name, old in real:
-            getattr(module, name).copy_(old)
+            # Through .data: keeping a value is no write, so the version counter (which the
+            # write detectors read) stays where it was.
+            getattr(module, name).data.copy_(old)
     return sum(t.numel() * t.element_size() for t in direct_states(module))
 
 
