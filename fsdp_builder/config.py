@@ -21,7 +21,6 @@ from torch.distributed.fsdp import (
 from fsdp_builder.compiling import CompileSpec
 from fsdp_builder.errors import config_error
 
-# Short names users type on the command line; torch's own names work too.
 _STRATEGY_ALIASES: dict[str, ShardingStrategy] = {
     "full": ShardingStrategy.FULL_SHARD,
     "grad_op": ShardingStrategy.SHARD_GRAD_OP,

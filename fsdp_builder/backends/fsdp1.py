@@ -182,9 +182,8 @@ def fsdp1_kwargs(env: Environment, unit: Unit | None = None) -> dict[str, Any]:
     else:
         kwargs["process_group"] = groups.shard_group
     ignored = env.ignored
-    # As FSDP1's own auto-wrap passes them to each unit: ignored modules as modules (their
-    # buffers are ignored too), and every ignored parameter as states when some are ignored
-    # one by one (modules' parameters included: torch takes only one of the two arguments).
+    # As FSDP1's auto-wrap passes them: modules (their buffers too), or every ignored parameter
+    # as states when some are ignored one by one (torch takes only one of the two arguments).
     if ignored.params and not ignored.params <= _module_params(ignored.modules):
         kwargs["ignored_states"] = list(ignored.params)
     elif ignored.modules:

@@ -22,8 +22,7 @@ except ImportError:  # torch without FSDP2
 from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import ConfigurationError, config_error
 
-# The attribute names under which wrappers hold the module they wrap: FSDP1, activation
-# checkpointing (checkpoint_wrapper) and torch.compile's OptimizedModule.
+# Where FSDP1, checkpoint_wrapper and torch.compile's OptimizedModule hold the wrapped module.
 WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 # Any of them in a name, found in one call (clean_name runs per state and module).
 _ANY_WRAPPER = re.compile("|".join(re.escape(name) for name in sorted(WRAPPER_NAMES)))

@@ -30,10 +30,8 @@ class DeclaredTie:
     source: nn.Parameter = attrs.field(repr=False)
 
     def tie(self) -> None:
-        # What transformers' tie_weights does for each pair (setattr of the source on the
-        # target's module). Its own tie_weights is not called: it also ties declared pairs
-        # holding real, different values (a model untied on purpose), and cannot be kept to
-        # the pairs whose target has no values yet.
+        # What transformers' tie_weights does per pair. It is not called itself: it would also
+        # tie pairs holding real, different values (a model untied on purpose).
         setattr(self.owner, self.name, self.source)
 
 

@@ -189,9 +189,8 @@ class WrapPolicy:
                 _wrap_fix(root),
             )
         picked = WrapPolicy(classes=classes).select(root, ignored_modules, named)
-        # A block whose parameter is tied to one outside it (BERT's word embeddings and its MLM
-        # decoder) cannot be a unit of its own: its parent keeps it, as Accelerate's
-        # transformer-based wrap leaves tied modules to the root.
+        # A block tied to a parameter outside it (BERT's MLM decoder) cannot be a unit of its
+        # own: its parent keeps it, as Accelerate leaves tied modules to the root.
         tied = _tied_outside(named, picked)
         build_logger(__name__).info(
             "wrap_no_split_modules",

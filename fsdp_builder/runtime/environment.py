@@ -31,11 +31,9 @@ class Environment:
     plan: UnitPlan
     # None: the default group.
     agreement_group: dist.ProcessGroup | None = None
-    # True when each unit is sharded on meta before its materializer runs (a shard-first
-    # materializer with a backend that supports it): materializers then fill local shards.
+    # Each unit is sharded on meta before its materializer runs, which fills local shards.
     shards_first: bool = False
-    # True when the synchronizer gives every rank global rank 0's values after each unit is
-    # materialized (BroadcastFromRank0): values materialized on other ranks are never used.
+    # Every rank gets rank 0's values after each unit (BroadcastFromRank0): others' are unused.
     values_from_rank0: bool = False
     # One DTensor sharding spec per distinct FSDP2 shard layout, not per parameter, as DTensor's
     # cached propagation gives to_empty's tensors.

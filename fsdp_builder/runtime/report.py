@@ -18,9 +18,8 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory so far: CUDA allocator peak on GPUs, the process's peak RSS elsewhere."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    # ru_maxrss is in KiB on Linux. RUSAGE_THREAD reports the same process-wide resident
-    # high-water mark without summing every thread's times, which RUSAGE_SELF does on each
-    # call and which costs far more in a rank full of communication threads.
+    # ru_maxrss is in KiB on Linux. RUSAGE_THREAD gives the same process-wide peak without
+    # RUSAGE_SELF's summing of every thread's times, costly in a rank full of comm threads.
     return int(resource.getrusage(_RUSAGE).ru_maxrss) * 1024
 
 
