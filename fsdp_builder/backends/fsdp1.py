@@ -38,6 +38,7 @@ from fsdp_builder.materializers.initializers import Materializer, ResetParameter
 from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.shards import chunk_size
 
 _WHERE = "FSDPBuilder"
 
@@ -197,10 +198,6 @@ def _module_params(modules: frozenset[nn.Module]) -> frozenset[nn.Parameter]:
     return frozenset(p for m in modules for p in m.parameters(recurse=False))
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @frozen
 class FSDP1Backend:
     """Wraps each unit with torch's FullyShardedDataParallel."""
@@ -245,7 +242,7 @@ class FSDP1Backend:
         by_dtype: dict[torch.dtype, int] = {}
         for p in unit.params:
             by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel
-        return sum(_ceil_div(n, shards) * d.itemsize for d, n in by_dtype.items())
+        return sum(chunk_size(n, shards) * d.itemsize for d, n in by_dtype.items())
 
     def sharding_bytes(self, unit: Unit, shards: int) -> int:
         """The flat tensor (a second full copy), then the shard copied out of it."""

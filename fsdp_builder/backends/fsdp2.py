@@ -49,6 +49,7 @@ from fsdp_builder.materializers.streams import StreamInit
 from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.shards import chunk_size
 from fsdp_builder.versions import check_fully_shard
 
 MESH_DIM_NAMES = ("replicate", "shard")
@@ -465,7 +466,7 @@ class FullyShardBackend:
         for p in unit.params:
             rows = p.shape[0] if p.shape else 1
             per_row = p.numel // rows if rows else 0
-            total += -(-rows // shards) * per_row * p.dtype.itemsize
+            total += chunk_size(rows, shards) * per_row * p.dtype.itemsize
         return total
 
     def sharding_bytes(self, unit: Unit, shards: int) -> int:

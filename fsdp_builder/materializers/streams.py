@@ -38,7 +38,6 @@ import torch
 from attrs import define, frozen
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
@@ -66,6 +65,7 @@ from fsdp_builder.materializers.sharded import ShardFirstRun, agree_on_seed, for
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.shards import local_box, local_slices
 from fsdp_builder.runtime.tree import local_tensor, qualified
 
 log = get_logger(__name__)
@@ -113,9 +113,7 @@ def global_indices(tensor: torch.Tensor) -> torch.Tensor:
     tensor (a DTensor's local shard; all of a plain tensor)."""
     shape = tuple(tensor.shape)
     if isinstance(tensor, DTensor):
-        local_shape, offsets = compute_local_shape_and_global_offset(
-            tensor.shape, tensor.device_mesh, tensor.placements
-        )
+        local_shape, offsets = local_box(tensor)
         device = tensor.to_local().device
     else:
         local_shape, offsets = shape, (0,) * len(shape)
@@ -191,9 +189,7 @@ def _flat_span(tensor: torch.Tensor) -> int | None:
     layout = (tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape), coordinate)
     if layout not in _SPANS:  # a function of these alone: computed once per layout
         shape = layout[0]
-        local_shape, offsets = compute_local_shape_and_global_offset(
-            tensor.shape, mesh, tensor.placements
-        )
+        local_shape, offsets = local_box(tensor)
         whole_rows = tuple(local_shape[1:]) == shape[1:] and not any(offsets[1:])
         _SPANS[layout] = int(offsets[0]) * math.prod(shape[1:]) if whole_rows else None
     return _SPANS[layout]
@@ -538,15 +534,7 @@ class _StreamedInit:
                 # Named by id: once the whole tensor is freed, a new tensor may get its id.
                 streams.names.pop(id(full), None)
         for _, _, param, full in swapped:
-            local_tensor(param).copy_(full[_local_slices(param)])
-
-
-def _local_slices(tensor: DTensor) -> tuple[slice, ...]:
-    """The slices of the full tensor that this rank's shard of ``tensor`` holds."""
-    shape, offsets = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    return tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
+            local_tensor(param).copy_(full[local_slices(param)])
 
 
 @frozen

@@ -22,6 +22,7 @@ from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.groups import collective_device
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.shards import chunk_size
 from fsdp_builder.runtime.tree import allocate_unit, owned_states
 
 DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
@@ -248,7 +249,7 @@ def _padded_chunks(full: torch.Tensor, parts: int, dim: int) -> list[torch.Tenso
     Full-size chunks of a contiguous tensor split along dim 0 are views of ``full`` (no copy);
     only a short or missing last chunk gets a padded buffer of its own."""
     rows = full.size(dim)
-    size = -(-rows // parts)
+    size = chunk_size(rows, parts)
     shape = list(full.shape)
     shape[dim] = size
     views = dim == 0 and full.is_contiguous()
@@ -330,7 +331,7 @@ def _scatter_params(
         local = param.to_local()
         if layout.my_replica == layout.src_replica:
             padded_shape = list(local.shape)
-            padded_shape[layout.dim] = -(-param.shape[layout.dim] // layout.shard.size())
+            padded_shape[layout.dim] = chunk_size(param.shape[layout.dim], layout.shard.size())
             incoming.append(_start_scatter(local, padded_shape, layout, full))
             if not is_src:
                 received += math.prod(padded_shape) * local.element_size()
