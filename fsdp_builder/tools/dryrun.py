@@ -1,33 +1,21 @@
 """A dry run of the real build at the job's world size, one simulated rank at a time, in one
 process and without the memory of the model.
 
-For each simulated rank, :func:`simulate` starts torch's fake process group (``FakeStore`` and
-the ``"fake"`` backend: collectives return at once, any world size, any rank), builds the model
-on the meta device and runs the builder's own ``build(model)``: configure, the agreements, the
-groups or mesh, the unit plan, the materializer and the sharding. Nothing is re-implemented, so
-a configuration the real job would refuse is refused here with the same error.
+:func:`simulate` starts torch's fake process group (collectives return at once, any world size,
+any rank), makes the model on the meta device and runs the builder's own ``build(model)``, so a
+configuration the real job would refuse is refused with the same error.
 
-What is simulated, and how:
+- **Peers.** An all-gather returns this rank's contribution for every rank, as in a correct job
+  where every rank runs the same script; an exchange of values that differ between ranks (the
+  grid check of hybrid FSDP2 process groups) is reported as :data:`NOT_SIMULATED`.
+- **Storage.** Floating-point tensors the build makes are ``FakeTensor``s (shape, dtype, no
+  memory); random draws do nothing and reading a value gives 0, so value checks pass.
+- **Checkpoint reads** of safetensors files are recorded from the files' headers, not made.
 
-- **Peers.** The fake group answers every all-gather with this rank's own contribution, as if
-  every rank had done what this one did. That is what a correct job does (every rank runs the
-  same script), so agreements pass or fail as in the real job; an exchange of values that
-  differ between ranks (a hybrid FSDP2 build from process groups gathers each rank's shard
-  group) cannot be answered and is reported as :data:`NOT_SIMULATED`, not as the job's error.
-- **Storage.** Model states get no memory: every floating-point tensor a factory makes (an
-  allocation, a copy off the meta device) is a ``FakeTensor`` of the requested device, shape and
-  dtype. Shards, flat parameters and their sizes are the backends' own; random draws on them do
-  nothing. Reading a value of such a tensor (``.item()``, as NaN checks and checksums do) gives
-  0, so value checks pass: the dry run checks the configuration, not the numbers.
-- **Checkpoint reads.** A safetensors checkpoint's reads are recorded, not made: the file, the
-  tensor and the byte range each read of this rank would touch (from the file's header), through
-  the sources' recorder (``hf_safetensors.RECORDER``), set for this build's context only.
-
-What it measures per rank is exact for the simulated build: the local shards' shapes and bytes,
-the reads, and ``build_peak``, the most bytes of FakeTensor storage alive at once from their
-first write (the pages the real build touches). With ``step``, torch's ``FSDPMemTracker``
-gives a training step's peak (FSDP2 only). What it cannot know is the device: bandwidth, NCCL,
-allocator caching and fragmentation.
+Exact for the simulated build: the local shards, the reads, and ``build_peak``, the most bytes
+of FakeTensor storage alive at once from their first write (the pages the real build touches).
+With ``step``, torch's ``FSDPMemTracker`` gives a training step's peak (FSDP2 only). Unknown:
+the device (bandwidth, NCCL, allocator caching and fragmentation).
 """
 
 from __future__ import annotations
@@ -39,6 +27,7 @@ import os
 import struct
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,13 +73,6 @@ _UNWRITTEN = frozenset(
     {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.new_empty}
     | {torch.ops.aten.new_empty_strided, torch.ops.aten.empty_like}
 )
-
-# Bytes per element of safetensors' dtype names.
-_ST_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-    "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8,
-}  # fmt: skip
-
 
 @frozen
 class Shard:
@@ -183,8 +165,9 @@ class _NoStorage(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
-        self.peak = 0
+        self.live = self.peak = 0
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._sizes: dict[int, int] = {}
 
     def __torch_dispatch__(
         self,
@@ -201,11 +184,21 @@ class _NoStorage(TorchDispatchMode):
         return made
 
     def _count(self, storage: torch.UntypedStorage) -> None:
-        if storage not in self._storages:
-            self._storages[storage] = None
+        if storage in self._storages:
+            return
+        self._storages[storage] = None
+        self._sizes[id(storage)] = storage.nbytes()
+        self.live += storage.nbytes()
+        weakref.finalize(storage, self._free, id(storage))
+        if self.live > self.peak:
             # Sizes as they are now: torch frees some storages by resizing them to 0 (FSDP1's
             # unsharded flat parameter once sharded), which no dispatched op shows.
-            self.peak = max(self.peak, sum(s.nbytes() for s in self._storages))
+            self._sizes = {id(s): s.nbytes() for s in self._storages}
+            self.live = sum(self._sizes.values())
+            self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
 
     def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -253,14 +246,14 @@ def _read_of(path: Path, key: str, index: Index | None, cache: dict[str, dict[st
     header = _header(str(path), cache)
     entry = header[key]
     shape = tuple(entry["shape"])
-    itemsize = _ST_ITEMSIZE.get(entry["dtype"], 1)
-    begin = header["__base__"] + entry["data_offsets"][0]
+    begin, end = (header["__base__"] + offset for offset in entry["data_offsets"])
     spans = [range(n)[s] for s, n in zip(index or (), shape, strict=False)]
     kept = [len(r) for r in spans] + list(shape[len(spans) :])
-    nbytes = math.prod(kept) * itemsize
+    # Bytes per element from the tensor's own byte range: every stored dtype, packed ones too.
+    nbytes = (end - begin) * math.prod(kept) // max(math.prod(shape), 1)
     rows_only = all(len(r) == n for r, n in zip(spans[1:], shape[1:], strict=False))
     if not spans or (rows_only and spans[0].step == 1):
-        row = math.prod(shape[1:]) * itemsize
+        row = (end - begin) // max(shape[0], 1) if shape else 0
         first = spans[0].start if spans and len(spans[0]) else 0
         start = begin + first * row
         return Read(path.name, key, nbytes, start, start + nbytes)
@@ -631,36 +624,18 @@ def run_cli(args: Any, load_factory: Callable[[str], Any]) -> int:
 
 
 def as_dict(run: DryRun) -> dict[str, Any]:
-    """The dry run as JSON-ready data."""
-    return {
-        "world_size": run.world_size,
-        "backend": run.backend,
-        "seconds": run.seconds,
-        "read_balance": run.read_balance,
-        "ranks": [
-            {
-                "rank": r.rank,
-                "seconds": r.seconds,
-                "error_type": r.error_type,
-                "error": r.error,
-                "strategy": r.strategy,
-                "shard_size": r.shard_size,
-                "param_bytes": r.param_bytes,
-                "buffer_bytes": r.buffer_bytes,
-                "largest_unit_bytes": r.largest_unit_bytes,
-                "build_peak": r.build_peak,
-                "step_peak": r.step_peak,
-                "step_note": r.step_note,
-                "read_bytes": r.read_bytes,
-                "shards": [
-                    [s.name, list(s.global_shape), list(s.local_shape), str(s.dtype)]
-                    for s in r.shards
-                ],
-                "reads": [[x.file, x.key, x.nbytes, x.start, x.stop] for x in r.reads],
-            }
-            for r in run.runs
-        ],
-    }
+    """The dry run as JSON-ready data (dtypes as their names; the unit plan left out)."""
+    ranks = [
+        attrs.asdict(
+            r,
+            filter=lambda a, _: a.name != "plan",
+            value_serializer=lambda _, __, v: str(v) if isinstance(v, torch.dtype) else v,
+        )
+        | {"param_bytes": r.param_bytes, "read_bytes": r.read_bytes}
+        for r in run.runs
+    ]
+    head = {"world_size": run.world_size, "backend": run.backend, "seconds": run.seconds}
+    return head | {"read_balance": run.read_balance, "ranks": ranks}
 
 
 __all__ = [
