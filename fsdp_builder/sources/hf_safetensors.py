@@ -158,9 +158,8 @@ class SafetensorsSource:
         file = self._where[key]
         if self._record is not None:
             self._record(file.path, key, index)
-            meta = self._meta[key]
-            shape = torch.empty(meta.shape, device="meta")[index or ()].shape
-            return torch.empty(shape, dtype=meta.dtype)
+            part = torch.empty(self._meta[key].shape, dtype=self._meta[key].dtype, device="meta")
+            return part[index or ()].new_empty(part[index or ()].shape, device="cpu")
         part = file.part(key, index)
         # A tensor of its own: the part is a view of the file's mapping.
         out = part.clone(memory_format=torch.contiguous_format)

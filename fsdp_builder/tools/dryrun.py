@@ -147,13 +147,9 @@ class DryRun:
     def read_balance(self) -> float | None:
         """Max over mean of the bytes each simulated rank reads (1.0: even); None: no reads."""
         sizes = [r.read_bytes for r in self.runs if r.ok]
-        if not sizes or not any(sizes):
+        if not any(sizes):
             return None
         return max(sizes) / (sum(sizes) / len(sizes))
-
-    def format(self, shards: int = 0) -> str:
-        """A report for people; ``shards``: how many of each rank's shards to list."""
-        return format_dry_run(self, shards)
 
 
 class _NoStorage(TorchDispatchMode):
@@ -314,9 +310,6 @@ def local_shards(module: nn.Module) -> list[Shard]:
     for name, p in module.named_parameters(remove_duplicate=True):
         if id(p) in seen:
             continue
-        seen.add(id(p))
-        if getattr(p, "_is_flat_param", False):
-            continue
         local = p.to_local() if isinstance(p, DTensor) else p
         out.append(Shard(name, tuple(p.shape), tuple(local.shape), p.dtype))
     return out
@@ -453,8 +446,7 @@ def _step_peak(
     if not isinstance(model, FSDPModule):
         return None, "FSDPMemTracker tracks fully_shard (FSDP2) models only"
     try:
-        with mode.fake, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with mode.fake:
             optimizer = torch.optim.AdamW(model.parameters())
             tracker = FSDPMemTracker(model, optimizer)
             with tracker:
@@ -498,7 +490,7 @@ def simulate(
     Example:
         ```python
         run = simulate(lambda: FullyShardBuilder().wrap(Block), make_model, 1024, ranks=(0, 1023))
-        print(run.format())
+        print(format_dry_run(run))
         ```
     """
     chosen = _check_args(world_size, ranks)
@@ -517,6 +509,7 @@ def _mib(n: int | None) -> str:
 
 
 def format_dry_run(run: DryRun, shards: int = 0) -> str:
+    """A report for people; ``shards``: how many of each rank's shards and reads to list."""
     lines = [
         f"dry run of the {run.backend} build at world size {run.world_size} ({run.seconds:.2f} s)"
     ]
@@ -619,7 +612,7 @@ def run_cli(args: Any, load_factory: Callable[[str], Any]) -> int:
     if args.json:
         print(json.dumps(as_dict(run)))
     else:
-        print(run.format(shards=8))
+        print(format_dry_run(run, shards=8))
     return 0 if all(r.ok for r in run.runs) else 1
 
 

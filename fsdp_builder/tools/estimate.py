@@ -1,16 +1,13 @@
 """Per-rank memory estimates from a unit plan, without any process group.
 
-The numbers follow each backend's shard layout, which the backend object gives
-(``Backend.kept_bytes``, ``Backend.sharding_bytes``): FSDP1 flattens a unit's parameters into one
-tensor padded to a multiple of the shard group size; FSDP2 shards every parameter along dim 0,
-padding that dim. Buffers are replicated on every rank. Build peaks are the states held at the
-worst moment of a build, not counting allocator slack or communication buffers.
+Shard layouts are the backend object's (``Backend.kept_bytes``, ``Backend.sharding_bytes``):
+FSDP1 pads a unit's flat parameter to a multiple of the shard group, FSDP2 pads each
+parameter's dim 0. Buffers are on every rank. Build peaks are the states held at a build's worst
+moment (``fsdp_builder.tools.dryrun`` counts them in the build itself).
 
-Training estimates (:func:`training_estimate`) add what a training step keeps per rank:
-gradients (sharded like the parameters), optimizer states, and the parameters and gradients
-gathered for compute, in the compute dtype under mixed precision. Activations are not estimated:
-they depend on the batch, the sequence length and activation checkpointing, none of which a
-unit plan knows.
+Training estimates (:func:`training_estimate`) add gradients, optimizer states, and the
+parameters and gradients gathered for compute (in the compute dtype under mixed precision); not
+activations, which depend on the batch, the sequence length and activation checkpointing.
 """
 
 from __future__ import annotations
@@ -54,11 +51,6 @@ def shard_size(world_size: int, strategy: str, devices_per_node: int | None = No
     return world_size
 
 
-def unit_shard_bytes(unit: Unit, shards: int, backend: str) -> int:
-    """Parameter bytes of one unit that a rank keeps (the backend's own layout)."""
-    return backend_named(backend).kept_bytes(unit, shards)
-
-
 @frozen
 class Estimate:
     backend: str
@@ -99,7 +91,6 @@ def estimate(
         shard_size=shards,
         after_build=after,
         per_unit_peak=peak,
-        # Shard on meta first, then give only the local shards storage.
         shard_first_peak=after if layout.supports_shard_first else None,
         full_model_peak=max(full_peak, peak),
     )
