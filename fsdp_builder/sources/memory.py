@@ -54,9 +54,9 @@ class StateDictSource:
     def __init__(self, tensors: Mapping[str, torch.Tensor], describe: str) -> None:
         self.describe = describe
         self._tensors = tensors
-        # Through __getitem__, as every later read: a mapping that loads lazily is asked the
-        # same way for its listing and its values.
-        self._meta = {k: TensorMeta(tuple(tensors[k].shape), tensors[k].dtype) for k in tensors}
+        # Through __getitem__ (once per key), as every later read: a mapping that loads lazily
+        # is asked the same way for its listing and its values.
+        self._meta = {k: TensorMeta(tuple(t.shape), t.dtype) for k in tensors for t in [tensors[k]]}
 
     def tensors(self) -> Mapping[str, TensorMeta]:
         return self._meta
