@@ -4,7 +4,6 @@ time with FSDP1. No collective carries weights; without a shared filesystem rank
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -45,6 +44,7 @@ from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from fsdp_builder.runtime.environment import Environment
+from fsdp_builder.runtime.shards import local_slices
 from fsdp_builder.runtime.tree import allocate_unit, local_tensor, unit_modules
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
 from fsdp_builder.sources.base import Index, reader
@@ -74,29 +74,13 @@ CHECKPOINT_SPEC = LoaderSpec(
 
 
 def local_index(tensor: DTensor) -> tuple[slice, ...]:
-    """The slices of the full tensor that ``tensor``'s local shard holds, in ``fully_shard``'s
-    layout (torch.chunk: ``ceil(n / size)`` rows per rank, the last ranks shorter or empty)."""
-    mesh = tensor.device_mesh
-    shape = tuple(tensor.shape)
-    offsets = [0] * len(shape)
-    seen: set[int] = set()
-    for i, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
-            d = placement.dim if placement.dim >= 0 else placement.dim + len(shape)
-            if d in seen:
-                raise MaterializationError(
-                    f"FromCheckpoint cannot read a tensor sharded twice along dim {d} "
-                    f"({tensor.placements})."
-                )
-            seen.add(d)
-            chunk = math.ceil(shape[d] / mesh.size(i)) if shape[d] else 0
-            offsets[d] = min(mesh.get_local_rank(i) * chunk, shape[d])
-        elif not isinstance(placement, Replicate):
-            raise MaterializationError(
-                f"FromCheckpoint cannot fill a DTensor placed as {tensor.placements}."
-            )
-    local = local_tensor(tensor).shape
-    return tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))
+    """The slices of the full tensor that ``tensor``'s local shard holds (plain ``Shard`` and
+    ``Replicate`` placements: a strided or partial one is no box of the full tensor)."""
+    if any(type(p) not in (Shard, Replicate) for p in tensor.placements):
+        raise MaterializationError(
+            f"FromCheckpoint cannot fill a DTensor placed as {tensor.placements}."
+        )
+    return local_slices(tensor)
 
 
 def _check_path(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
