@@ -1,27 +1,13 @@
-"""Init conventions: how each module of a model gets its values, as the model's own library
-would give them.
-
-A module is initialized by, in this order of precedence:
+"""Init conventions: each module gets the values its own library would give it, from, in order:
 
 1. an initializer registered for its class (``register_initializer``);
-2. its library's model-level initializer when it sits inside a Hugging Face transformers model
-   (``PreTrainedModel._init_weights(module)`` of the nearest enclosing ``PreTrainedModel``, the
-   function ``Model(config)`` runs after construction; it also computes RoPE tables and
-   ``position_ids``), falling back to the module's ``reset_parameters`` for what it leaves
-   unwritten;
-3. PyTorch's convention: ``reset_parameters()`` (or a known private initializer).
+2. the enclosing transformers model's ``_init_weights(module)`` (what ``Model(config)`` runs),
+   falling back to ``reset_parameters`` for what it leaves unwritten;
+3. ``reset_parameters()`` (or a known private initializer).
 
-A parameter that a library model ties to another one (transformers' ``lm_head.weight`` to the
-input embedding's) is never written through its target's slot, neither by its own module's
-initializer nor by a model-level one that writes a child (ModernBERT's masked-LM head writes its
-``decoder``): eager construction initializes every module untied and then ties, so the tied
-tensor holds its source's values (the input embedding's, padding row zeroed), whichever of the
-modules is initialized first. While an initializer runs, each target slot it can reach holds a
-stand-in on meta, which takes those writes and is dropped.
-
-What a module's ancestors add to it is its :class:`Lineage`: the library initializer above and the
-subtree rules of registered parents (``nn.Transformer`` applies Xavier to its layers). Lineages
-are computed in one walk of the model (``lineages``), once per build or check.
+A tie target (``lm_head.weight``) is never written through its slot: eager construction
+initializes untied and then ties, so it keeps its source's values. While an initializer runs,
+each reachable target slot holds a meta stand-in that takes those writes.
 """
 
 from __future__ import annotations
@@ -38,13 +24,11 @@ from torch import nn
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.runtime.tree import local_tensor
 
-# Initializers a parent runs over its whole subtree after its children built themselves, as one
-# rule per parameter below it. A parent's own initializer cannot reach layers that are units of
-# their own (materialized and sharded before the parent), so the materializers apply the rule
-# to each parameter below such a parent right after that parameter's own module is initialized.
+# A parent's whole-subtree initializer as a per-parameter rule: the parent's own initializer
+# cannot reach layers that are units of their own (materialized and sharded before it).
 SubtreeRule = Callable[[torch.Tensor], object]
 ModuleInitializer = Callable[[nn.Module], object]
-# A parameter's place in a module: (id(module), name).
+# (id(module), name)
 Slot = tuple[int, str]
 
 
@@ -56,8 +40,7 @@ def _xavier_matrices(param: torch.Tensor) -> None:
 _SUBTREE_RULES: dict[type[nn.Module], SubtreeRule] = {nn.Transformer: _xavier_matrices}
 
 
-# torch.nn modules that own parameters but whose initializer is private. Found by scanning every
-# nn.Module subclass in torch.nn for direct parameters without ``reset_parameters``.
+# torch.nn modules with parameters whose initializer is private (found by scanning torch.nn).
 def _multihead_attention(module: nn.Module) -> None:
     assert isinstance(module, nn.MultiheadAttention)
     module._reset_parameters()
@@ -71,10 +54,8 @@ _REGISTERED_BY_TYPE: dict[type[nn.Module], ModuleInitializer | None] = {}
 
 
 def register_subtree_rule(parent: type[nn.Module], rule: SubtreeRule) -> None:
-    """Make ``ResetParameters``, ``DeterministicInit`` and ``ShardFirstReset`` call
-    ``rule(param)`` on every parameter below a module of type ``parent``, after that
-    parameter's own module was initialized (what ``parent``'s constructor does to its
-    subtree). Registering a type again replaces its rule."""
+    """Call ``rule(param)`` on every parameter below a ``parent`` after its own module was
+    initialized, as ``parent``'s constructor does. Registering again replaces the rule."""
     if not (isinstance(parent, type) and issubclass(parent, nn.Module)) or not callable(rule):
         raise config_error(
             "register_subtree_rule",
@@ -86,11 +67,8 @@ def register_subtree_rule(parent: type[nn.Module], rule: SubtreeRule) -> None:
 
 
 def register_initializer(module_class: type[nn.Module], init: ModuleInitializer) -> None:
-    """Initialize every module of ``module_class`` (subclasses included) with ``init(module)``:
-    it must give the module's own parameters and buffers their values in place (its storage
-    exists, on the compute device or the CPU). Used by ``ResetParameters``, ``DeterministicInit``,
-    ``ShardFirstReset`` and by the loaders to compute non-persistent buffers. Registering a
-    class again replaces its initializer.
+    """Initialize every ``module_class`` (subclasses included) with ``init(module)``, which
+    writes the module's own states in place (storage exists). Registering again replaces it.
 
     Example:
         ```python
@@ -126,12 +104,8 @@ def _registered(module: nn.Module) -> ModuleInitializer | None:
 
 
 def library_initializer(module: nn.Module) -> ModuleInitializer | None:
-    """The model-level initializer ``module`` applies to each module below it, if it is a model
-    of a library with such a convention: a Hugging Face ``PreTrainedModel``
-    (``_init_weights(module)``, driven by ``module.config``). Detected without importing the
-    library."""
-    # Looked up on the class first: a missing attribute on an nn.Module instance goes through
-    # Module.__getattr__ and an exception, once per module of every unit.
+    """A transformers ``PreTrainedModel``'s ``_init_weights``, detected without importing it."""
+    # On the class first: a missing instance attribute costs Module.__getattr__ and an exception.
     cls = type(module)
     if not callable(getattr(cls, "_init_weights", None)) or not callable(
         getattr(cls, "post_init", None)
@@ -141,15 +115,13 @@ def library_initializer(module: nn.Module) -> ModuleInitializer | None:
     return init if callable(init) and hasattr(module, "config") else None
 
 
-# Module id -> the tied target slots (module, name) at or below it: where an initializer run on
-# that module can write a tie target.
+# Module id -> the tie target slots at or below it.
 TiedBelow = dict[int, tuple[tuple[nn.Module, str], ...]]
 
 
 def _ties(model: nn.Module) -> tuple[frozenset[Slot], TiedBelow]:
-    """The parameter slots that library ``model`` ties to another of its parameters
-    (transformers' ``all_tied_weights_keys``, target → source) where the two are in fact one
-    tensor, and for each module on the path to a target's module the target slots below it."""
+    """The slots ``model`` ties (``all_tied_weights_keys``) that are in fact one tensor with
+    their source, and for each module on the path to one, the target slots below it."""
     keys = getattr(model, "all_tied_weights_keys", None)
     if not isinstance(keys, dict) or not keys:
         return frozenset(), {}
@@ -175,15 +147,12 @@ def _ties(model: nn.Module) -> tuple[frozenset[Slot], TiedBelow]:
 
 @frozen
 class Lineage:
-    """What a module's ancestors decide about its initialization: the model-level initializer
-    of the nearest enclosing library model (the module itself included), the subtree rules
-    of registered parents, outermost first, and the slots enclosing library models tie to
-    another parameter (``_ties``), which no initializer of their module writes."""
+    """What a module's ancestors decide: the nearest library model's initializer, registered
+    parents' subtree rules (outermost first), and the tied slots no initializer writes."""
 
     library_init: ModuleInitializer | None = None
     rules: tuple[SubtreeRule, ...] = ()
     tied: frozenset[Slot] = frozenset()
-    # For the modules of the enclosing library models' paths to their tie targets: those targets.
     tied_below: TiedBelow = attrs.field(factory=dict, eq=False, repr=False)
 
 
@@ -198,8 +167,7 @@ def lineages(model: nn.Module) -> dict[int, Lineage]:
     while stack:
         module, inherited = stack.pop()
         found[id(module)], below = _step(module, inherited, ruled)
-        # The module's own dict rather than children() (two generators per module); a child
-        # registered twice under one parent gets the same lineage both times.
+        # The module's own dict rather than children(): two generators per module.
         stack.extend([(child, below) for child in module._modules.values() if child is not None])
     return found
 
@@ -207,8 +175,7 @@ def lineages(model: nn.Module) -> dict[int, Lineage]:
 def _step(
     module: nn.Module, inherited: Lineage, ruled: tuple[type[nn.Module], ...]
 ) -> tuple[Lineage, Lineage]:
-    """A module's own lineage and the one its children inherit (``ruled``: the classes with a
-    registered subtree rule, taken once per walk)."""
+    """A module's own lineage and the one its children inherit."""
     model_init = library_initializer(module)
     # Most modules inherit their parent's lineage unchanged: share it rather than copy it.
     if model_init is None:
@@ -234,10 +201,8 @@ def _step(
 def unit_lineages(
     model: nn.Module, root: nn.Module, root_fqn: str, modules: list[nn.Module]
 ) -> dict[int, Lineage]:
-    """``lineages`` for one unit's ``modules`` (breadth-first from ``root``, reached from
-    ``model`` by ``root_fqn``): walks the path down to the unit and the unit itself, so a build
-    of N units stays linear instead of walking the whole model per unit. Falls back to the whole
-    walk when ``root_fqn`` does not lead to ``root`` (a wrapper renamed the path)."""
+    """``lineages`` for one unit, walking only the path to it so a build stays linear in units;
+    the whole walk when ``root_fqn`` does not lead to ``root`` (a wrapper renamed it)."""
     inherited = NO_LINEAGE
     current: nn.Module | None = model
     ruled = tuple(_SUBTREE_RULES)
@@ -268,8 +233,7 @@ def torch_initializer(module: nn.Module) -> Callable[[], object] | None:
     registered = _registered(module)
     if registered is not None:
         return lambda: registered(module)
-    # Asked of every module: one without the method would make getattr go through
-    # Module.__getattr__ and raise. Only the class, the instance or a child can provide it.
+    # Asked of every module: a missing method would cost Module.__getattr__ and an exception.
     if (
         getattr(type(module), "reset_parameters", None) is None
         and "reset_parameters" not in module.__dict__
@@ -287,38 +251,28 @@ def _direct(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _version(tensor: torch.Tensor) -> tuple[int, int]:
-    """The version counters of a tensor and of its local shard (itself unless a DTensor).
-
-    A DTensor counts a write on one of the two only: an in-place op on the DTensor bumps the
-    wrapper's counter, while DTensor dispatch runs the op on the shard below autograd, where
-    nothing bumps the shard's; a shard-local initializer (StreamInit) writes the shard directly
-    and leaves the wrapper's counter put."""
+    """The version counters of a tensor and of its local shard. A DTensor counts a write on one
+    only: an op on the DTensor bumps the wrapper's; a shard write (StreamInit), the shard's."""
     return int(tensor._version), int(local_tensor(tensor)._version)
 
 
 def _unwritten(module: nn.Module, versions: dict[str, tuple[int, int]]) -> list[str]:
-    # An in-place write bumps a version counter: "written" is decided without ever reading
-    # values, so fresh (uninitialized) storage cannot fool it.
-    # A state whose local shard is empty (a [1, ...] parameter on every rank past the first)
-    # has nothing to write here; the rank holding its elements judges it.
+    # Version counters, never values, so fresh storage cannot fool it. An empty local shard is
+    # judged by the rank holding its elements.
     return [
-        n
-        for n, t in _direct(module)
-        if _version(t) == versions.get(n) and local_tensor(t).numel()
+        n for n, t in _direct(module) if _version(t) == versions.get(n) and local_tensor(t).numel()
     ]
 
 
-# The states whose values the caller settles after the initializer ran (ignored parameters,
-# by id): one the library's initializer leaves unwritten is not refused for it.
+# Ids of states the caller settles afterwards (ignored parameters): not refused as unwritten.
 SETTLED_BY_CALLER: ContextVar[frozenset[int]] = ContextVar(
     "fsdp_builder_settled_by_caller", default=frozenset()
 )
 
 
 def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> None:
-    """The library's initializer; states it leaves unwritten get what the module's constructor
-    gave them first (``reset_parameters``), after which the library's initializer runs again,
-    as in eager construction (constructor, then the model's ``post_init``)."""
+    """The library's initializer; if it leaves states unwritten, ``reset_parameters`` then the
+    library's again, as eager construction does (constructor, then ``post_init``)."""
     for _, t in _direct(module):
         if getattr(t, "_is_hf_initialized", False):
             t._is_hf_initialized = False  # type: ignore[attr-defined]  # re-initialized now
@@ -344,15 +298,13 @@ def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> N
 
 
 def _stand_in(param: torch.Tensor) -> nn.Parameter:
-    """A parameter on meta of ``param``'s (global) shape and dtype: writes to it cost nothing."""
+    """A meta parameter like ``param``: writes to it cost nothing."""
     fresh = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
     return nn.Parameter(fresh, requires_grad=param.requires_grad)
 
 
 def _untied_while(slots: tuple[tuple[nn.Module, str], ...], init: Callable[[], Any]) -> None:
-    """``init()`` with each tie target slot holding a stand-in, as if untied (eager
-    construction ties after initializing): what it writes there never reaches the source.
-    The tie is back when it ends, however it ends."""
+    """``init()`` with each tie target slot holding a stand-in; the tie is restored after."""
     held = [(owner, name, owner._parameters[name]) for owner, name in slots]
     for owner, name, param in held:
         if param is not None:
@@ -369,11 +321,8 @@ def _skip() -> None:
 
 
 def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable[[], Any] | None:
-    """The initializer of ``module`` by its model's convention (see the module docstring), or
-    None when there is none. Parameters its library model ties to another one (``Lineage.tied``)
-    keep their source's values: a module that owns nothing else (an output embedding) is not
-    initialized at all, and any other initializer that reaches a tie target (its module's own,
-    or a model-level one writing a child) writes a stand-in instead."""
+    """The initializer of ``module`` by its model's convention, or None. A module owning only
+    tie targets is skipped; other initializers reaching a tie target write a stand-in."""
     init = _convention(module, lineage)
     if init is None or not lineage.tied:
         return init

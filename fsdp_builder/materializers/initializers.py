@@ -1,13 +1,7 @@
-"""Materializer role: give a unit's not-yet-real states (meta device) storage and values.
+"""Materializer role: give a unit's own meta states storage and values, one unit at a time.
 
-Works on one unit at a time and only on the modules the unit owns: the walk stops at ignored
-modules and at children that are already sharded.
-
-The pipeline calls ``check_context(context)`` before any collective, then ``prepare(env)`` once per
-build on every rank; ``prepare`` returns the build's :class:`MaterializerRun`, which holds what
-the build needs between units (an open checkpoint, an agreed seed) and is closed in a ``finally``
-whether the build succeeds or fails. Materializer objects stay immutable and can be shared
-between builders.
+``prepare(env)`` returns the build's :class:`MaterializerRun` (state kept between units), which
+is closed on success and failure alike, so materializer objects stay immutable and shareable.
 """
 
 from __future__ import annotations
@@ -79,8 +73,7 @@ _REFERENCE = BackendCapabilities(
 
 
 def unreached_subtrees(plan: UnitPlan) -> list[tuple[str, list[str]]]:
-    """Registered parents whose subtree holds units of its own, with those units: what a
-    materializer that does not apply subtree rules leaves at the children's own init."""
+    """Registered parents whose subtree holds units of its own, with those units."""
     out: list[tuple[str, list[str]]] = []
     for fqn, module in plan.root.module.named_modules():
         if not any(isinstance(module, cls) for cls in _SUBTREE_RULES):
@@ -103,9 +96,8 @@ def warn_unreached_subtrees(plan: UnitPlan, who: str) -> None:
 
 
 def seed_generators(seed: int, device: torch.device) -> None:
-    """Seed the generators an initializer draws from for tensors on ``device`` (always the
-    CPU's). Cheaper than ``torch.manual_seed``, which also queues a seed, with a recorded stack
-    trace, for every accelerator type that is not initialized: per module that adds up."""
+    """Seed the CPU generator and ``device``'s. Not ``torch.manual_seed``: it also queues a
+    seed with a recorded stack trace for every uninitialized accelerator, costly per module."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         with torch.cuda.device(device):
@@ -113,17 +105,15 @@ def seed_generators(seed: int, device: torch.device) -> None:
 
 
 def derived_seed(seed: int, fqn: str) -> int:
-    """A 63-bit seed for one module, from the user's seed and the module's qualified name: the
-    same on every rank and for every world size, and unrelated between modules."""
+    """A 63-bit seed for one module from ``seed`` and its name, the same at any world size."""
     return digest63(f"{seed}/{fqn}")
 
 
 def buffers_to_compute(
     model: nn.Module, ignored: IgnoredStates, *, initialized: bool = True
 ) -> Computed:
-    """The values of the model's non-persistent buffers on meta that no module initializer
-    sets (all of them when ``initialized`` is False: a loader runs no initializer), computed by
-    the model's whole-model initializer (see ``fsdp_builder.materializers.buffers``). Local."""
+    """The model's non-persistent meta buffers that no module initializer sets (all of them
+    when ``initialized`` is False: a loader runs none), computed by the whole-model one."""
     modules = [m for m in model.modules() if m not in ignored.modules]
     candidates = nonpersistent_meta(modules)
     if not candidates:
@@ -154,10 +144,9 @@ class MaterializerRun(Protocol):
 class Materializer(Protocol):
     """Turns a unit's meta states into real ones on ``env.device``.
 
-    ``communicates``: whether ``materialize`` runs collectives (the pipeline then agrees on the
-    local steps before it); such a materializer must fail on every rank alike, or only after its
-    last collective. ``shard_first``: with a backend that ``supports_shard_first``, a unit is
-    sharded while still on meta and ``materialize`` then fills only the local shards.
+    ``communicates``: ``materialize`` runs collectives, so it must fail on every rank alike or
+    only after its last collective. ``shard_first``: units are sharded on meta and
+    ``materialize`` fills only the local shards (where the backend ``supports_shard_first``).
     """
 
     @property
@@ -167,18 +156,16 @@ class Materializer(Protocol):
     def shard_first(self) -> bool: ...
 
     def check_context(self, context: ConfigureContext) -> None:
-        """The configure stage's check (local and pure, before any collective): raise a
-        ``ConfigurationError``/``MaterializationError`` naming the fix to refuse."""
+        """Local, pure check before any collective; raise naming the fix to refuse."""
         ...
 
     def prepare(self, env: Environment) -> MaterializerRun:
-        """Start one build (every rank calls it, after the groups exist; may communicate)."""
+        """Start one build on every rank, after the groups exist; may communicate."""
         ...
 
 
 def check_materializer(materializer: Materializer, context: ConfigureContext) -> None:
-    """The materializer's configure check; one written against the former
-    ``check(plan, ignored)`` hook is still called, with a ``DeprecationWarning``."""
+    """``check_context``, then a legacy ``check(plan, ignored)`` with a DeprecationWarning."""
     materializer.check_context(context)
     legacy = getattr(materializer, "check", None)
     if callable(legacy):
@@ -200,11 +187,9 @@ def initialize_children_first(
     fix: str,
     names: dict[int, str] | None = None,
 ) -> None:
-    """Call ``init(module, clean fqn)`` for ``modules`` (a unit's own, breadth-first from
-    ``root``) in reverse, so children come first: a parent's initializer may set its children's
-    values (as MultiheadAttention zeroes out_proj.bias) and must win, as at construction.
-    Failures are re-raised naming the module, the materializer ``who`` and the ``fix``.
-    ``names``: ``module_names(root)`` when the caller has it."""
+    """Call ``init(module, fqn)`` over ``modules`` (breadth-first) in reverse: a parent's
+    initializer may set its children's values (MultiheadAttention's out_proj.bias) and must win,
+    as at construction. Failures are re-raised naming the module, ``who`` and ``fix``."""
     if names is None:
         names = module_names(root)
     with torch.no_grad():
@@ -223,8 +208,7 @@ def initialize_children_first(
 
 @define
 class _PerUnit:
-    """The run of a materializer that keeps nothing between units but the non-persistent
-    buffers computed for the build."""
+    """A run that keeps only the build's computed non-persistent buffers between units."""
 
     materializer: BaseMaterializer
     env: Environment
@@ -242,24 +226,20 @@ class _PerUnit:
 
 
 class BaseMaterializer(DeclaredHooks):
-    """Optional base: subclasses override ``init_module`` (called per owned module in
-    children-first order after storage is allocated), or ``materialize`` for full control, or
-    ``prepare`` to keep per-build state in a run object of their own.
+    """Optional base: override ``init_module`` (per owned module, children first, after
+    storage is allocated), ``materialize`` for full control, or ``prepare`` for per-build state.
 
-    ``reinitialize``: initialize every owned module even when nothing is on meta (a deterministic
-    initializer), on ``storage_device`` when it is set instead of the compute device.
+    ``reinitialize``: initialize every owned module even when nothing is on meta, on
+    ``storage_device`` when set.
     """
 
     __slots__ = ()
 
     reinitialize: bool = False
     storage_device: torch.device | None = None
-    # Whether ``materialize`` runs collectives (the pipeline then agrees before it); a subclass
-    # that only works locally sets False and saves ranks an agreement per unit.
+    # A local subclass sets False and saves ranks an agreement per unit.
     communicates: ClassVar[bool] = True
     shard_first: ClassVar[bool] = False
-    # Whether modules inside a library's model (transformers) are initialized by that model's
-    # convention, stateless ones included (see fsdp_builder.materializers.conventions).
     library_conventions: ClassVar[bool] = False
 
     def check_context(self, context: ConfigureContext) -> None:
@@ -273,9 +253,7 @@ class BaseMaterializer(DeclaredHooks):
         raise NotImplementedError
 
     def init_owned(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
-        """``init_module``, given what the module's ancestors decide (its library's model-level
-        initializer, registered parents' subtree rules: see
-        ``register_subtree_rule``); the default ignores them."""
+        """``init_module`` given the ancestors' ``lineage``; the default ignores it."""
         self.init_module(module, fqn)
 
     def wants(self, module: nn.Module, owned: list[nn.Module]) -> bool:
@@ -301,11 +279,8 @@ class BaseMaterializer(DeclaredHooks):
         ignored: IgnoredStates | None = None,
         model: nn.Module | None = None,
     ) -> int:
-        """Give ``modules`` (the owned modules below ``root``, named from ``root_fqn``) storage
-        and values; returns the bytes given storage. Ignored parameters: real ones keep their
-        values, ones on meta get their module's (see ``fsdp_builder.materializers.ignored``).
-        ``model`` (default ``root``) is the
-        whole model, whose registered parents' subtree rules apply."""
+        """Give ``modules`` (owned, below ``root``) storage and values; returns the bytes given
+        storage. ``model`` (default ``root``) is the whole model, for subtree rules."""
         ignored = ignored or IgnoredStates()
         if (
             not self.reinitialize
@@ -339,8 +314,8 @@ class BaseMaterializer(DeclaredHooks):
     def materialize_model(
         self, model: nn.Module, wrap: Any = None, device: torch.device | str = "cpu"
     ) -> nn.Module:
-        """Materialize a whole unsharded ``model`` on one process, unit by unit in the order a
-        build with the same ``wrap`` policy uses; the single-process reference for a build."""
+        """Materialize an unsharded ``model`` in one process, in the unit order of a build
+        with the same ``wrap``: the single-process reference."""
         from fsdp_builder.planning.ignored import resolve_ignored
         from fsdp_builder.planning.plan import plan_units
         from fsdp_builder.planning.wrap import WrapPolicy
@@ -365,10 +340,9 @@ class BaseMaterializer(DeclaredHooks):
 
 
 def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) -> list[str]:
-    """The modules (named) that have states to initialize and no initializer. Raises the
-    refusal of a library initializer that leaves a state unwritten (``_library_gaps``)."""
-    # One walk of the model: every unit's own modules are below the root, each reached once
-    # (a module shared by two units is named once).
+    """Named modules with states to initialize and no initializer; raises if a library
+    initializer leaves a state unwritten."""
+    # One walk of the model, so a module shared by two units is named once.
     model = plan.root.module
     found = lineages(model)
     refused: list[nn.Module] = []
@@ -403,12 +377,9 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
 
 
 def _library_gaps(module: nn.Module, lineage: Lineage, ignored: IgnoredStates) -> list[str]:
-    """The direct states of ``module`` that its library's model-level initializer
-    (``_init_weights``) leaves unwritten where nothing else would write them (no registered
-    initializer, no ``reset_parameters``): what the build refuses when it gets there, found in
-    the configure stage. The initializer runs on a stand-in of the module (``_stand_in``), so
-    neither the module nor its model changes; one that cannot run on the stand-in is left to
-    the build."""
+    """Direct states that the library's ``_init_weights`` leaves unwritten and nothing else
+    writes, found in configure by running it on a stand-in (the model does not change); one
+    that cannot run there is left to the build."""
     library = lineage.library_init
     if library is None or _registered(module) is not None or torch_initializer(module):
         return []
@@ -430,17 +401,14 @@ def _library_gaps(module: nn.Module, lineage: Lineage, ignored: IgnoredStates) -
     return [n for n in _unwritten(probe, versions) if id(own.get(n)) not in settled]
 
 
-# The probe gives the module's own states real (uninitialized) CPU storage: torch's own
-# initializers skip tensors on meta (``trunc_normal_`` returns at once), so a probe on meta
-# would take them for states left unwritten. Its children stay on meta (the library's
-# initializer is called on this module alone). Modules owning more than this are not probed.
+# The probe needs real CPU storage: torch's initializers skip meta tensors (``trunc_normal_``
+# returns at once), so on meta they would look unwritten. Larger modules are not probed.
 _PROBE_ELEMENTS = 1 << 22
 
 
 def _stand_in(module: nn.Module, memo: dict[int, Any], device: str = "cpu") -> nn.Module:
-    """A copy of ``module`` and its subtree whose states are new tensors (the module's own on
-    ``device``, its children's on meta; a tensor shared by two places stays shared);
-    everything else is the module's own."""
+    """A copy of ``module``'s subtree with new states (its own on ``device``, children's on
+    meta; sharing kept); everything else is the module's own."""
     if id(module) in memo:
         return cast(nn.Module, memo[id(module)])
     probe = copy.copy(module)
@@ -476,12 +444,11 @@ def _only_nonpersistent_buffers(module: nn.Module) -> bool:
 
 
 def run_initializer(module: nn.Module, fqn: str, lineage: Lineage = NO_LINEAGE) -> None:
-    """The module's initializer by its model's convention, then its ancestors' subtree rules on
-    its parameters."""
+    """The module's initializer, then its ancestors' subtree rules on its parameters."""
     init = initializer_of(module, lineage)
     if init is None and _only_nonpersistent_buffers(module):
         return  # its buffers are computed for the build and filled after
-    if init is None:  # refused by check(); reached only when bypassed
+    if init is None:  # refused in configure; reached only when bypassed
         raise MaterializationError(
             f"'{fqn or '<root>'}' ({type(module).__name__}) has no reset_parameters(); add one."
         )
@@ -501,19 +468,15 @@ _NO_INITIALIZER_FIX = (
 
 @frozen
 class ResetParameters(BaseMaterializer):
-    """``to_empty`` + each owned module's initializer for modules that have states on meta:
-    ``reset_parameters()`` (``nn.MultiheadAttention``'s and ``nn.Transformer``'s private
-    initializers included), a registered one (``register_initializer``), or, inside a Hugging
-    Face transformers model, the model's own ``_init_weights`` (what ``Model(config)`` gives,
-    RoPE tables and ``position_ids`` included).
+    """``to_empty`` + each meta module's initializer: ``reset_parameters()``, a registered one,
+    or a transformers model's ``_init_weights`` (what ``Model(config)`` gives).
 
-    Modules not on meta are left as they are, so ranks that already hold real weights keep them.
-    Values come from each rank's global RNG: seed every rank alike, or follow with a synchronizer.
+    Modules not on meta keep their values. Values come from each rank's global RNG: seed every
+    rank alike, or follow with a synchronizer.
 
     Raises:
-        MaterializationError: in the configure stage, on every rank, naming every module on meta
-            that has no ``reset_parameters()`` (before any collective, model untouched); during
-            the build, naming the module whose initializer failed.
+        MaterializationError: in configure, naming every meta module without an initializer;
+            during the build, naming the module whose initializer failed.
 
     Example:
         ```python
@@ -556,26 +519,15 @@ def _check_callable(instance: object, attribute: attrs.Attribute[Any], value: An
 
 @frozen
 class InitFn(BaseMaterializer):
-    """Calls ``fn(module)`` with the contract of FSDP1's ``param_init_fn``: for each module of a
-    unit, breadth-first from the unit's root (parents first, the order FSDP1 uses), while its
-    states are still on the meta device. ``fn`` gives them storage and values, typically
-    ``module.to_empty(device=..., recurse=False)`` then ``module.reset_parameters()`` when the
-    module has meta states. Any ``param_init_fn`` that works with
-    ``FullyShardedDataParallel(param_init_fn=fn)`` gives the same weights here (same order, same
-    RNG draws); parameters tied within a unit are re-tied afterwards.
+    """Calls ``fn(module)`` with FSDP1's ``param_init_fn`` contract: per module of a unit,
+    parents first, while its states are on meta; ``fn`` gives them storage and values. The same
+    ``fn`` gives the same weights as FSDP1; ties within a unit are restored afterwards.
 
-    ``allocate=True`` is the convenience form: the builder allocates storage on the compute
-    device first (tied parameters re-tied) and calls ``fn`` children first, so ``fn`` only
-    writes values.
+    ``allocate=True``: the builder allocates storage first and calls ``fn`` children first, so
+    ``fn`` only writes values. ``fn`` must not run collectives.
 
-    Either way, a state left on meta, or given storage that ``fn`` never writes, is a
-    MaterializationError naming it. Writes are seen as they happen (every in-place or ``out=``
-    operation, ``.data`` included, and states given new storage), never by reading values:
-    fresh memory may hold anything, NaN included. A state is "never written" only if its
-    values would be used: with a synchronizer that gives every rank rank 0's values
-    (``BroadcastFromRank0``), only rank 0's states are judged, so FSDP1's pattern of
-    ``to_empty`` on ranks other than 0 with ``sync_module_states`` builds. ``fn`` must not run
-    collectives: this step is local (one agreement per unit).
+    A state left on meta, or given storage ``fn`` never writes (writes are watched, values never
+    read), is an error; with ``BroadcastFromRank0`` only rank 0's states are judged.
 
     Raises:
         ConfigurationError: ``fn`` is not callable.
@@ -613,7 +565,7 @@ class InitFn(BaseMaterializer):
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
         modules = list(unit.modules)
-        # Rank 0's values reach every rank when the synchronizer overwrites: only they count.
+        # When the synchronizer overwrites with rank 0's values, only they count.
         judge = not env.values_from_rank0 or env.rank == 0
         return self._materialize(unit.module, unit.fqn, env.device, modules, env.ignored, judge)
 
@@ -641,7 +593,7 @@ class InitFn(BaseMaterializer):
         if not needs_materialization(modules, ignored) and not has_meta_ignored(modules, ignored):
             return 0
         pending = [(m, n, t) for m in modules for n, t in _named_direct(m) if t.is_meta]
-        # fn may give an ignored parameter a new object (to_empty): put the one FSDP ignores back.
+        # fn may replace an ignored parameter (to_empty): put back the one FSDP ignores.
         ignored_meta = [s for s in ignored_slots(modules, ignored) if s[2].is_meta]
         names = module_names(root)
 
@@ -717,20 +669,16 @@ _ALLOCATORS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "n
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
-    """The address of the tensor's storage, to tell storages apart within one process (never
-    compared across ranks); None where there is none to judge (meta, empty, a tensor subclass
-    such as DTensor whose storage is not its own)."""
+    """The storage address (local only); None where there is none to judge (meta, empty, a
+    subclass such as DTensor whose storage is not its own)."""
     if tensor.is_meta or tensor.numel() == 0 or type(tensor) not in (torch.Tensor, nn.Parameter):
         return None
     return int(tensor.untyped_storage().data_ptr())
 
 
 class WriteWatch(TorchDispatchMode):
-    """Records, while active, which storages were written (by any operation that mutates an
-    argument: in-place ops, ``out=``, ``copy_``, ``set_``) and which were freshly allocated by an
-    ``empty`` operation and not written since. It never reads a value, so what fresh memory
-    happens to hold (NaN under ``torch.use_deterministic_algorithms``, garbage otherwise) cannot
-    change its verdict."""
+    """Records which storages an op mutated and which ``empty`` ops made and nobody wrote since.
+    Never reads values: fresh memory may hold anything (NaN under deterministic algorithms)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -760,9 +708,7 @@ class WriteWatch(TorchDispatchMode):
             drop.discard(key)
 
     def unwritten(self, tensor: torch.Tensor, given: int | None) -> bool:
-        """Whether ``tensor``, which had storage ``given`` before the watch (None: none of its
-        own), holds storage nobody wrote: the storage it was given, or an ``empty`` one made
-        while watching."""
+        """Whether ``tensor`` (storage ``given`` before the watch) holds storage nobody wrote."""
         key = _storage_key(tensor)
         if key is None:
             return False
@@ -784,13 +730,11 @@ def check_seed(instance: object, attribute: attrs.Attribute[Any], value: Any) ->
 
 @frozen
 class DeterministicInit(ResetParameters):
-    """World-size-invariant initialization: every owned module of every unit is initialized on
-    the CPU by its own initializer under an RNG seeded from ``seed`` and the module's qualified
-    name, then the unit is moved and sharded as usual.
+    """World-size-invariant initialization: each owned module is initialized on the CPU under
+    an RNG seeded from ``seed`` and its qualified name, real states included.
 
     The full weights depend only on ``seed`` and the model: bit-identical for any world size,
-    sharding strategy or backend, and equal to ``DeterministicInit(seed).materialize_model(m)``
-    on one process. States that are already real are re-initialized too (the seed decides).
+    sharding or backend.
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
@@ -829,8 +773,7 @@ class DeterministicInit(ResetParameters):
 
 @frozen
 class DeferredInit(BaseMaterializer):
-    """Materializes modules built under torchdistX's ``deferred_init`` by replaying their
-    recorded construction. Needs the optional ``torchdistx`` package.
+    """Replays the construction of modules built under torchdistX's ``deferred_init``.
 
     Raises:
         ConfigurationError: at construction, when ``torchdistx`` does not import.

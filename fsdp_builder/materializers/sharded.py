@@ -1,24 +1,8 @@
-"""Shard-first initialization for ``fully_shard`` units: each rank allocates and fills only its
-own shards.
+"""Shard-first initialization: a unit is sharded on meta and each rank fills only its shards.
 
-With a backend that ``supports_shard_first`` (FSDP2), the pipeline shards a unit while it is still
-on the meta device, then calls the materializer. Two materializers work on such a unit:
-
-- :class:`ShardFirstReset` runs each module's own initializer on its (DTensor) parameters, whose
-  local tensors are the only storage allocated. The RNG is seeded per shard index and module, so
-  the shards of one parameter differ from each other; plain ``reset_parameters`` on a CPU mesh
-  draws the same numbers on every rank instead, and the full weight is one shard repeated.
-  Trade-off: values depend on the world size (each shard is drawn independently), which is
-  statistically the distribution the initializer asks for but not bit-identical across world
-  sizes; for world-size-invariant weights use ``StreamInit`` (``streams.py``: shard-local too,
-  from block-seeded streams) or ``DeterministicInit``, which materializes each unit in full and
-  lets ``fully_shard`` slice it (one full unit at a time per rank).
-
-Both shard-first initializers run as one :class:`ShardFirstRun`; what differs between them is
-their :class:`ShardFirstInit` (the scope a unit initializes in, and how one module is).
-- ``collectives.scatter_unit_state`` fills the local shards from full tensors held by one rank,
-  which sends each rank only its slices; other ranks never hold a full tensor of a sharded
-  parameter. ``FromStateDict`` uses it when the backend shards first.
+Both shard-first initializers run as one :class:`ShardFirstRun` and differ in their
+:class:`ShardFirstInit`. Seeding per shard index makes shards differ (plain ``reset_parameters``
+on a CPU mesh repeats one shard), at the cost of values that depend on the world size.
 """
 
 from __future__ import annotations
@@ -77,18 +61,15 @@ def shard_seed(seed: int, shard_index: int, fqn: str) -> int:
 
 
 def shard_index(env: Environment) -> int:
-    """Which shard this rank holds: its rank in the shard group. 0 when nothing is sharded, so
-    that replicas (hybrid or NO_SHARD) draw the same values, and when units are materialized
-    full before sharding (FSDP1, or a synchronizer that sends rank 0's values): every rank then
-    draws the same full unit and keeps its own slice, so a synchronizer sees one value."""
+    """This rank's index in the shard group; 0 when nothing is sharded (replicas draw alike)
+    or units are materialized full (every rank draws the same unit and keeps its slice)."""
     if env.options.strategy == ShardingStrategy.NO_SHARD or not env.shards_first:
         return 0
     return env.groups.rank
 
 
 def local_bytes(module: nn.Module) -> int:
-    """Bytes of storage held by the parameters and buffers of ``module`` on this rank: the local
-    shards of DTensors, counted once per storage."""
+    """Bytes of this rank's storage under ``module`` (DTensors' local shards), once per storage."""
     seen: set[tuple[str, int]] = set()
     total = 0
     for t in [*module.parameters(), *module.buffers()]:
@@ -119,8 +100,7 @@ def fork_devices(device: torch.device) -> list[torch.device]:
 
 
 def agree_on_seed(env: Environment, seed: int | None) -> int:
-    """The base seed every rank of the build uses: ``seed``, or else the first rank's
-    ``torch.initial_seed()`` shared over the shard group, then over the replicate group."""
+    """``seed``, or else the first rank's ``torch.initial_seed()``, shared over both groups."""
     base = seed if seed is not None else torch.initial_seed() % 2**63
     value = torch.tensor([base], dtype=torch.int64)
     for group in (env.groups.shard_group, env.groups.replicate_group):
@@ -133,23 +113,21 @@ def agree_on_seed(env: Environment, seed: int | None) -> int:
 
 
 class ShardFirstInit(Protocol):
-    """What a shard-first materializer adds to :class:`ShardFirstRun`: the scope a unit's
-    initializers run in (StreamInit's streamed ``torch.nn.init``), and how one module's
-    initializer is run (under which seed)."""
+    """What a shard-first materializer adds to :class:`ShardFirstRun`: a per-unit scope and
+    how one module is initialized."""
 
     def scope(
         self, unit: Unit, modules: list[nn.Module], names: dict[int, str]
     ) -> AbstractContextManager[object]:
-        """Entered around the initializers of one unit's ``modules`` (storage already given;
-        ``names``: ``module_names(unit.module)``)."""
+        """Entered around one unit's initializers, storage already given."""
         ...
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
-        """Give ``module`` (on meta before this unit, now with local storage) its values."""
+        """Give ``module`` (now with local storage) its values."""
         ...
 
     def close(self) -> None:
-        """The build is over (or failed): put back whatever the scopes kept for the build."""
+        """Put back whatever the scopes kept; called after success or failure."""
         ...
 
 
@@ -164,8 +142,7 @@ def run_seeded(
 
 @define
 class _PerShardSeed:
-    """``ShardFirstReset``'s initialization: each module under a seed from the base seed, the
-    shard index and its name."""
+    """``ShardFirstReset``: each module under a seed from (base, shard index, name)."""
 
     base_seed: int
     index: int
@@ -185,11 +162,8 @@ class _PerShardSeed:
 
 @define
 class ShardFirstRun:
-    """One build of a shard-first materializer: per unit, local storage for the unit's own
-    modules, then, children first, ``init.init_module`` for each module that was on meta and
-    has an initializer (inside ``init.scope``), then the computed non-persistent buffers. The
-    unit may be sharded (FSDP2: DTensors whose local shards are the only storage) or whole
-    (FSDP1, which cannot shard on meta)."""
+    """One shard-first build: per unit, local storage, then ``init.init_module`` children first
+    for modules that were on meta, then computed buffers. The unit may be whole (FSDP1)."""
 
     env: Environment
     computed: Computed
@@ -204,7 +178,6 @@ class ShardFirstRun:
         ignored = env.ignored
         if not needs_materialization(modules, ignored) and not has_meta_ignored(modules, ignored):
             return 0
-        # Only modules that were on meta are initialized; real ones keep their values.
         pending = {id(m) for m in modules if has_meta_states(m)}
         settling = settling_ignored(modules, ignored, env.device, env.device, env.plan.root.module)
         rules = self.rules
@@ -213,9 +186,8 @@ class ShardFirstRun:
             lineage = rules.get(id(module), NO_LINEAGE)
             if initializer_of(module, lineage) is None:
                 return  # buffers only: to_empty gave it storage
-            # A library's model-level initializer may set a child's states from a stateless
-            # parent (GPT-2 scales c_proj from its attention block, T5 its q/k/v/o); a parent
-            # whose own states are all ignored counts as one (CLIP sets its projections).
+            # A library initializer may set a child's states from a stateless parent (GPT-2's
+            # c_proj); a parent with only ignored states counts as one (CLIP's projections).
             library = lineage.library_init is not None and all(
                 ignored.ignores(t) for t in direct_states(module)
             )
@@ -241,15 +213,12 @@ class ShardFirstRun:
 
 @frozen
 class ShardFirstReset(ResetParameters):
-    """``reset_parameters()`` on the local shards only (shard-first), under an RNG seeded from
-    ``(seed, shard index, module name)`` so shards differ and replicas agree.
+    """``reset_parameters()`` on the local shards only, under an RNG seeded from
+    ``(seed, shard index, module name)``: shards differ, replicas agree.
 
-    ``seed=None`` takes ``torch.initial_seed()`` of the first rank of each group (shared in
-    ``prepare``). Initializers must draw element-wise (uniform, normal, Kaiming, Xavier,
-    constants): ones that need the whole tensor at once (``orthogonal_``, ``eye_``) do not work
-    on a shard; use ``DeterministicInit`` for those. With a backend that cannot shard first the
-    same seeding applies to the full unit, of which each rank keeps its own slice.
-    Random buffers would differ across shard indices: add a synchronizer if a module has them.
+    ``seed=None`` shares the first rank's ``torch.initial_seed()``. Initializers must draw
+    element-wise; ones needing the whole tensor (``orthogonal_``) need ``DeterministicInit``.
+    Random buffers differ across shards: add a synchronizer if a module has them.
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
@@ -283,8 +252,7 @@ class ShardFirstReset(ResetParameters):
 
 @define
 class _InitWeightsRun:
-    """One build of ``InitWeights``: storage per unit as it comes, the model's initializer once
-    at the root, when every unit has its local storage."""
+    """``InitWeights``' build: storage per unit, the model's initializer once at the root."""
 
     env: Environment
     base_seed: int
@@ -298,7 +266,7 @@ class _InitWeightsRun:
         give_storage_in_place([p for _, _, p in ignored_slots(modules, env.ignored)], env.device)
         allocated = allocate_unit(unit.module, modules, env.device, env.shard_specs)
         with torch.no_grad():
-            # Defined values until the root's initializer writes them (a synchronizer may look).
+            # Defined values until the root's initializer writes them.
             for module in fresh:
                 for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
                     local = t.to_local() if isinstance(t, DTensor) else t
@@ -306,8 +274,7 @@ class _InitWeightsRun:
         if unit.is_root:
             init = getattr(unit.module, self.method)
             kwargs = whole_model_kwargs(init, env.device)
-            # Ignored modules are the user's and stay as they were (their states are real: one
-            # on meta is refused in configure), whatever the model's initializer writes.
+            # Ignored modules are the user's: restored whatever the model's initializer writes.
             kept = {
                 id(t): (t, t.detach().clone())
                 for m in env.ignored.modules
@@ -342,25 +309,17 @@ def _check_method(instance: object, attribute: attrs.Attribute[str], value: obje
 
 @frozen
 class InitWeights(BaseMaterializer):
-    """torchtitan's convention: every unit is sharded on meta and given local storage, then the
-    model's own whole-model initializer runs once, ``model.init_weights(buffer_device=device)``
-    (``method`` names another), on the local shards (DTensors) of every unit, with the
-    non-persistent buffers it computes. FSDP2 (``FullyShardBuilder``) only: FSDP1's flat
-    parameters cannot be written through the model's modules.
+    """torchtitan's convention: every unit is sharded on meta and given local storage, then
+    ``model.init_weights(buffer_device=device)`` (or ``method``) runs once on the local shards.
+    FSDP2 only; takes no synchronizer (it would run before the initializer).
 
-    Shards differ across ranks: each rank draws under a seed from ``(seed, shard index)``, so
-    the full weight is not one shard repeated (what plain ``fully_shard`` + ``init_weights``
-    gives on a CPU mesh), and replicas of a shard (hybrid) agree. Like ``ShardFirstReset``, the
-    values depend on the world size; for world-size-invariant weights use ``DeterministicInit``.
-    It takes no synchronizer: those work unit by unit, before the initializer has run.
-    States of ignored modules keep the values they had (the user's, as in plain FSDP), whatever
-    the model's initializer writes into them.
+    Each rank draws under a seed from ``(seed, shard index)``: shards differ, replicas agree,
+    values depend on the world size. Ignored modules keep their values.
 
     Raises:
         MaterializationError: in the configure stage, when the model has no ``method``.
         ConfigurationError: in the configure stage, with a backend that cannot shard on meta
-            (``FSDPBuilder``), or with a synchronizer that gives every rank rank 0's values
-            (they would have to be sent before sharding, when nothing is initialized yet).
+            (``FSDPBuilder``), or with a synchronizer that gives every rank rank 0's values.
 
     Example:
         ```python
@@ -374,7 +333,6 @@ class InitWeights(BaseMaterializer):
     seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
     communicates: ClassVar[bool] = False  # only prepare() communicates
     shard_first: ClassVar[bool] = True
-    # The model's initializer runs once, after the last unit was sharded: no unit is ever full.
     needs_shard_first: ClassVar[bool] = True
 
     @override

@@ -1,27 +1,10 @@
 """Shard-local initialization with world-size-invariant values: block-seeded random streams.
 
-The elements of parameter ``name`` (in row-major order of the full tensor) are cut into blocks
-of ``BLOCK``; block ``k`` is drawn by torch's own sampler from a generator seeded with a hash of
-``(seed, name, k)`` alone. So any slice of a tensor can be generated without the rest: each rank
-draws only the blocks its rows touch (the two cut at its edges in full, into scratch) and still
-gets exactly the values the full tensor would have, at any world size and on either backend
-(FSDP1 materializes whole units, which are simply all of their blocks). The cost is torch's
-sampler on 1/W of the elements plus one generator seeding per block.
-
-``StreamInit`` runs each module's initializer by its model's convention (as ``ResetParameters``
-does) under ``_StreamMode``, a ``TorchFunctionMode`` (so on the building thread only, with no
-function of torch or transformers replaced): the ``torch.nn.init`` initializers called on a
-parameter of the unit (``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``ones_``,
-``zeros_``, Kaiming, Xavier, and transformers' wrappers of them) draw from its stream, with
-bounds and standard deviations from the full shape, as eager init computes them. The values
-have eager init's distributions, not its numbers.
-
-While a module initializes on shards, ``_ShardWatch`` stops the first operation on a DTensor
-that is not element-wise with plain numbers (``ELEMENTWISE_ON_SHARDS``): a draw on an alias
-(``weight.data.normal_()``), a row view (``weight[padding_idx].zero_()``), a copy. The module
-is then initialized again, with the modules of its unit below it, on whole tensors under the
-same seeds and stream draws, and each rank keeps its slice; so no value depends on the world
-size, whatever the initializer does.
+Block ``k`` of a parameter's row-major elements is drawn from a generator seeded by
+``(seed, name, k)`` alone, so a rank draws only the blocks its rows touch and gets exactly the
+full tensor's values. ``torch.nn.init`` calls are answered by a ``TorchFunctionMode`` (this
+thread only, nothing patched); a module doing more than element-wise work on a shard
+(``_ShardWatch``) is initialized again on whole tensors, keeping each rank's slice.
 """
 
 from __future__ import annotations
@@ -71,8 +54,7 @@ from fsdp_builder.runtime.tree import local_tensor, qualified
 log = get_logger(__name__)
 
 
-# Elements per generator: element ``i`` of a parameter is drawn by generator ``i // BLOCK`` of
-# that parameter's stream, seeded from (stream key, block) alone. Changing it changes the values.
+# Elements per generator. Changing it changes the values.
 BLOCK = 1 << 16
 
 
@@ -88,10 +70,8 @@ def _draw_flat(
     draw: Callable[..., object],
     generator: torch.Generator | None = None,
 ) -> None:
-    """Fill ``out`` (1-D, contiguous) with elements ``start .. start + len(out)`` of a tensor of
-    ``total`` elements: whole blocks are drawn in place, blocks cut by either end into a
-    scratch tensor of the block's full size (so a block's values never depend on the cut).
-    ``generator``: one of ``out``'s device to reuse (each block reseeds it), else a new one."""
+    """Fill 1-D contiguous ``out`` with elements ``start ..`` of a ``total``-element tensor;
+    blocks cut by either end are drawn whole into scratch, so values never depend on the cut."""
     stop = start + out.numel()
     if generator is None:
         generator = torch.Generator(device=out.device)
@@ -109,8 +89,7 @@ def _draw_flat(
 
 
 def global_indices(tensor: torch.Tensor) -> torch.Tensor:
-    """Row-major index in the full tensor of each element this rank holds, shaped like the local
-    tensor (a DTensor's local shard; all of a plain tensor)."""
+    """Row-major full-tensor index of each local element, shaped like the local tensor."""
     shape = tuple(tensor.shape)
     if isinstance(tensor, DTensor):
         local_shape, offsets = local_box(tensor)
@@ -133,14 +112,12 @@ _Draw = Callable[[torch.Tensor, torch.Generator], object]
 
 
 class _Streams:
-    """The streams of one build: a key per (parameter name, how many times it was drawn), so a
-    parameter written twice (an initializer, then a subtree rule) gets fresh bits each time."""
+    """A build's streams, keyed per (name, draw count): a second write gets fresh bits."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.names: dict[int, str] = {}
         self.draws: dict[str, int] = {}
-        # One per device for the build: every block reseeds it, so no state carries over.
         self.generators: dict[torch.device, torch.Generator] = {}
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -156,10 +133,8 @@ class _Streams:
         return digest63(f"{self.seed}/{name}/{draw}")
 
     def draw(self, tensor: torch.Tensor, draw: _Draw) -> torch.Tensor:
-        """Write this rank's part of ``tensor`` from its stream's next key: ``draw(out, g)``
-        fills a 1-D tensor in place with torch's own sampler. A shard that is a run of whole
-        rows (FSDP's dim-0 shards, a whole tensor) is drawn in place; any other layout draws
-        the run of elements that covers it and keeps its own."""
+        """Write this rank's part of ``tensor`` from its next key; ``draw(out, g)`` fills 1-D
+        ``out`` in place. Layouts other than whole rows draw the covering run and keep theirs."""
         key = self.key(tensor)
         local = local_tensor(tensor)
         if not local.numel():
@@ -180,8 +155,7 @@ class _Streams:
 
 
 def _flat_span(tensor: torch.Tensor) -> int | None:
-    """Where this rank's part of ``tensor`` starts in the full tensor's row-major order, when
-    that part is a run of whole rows (all of a plain tensor, a dim-0 shard); else None."""
+    """Row-major start of this rank's part when it is a run of whole rows; else None."""
     if not isinstance(tensor, DTensor) or not tensor.dim():
         return 0
     mesh = tensor.device_mesh
@@ -199,11 +173,8 @@ _SPANS: dict[tuple[Any, ...], int | None] = {}
 
 
 class _unwatched:
-    """The streams' own work on local shards: without autograd (it writes parameters in
-    place) and outside ``_ShardWatch`` (it has nothing to see there, and each operation it
-    looks at costs a Python call). A plain context manager that leaves grad mode alone when
-    it is already off (initializers run under ``no_grad``): it runs on every draw and constant
-    of every module."""
+    """The streams' own work: no autograd, outside ``_ShardWatch`` (a Python call per op). A
+    plain class, not contextmanager: it runs on every draw of every module."""
 
     __slots__ = ("grad", "popped")
 
@@ -225,7 +196,7 @@ _Answer = Callable[[_Streams, Any, torch.Tensor, Any, Any], Any]
 
 
 def _kaiming_std(tensor: torch.Tensor, a: float, mode: str, nonlinearity: str) -> float:
-    """The standard deviation ``kaiming_uniform_`` asks for, from the full shape, as torch's."""
+    """``kaiming_uniform_``'s standard deviation from the full shape, as torch computes it."""
     if mode.lower() not in ("fan_in", "fan_out"):
         raise ValueError(f"Mode {mode} not supported, please use one of fan_in, fan_out")
     shape = tuple(tensor.shape)
@@ -238,8 +209,7 @@ def _kaiming_std(tensor: torch.Tensor, a: float, mode: str, nonlinearity: str) -
 
 
 def _truncated(mean: float, std: float, a: float, b: float) -> _Draw:
-    """Draws of a normal truncated to ``[a, b]``: the inverse CDF of a uniform between the
-    bounds' CDF values, so one draw per element and none rejected."""
+    """A normal truncated to ``[a, b]`` by inverse CDF: one draw per element, none rejected."""
 
     def cdf(x: float) -> float:
         return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
@@ -257,8 +227,8 @@ _TRUNC_NORMAL = nn.init.trunc_normal_.__code__
 
 
 def _trunc_normal_args(tensor: torch.Tensor) -> tuple[float, float, float, float] | None:
-    """``(mean, std, a, b)`` when ``torch.nn.init.trunc_normal_`` is running on ``tensor`` a
-    few calls up: it has no hook of its own, so its draw and bounds check are recognized here."""
+    """``(mean, std, a, b)`` when ``trunc_normal_`` runs on ``tensor`` a few frames up: it has
+    no torch function hook of its own."""
     frame: FrameType | None = sys._getframe(2)
     for _ in range(6):
         if frame is None:
@@ -276,8 +246,7 @@ def _args(rest: tuple[Any, ...], kwargs: dict[str, Any], *spec: tuple[str, Any])
 
 
 def _sampler(method: str, *spec: tuple[str, Any]) -> _Answer:
-    """Answer to ``nn.init.uniform_`` / ``normal_`` or the tensor method of that name: the
-    stream's draw by ``out.<method>(x, y)``; one inside ``trunc_normal_`` draws it truncated."""
+    """Answer ``uniform_``/``normal_`` from the stream (truncated inside ``trunc_normal_``)."""
 
     def answer(streams: _Streams, func: Any, tensor: torch.Tensor, rest: Any, kw: Any) -> Any:
         truncated = _trunc_normal_args(tensor)
@@ -314,16 +283,14 @@ def _constant(name: str, default: float | None) -> _Answer:
 
 
 def _bounds_check(streams: _Streams, func: Any, tensor: torch.Tensor, rest: Any, kw: Any) -> Any:
-    """``trunc_normal_``'s check of a shard it drew (truncated, so no element is out of bounds):
-    on the local shard, rather than a reduction over the mesh."""
+    """``trunc_normal_``'s bounds check on the local shard rather than a reduction over the mesh."""
     if not isinstance(tensor, DTensor) or _trunc_normal_args(tensor) is None:
         return None
     return func(local_tensor(tensor), *rest, **kw)
 
 
 _T = torch.Tensor
-# What a named tensor's initializers reach: the ``torch.nn.init`` functions that offer a torch
-# function hook, else the tensor methods the others call on the tensor itself.
+# ``torch.nn.init`` functions with a torch function hook, else the tensor methods others call.
 _ANSWERS: dict[Any, _Answer] = {
     nn.init.uniform_: _sampler("uniform_", ("a", 0.0), ("b", 1.0)),
     nn.init.normal_: _sampler("normal_", ("mean", 0.0), ("std", 1.0)),
@@ -339,8 +306,7 @@ _ANSWERS: dict[Any, _Answer] = {
 
 
 class _StreamMode(TorchFunctionMode):
-    """On this thread only: the initializers of a tensor ``streams`` names answered from its
-    stream; everything else runs as torch runs it."""
+    """Answers the initializers of tensors ``streams`` names from their stream."""
 
     def __init__(self, streams: _Streams) -> None:
         super().__init__()
@@ -366,10 +332,8 @@ def streamed_init(streams: _Streams) -> TorchFunctionMode:
     return _StreamMode(streams)
 
 
-# Operations on a sharded parameter that touch each element alone, with plain numbers: the
-# same on a shard as on the full tensor. Any other operation on a DTensor (a random draw, a row
-# or column view, a copy from another tensor, a reduction) could give values that depend on the
-# world size, or run a collective: the module is then initialized on whole tensors instead.
+# The same on a shard as on the full tensor. Any other op on a DTensor (a draw, a row view, a
+# copy, a reduction) could depend on the world size or run a collective.
 _aten = torch.ops.aten
 ELEMENTWISE_ON_SHARDS = frozenset(
     {
@@ -394,8 +358,7 @@ class _ShardOp(Exception):
 
 
 class _ShardWatch(TorchDispatchMode):
-    """Stops, before it runs, the first operation on a DTensor outside ``ELEMENTWISE_ON_SHARDS``
-    (the streams write local shards, never DTensors, so their own work is never stopped)."""
+    """Stops the first operation on a DTensor outside ``ELEMENTWISE_ON_SHARDS``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -425,17 +388,14 @@ class _Done:
 
 @define
 class _StreamedInit:
-    """``StreamInit``'s part of the shard-first run: a unit's parameters named for their
-    streams while it initializes; each module's other draws from torch's generator seeded
-    from ``(seed, module name)``. A module whose initializer needs more than element-wise work
-    on a shard is initialized again on whole tensors (see ``_on_whole_tensors``)."""
+    """``StreamInit``'s part of the run: parameters named for their streams; other draws from
+    torch's generator seeded by ``(seed, module name)``."""
 
     seed: int
     env: Environment
     streams: _Streams = attrs.field(init=False)
     done: list[_Done] = attrs.field(init=False, factory=list)
-    # Torch's generators, saved at the first unit and restored by close(): per unit, saving
-    # them costs more than a small unit's draws.
+    # Torch's generators, saved once per build: per unit it costs more than a small unit's draws.
     held: contextlib.AbstractContextManager[object] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -486,9 +446,8 @@ class _StreamedInit:
             self._on_whole_tensors(entry, watch.stopped)
 
     def _on_whole_tensors(self, entry: _Done, why: str) -> None:
-        """Initialize ``entry.module`` and the modules of this unit below it again, children
-        first and under the same seeds and stream draws, on whole tensors; keep the slices
-        this rank holds. World-size invariant, for one module's whole tensors in memory."""
+        """Initialize ``entry.module`` and its unit's modules below it again on whole tensors,
+        same seeds and draws, keeping this rank's slices."""
         below = {id(m) for m in entry.module.modules()}
         again = [d for d in self.done if id(d.module) in below]
         streams = self.streams
@@ -539,25 +498,13 @@ class _StreamedInit:
 
 @frozen
 class StreamInit(ResetParameters):
-    """Each module's initializer by its model's convention (``reset_parameters()``, a
-    transformers model's ``_init_weights``, a registered one), with the ``torch.nn.init``
-    initializers it calls on a parameter drawn by torch's samplers from one generator per block
-    of ``BLOCK`` elements, seeded from ``(seed, parameter name, block)``: with
-    ``FullyShardBuilder`` every rank allocates and fills only its shards, and the full weights
-    are bit-identical at any world size and between both backends. Nothing of torch or
-    transformers is replaced: the draws are answered by a ``TorchFunctionMode`` on the building
-    thread, and other threads initialize as torch does.
+    """Each module's initializer by its model's convention, its ``torch.nn.init`` draws taken
+    from block-seeded streams: every rank fills only its shards, and the full weights are
+    bit-identical at any world size and on both backends (eager init's distributions, not its
+    numbers). ``FullyShardBuilder``'s default.
 
-    The distributions are eager init's (bounds and standard deviations from the full shapes),
-    not its numbers. Other draws from torch's generator come from one seeded from ``(seed,
-    module name)``. A module whose initializer does more to a sharded parameter than
-    element-wise work with plain numbers (a draw on ``weight.data``, ``weight[padding_idx]``,
-    ``orthogonal_``, a copy) is initialized again, with the modules of its unit below it, on
-    whole tensors under the same seeds, and each rank keeps its slice.
-
-    ``seed=None`` (the default) takes ``torch.initial_seed()`` of the first rank:
-    ``torch.manual_seed(s)`` before the build changes the weights, as for an eager model.
-    Torch's generators are restored when the build ends. ``FullyShardBuilder``'s default.
+    ``seed=None`` takes the first rank's ``torch.initial_seed()``, so ``torch.manual_seed(s)``
+    before the build changes the weights. Torch's generators are restored after the build.
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
