@@ -45,7 +45,7 @@ from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.shards import local_slices
-from fsdp_builder.runtime.tree import allocate_unit, local_tensor, unit_modules
+from fsdp_builder.runtime.tree import allocate_unit, local_tensor
 from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
 from fsdp_builder.sources.base import Index, reader
 
@@ -297,7 +297,7 @@ class LocalRun(LoadRun):
     def materialize(self, unit: Unit) -> int:
         env = self.env
         assert self.source is not None, "materialize after close"
-        modules = unit_modules(unit.module, env.ignored.modules)
+        modules = list(unit.modules)
         # In place, so that an ignored parameter stays the one FSDP ignores; it is read whole.
         give_storage_in_place(meta_ignored(modules, env.ignored), env.device)
         allocate_unit(unit.module, modules, env.device, env.shard_specs)

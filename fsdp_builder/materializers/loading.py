@@ -541,7 +541,7 @@ class Rank0Run(LoadRun):
         if env.shards_first:
             return self._scatter(unit)
         source = self.source
-        modules = unit_modules(unit.module, env.ignored.modules)
+        modules = list(unit.modules)
         device = collective_device(env.agreement_group)
         fresh = meta_ignored(modules, env.ignored)
         give_storage_in_place(fresh, device)
@@ -584,7 +584,7 @@ class Rank0Run(LoadRun):
             except Exception as exc:
                 error = self.unreadable(unit, exc)
         scatter_error: MaterializationError | None = None
-        modules = unit_modules(unit.module, self.env.ignored.modules)
+        modules = list(unit.modules)
         # In place, so that the ignored parameter stays the one fully_shard ignores.
         give_storage_in_place(meta_ignored(modules, self.env.ignored), self.env.device)
         try:
