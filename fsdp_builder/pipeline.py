@@ -1,21 +1,8 @@
-"""One build: the init pipeline, stage by stage, in data-flow order.
+"""One build, stage by stage in data-flow order (see docs/architecture.md):
 
     configure ─► agree ─► groups ─► environment ─► prepare ─► per unit, bottom-up ─► finish
 
-- **configure** (local, pure): validate the configuration, resolve ignored states, plan units,
-  resolve the device, then hand every role one :class:`ConfigureContext` (model, plan, options,
-  the backend's capabilities) to check. Nothing in the model changes and no collective has run,
-  so a failure here leaves it untouched on every rank.
-- **agree**: one all-gather; every rank raises if any failed or planned a different model.
-- **groups**: the group factory's groups, the strategy's clamping rules, the backend's view
-  (FSDP2: its mesh).
-- **environment**: one frozen :class:`Environment` handed to every strategy.
-- **prepare**: each strategy starts its per-build run (open a checkpoint, agree on a seed);
-  the runs are closed when the build ends, however it ends.
-- **per unit**: ``UNIT_STEPS`` in order, or ``SHARD_FIRST_STEPS`` when the materializer fills
-  local shards of a unit the backend sharded on meta; ranks agree once per unit (see
-  :class:`~fsdp_builder.runtime.agreement.Agreement`).
-- **finish**: nothing may be left on meta.
+Configure is local and pure, so a failure there leaves the model untouched on every rank.
 """
 
 from __future__ import annotations
@@ -66,10 +53,7 @@ from fsdp_builder.runtime.report import BuildReport, debug_enabled
 from fsdp_builder.runtime.tree import direct_states, has_meta_states, unit_modules
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
-# The per-unit steps, in the order they run.
 UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
-# With a shard-first materializer and a backend that supports it: shard on meta, then give only
-# the local shards values.
 SHARD_FIRST_STEPS: Final = ("shard", "materialize", "synchronize")
 
 
@@ -151,9 +135,7 @@ class _Build:
         self.synchronizer = config.synchronizer or NoSync()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agreement = Agreement(None)
-        # Whether some rank holds real managed states (asked in the groups stage).
-        self.real_anywhere = False
-        # Every group the build waits on, with its timeout lowered to the build's bound.
+        self.real_anywhere = False  # asked in the groups stage
         self.bound = GroupTimeouts(config.timeout)
 
     def run(self, model: nn.Module) -> BuildResult:
@@ -204,7 +186,7 @@ class _Build:
         return BuildResult(environment=env, report=report, module=result)
 
     def settings(self) -> list[tuple[str, str]]:
-        """The whole configuration as ranks compare it (``fsdp_builder.common.describe``)."""
+        """The whole configuration as ranks compare it."""
         cfg = self.config
         items: dict[str, Any] = {"backend": self.backend.name}
         for field in attrs.fields(BuilderConfig):
@@ -219,9 +201,8 @@ class _Build:
         )
         for field in attrs.fields(ShardingOptions):
             items[field.name] = getattr(cfg.options, field.name)
-        # The process-wide registries decide values too: a rank that registered another
-        # initializer, format or rule set would build another model. Named by the call that
-        # fills each, so a difference names the call to make on every rank.
+        # Process-wide registries decide values too; named by the call that fills each, so a
+        # difference names the call to make on every rank.
         from fsdp_builder.materializers.conventions import _REGISTERED, _SUBTREE_RULES
         from fsdp_builder.sources.model_rules import registered_rules
         from fsdp_builder.sources.registry import registered_formats
@@ -278,10 +259,7 @@ class _Build:
         return configured
 
     def check_roles(self, context: ConfigureContext) -> None:
-        """Every role's check of the whole configuration: the backend's first (what torch
-        would refuse), then the group factory's, the device resolver's, the synchronizer's
-        (those that define ``check_context``) and the materializer's. Local and pure: the
-        model is untouched."""
+        """Every role's local, pure check: the backend's first (what torch would refuse)."""
         self.backend.check_context(context)
         for role in (self.factory, self.resolver, self.synchronizer):
             if isinstance(role, ChecksContext):
@@ -291,9 +269,8 @@ class _Build:
         self.check_composition()
 
     def check_composition(self) -> None:
-        """Materializer and synchronizer together: a synchronizer works on each unit as it is
-        built, which a materializer that writes the whole model after the last unit cannot
-        serve."""
+        """A synchronizer works per unit, which a materializer writing the whole model after
+        the last unit cannot serve."""
         if getattr(self.materializer, "needs_shard_first", False) and not isinstance(
             self.synchronizer, NoSync
         ):
@@ -307,8 +284,7 @@ class _Build:
             )
 
     def create_groups(self, configured: _Configured) -> tuple[ShardingOptions, Any]:
-        """The factory's groups, clamped to what the world allows, as the backend sees them
-        (one agreement: creating and preparing groups both communicate)."""
+        """The factory's groups, clamped to the world, as the backend sees them (one agreement)."""
 
         def create() -> tuple[ShardingOptions, Any]:
             # First, before anything here can fail on one rank alone.
@@ -316,8 +292,7 @@ class _Build:
             groups = self.factory.create(self.config.options.strategy, configured.device)
             options, groups = effective_strategy(self.config.options, groups)
             groups = self.backend.prepare_groups(groups, options, configured.device)
-            # Meshes from MeshGroups are checked in configure; this covers a factory of one's
-            # own, before any unit changes (local, the same on every rank).
+            # MeshGroups are checked in configure; this covers a factory of one's own.
             check_placed_on_other_dims(
                 groups.mesh, configured.plan.root.module, f"{self.backend.builder}.groups"
             )
@@ -326,8 +301,8 @@ class _Build:
         return self.agreement.now("groups", create)
 
     def any_rank_real(self, configured: _Configured) -> bool:
-        """Whether any rank holds a managed state that is not on meta, asked (one all-reduce of
-        one number) only where it decides the order of a unit's steps (``shards_first``)."""
+        """Whether any rank holds a real managed state; one all-reduce, only where it decides
+        ``shards_first``."""
         if not (self.materializer.shard_first and self.backend.supports_shard_first):
             return False
         ignored = configured.ignored
@@ -363,9 +338,8 @@ class _Build:
         )
 
     def prepare(self, env: Environment) -> _Runs:
-        """Each strategy's run for this build, under one agreement. Both prepares run even when
-        the first fails (a prepare may communicate: every rank must reach it), and a run that
-        was started is closed if the other failed."""
+        """Each strategy's run, under one agreement. Both prepares run even when the first
+        fails (a prepare may communicate); a started run is closed if the other failed."""
         runs: list[Any] = []
         errors: list[BaseException] = []
         expected: list[tuple[Any, type]] = [
@@ -402,8 +376,7 @@ class _Build:
     def build_unit(
         self, unit: Unit, env: Environment, runs: _Runs, report: BuildReport
     ) -> nn.Module:
-        # Four stage events per unit: not built (nor the unit's logger bound) for a logger that
-        # drops debug events, as it does when the application configured no logging.
+        # Four stage events per unit: not built for a logger that drops debug events.
         logger = env.logger.bind(unit=unit.label) if debug_enabled(env.logger) else None
         sharded: list[nn.Module] = []
 
@@ -434,8 +407,7 @@ class _Build:
             fn, communicates = steps[name]
             self.agreement.step(name, fn, unit.label, communicates)
         if self.config.timeout is not None:
-            # With a bound set, ranks also agree after each unit, so that a dead or late peer
-            # is found at the unit where it stopped (the bound's diagnostics, at one tiny
+            # So a dead or late peer is named at the unit where it stopped (one tiny
             # all-gather per unit); otherwise local steps agree once, at finish.
             self.agreement.settle(unit.label)
         # Skipped after a local failure on this rank, which the next agreement reports.
@@ -443,18 +415,9 @@ class _Build:
 
 
 def shards_first(materializer: Materializer, backend: Backend, real_anywhere: bool) -> bool:
-    """Whether units are sharded on meta before the materializer fills their local shards:
-    only when the model is on meta on every rank (``real_anywhere`` False).
-
-    When some rank holds real states, each unit is built full-first (materialize, synchronize,
-    shard), as ``sync_module_states`` does, one full unit per rank at a time: rank 0's values
-    must reach every rank's shards (``BroadcastFromRank0``), ranks that hold different full
-    values must be found (``VerifyReplicas``), and full values only exist before sharding. And
-    an initializer that runs on sharded (DTensor) parameters on the ranks that hold meta states
-    only, while the others skip their real ones, would run DTensor's collectives (a row view,
-    ``weight[padding_idx]``, gathers) on some ranks alone. On a model on meta everywhere every
-    rank runs the same initializers, each fills its shards as rank 0 would, and a synchronizer
-    works among each shard's replicas."""
+    """Whether units are sharded on meta before being filled: only when the model is on meta
+    on every rank. Otherwise full values must exist before sharding (for a synchronizer), and
+    initializers running on DTensors on some ranks only would run collectives on those alone."""
     return materializer.shard_first and backend.supports_shard_first and not real_anywhere
 
 

@@ -1,25 +1,20 @@
 """StateSynchronizer role: make ranks hold the same values where they must, one unit at a time.
 
-A synchronizer runs collectives: every rank calls it for the same unit at the same time, and a
-synchronizer that detects a problem must raise the same error on every rank. The checks that can
-fail locally (a state still on meta) run first and are agreed on before any collective, so one
-rank's problem never leaves the others blocked in a broadcast.
-
-The pipeline calls ``prepare(env)`` once per build, on every rank; it returns the build's
-:class:`SyncRun`, which holds whatever the build needs to remember between units and is closed in
-a ``finally`` whether the build succeeds or fails. The synchronizer object itself stays immutable
-and can be shared between builders.
+Local checks (a state still on meta) are agreed on before any collective, so one rank's problem
+never leaves the others blocked in a broadcast. ``prepare(env)`` returns the build's
+:class:`SyncRun`, closed on success and failure alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar, Protocol, cast, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 import torch
 import torch.distributed as dist
 from attrs import define, frozen
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
@@ -56,8 +51,7 @@ class SyncRun(Protocol):
 class StateSynchronizer(Protocol):
     """Makes ranks hold the same values for each unit's states.
 
-    ``communicates``: whether ``synchronize`` runs collectives (the pipeline then agrees on the
-    local steps before it). A synchronizer that communicates must fail on every rank alike, or
+    ``communicates``: ``synchronize`` runs collectives, so it must fail on every rank alike or
     only after its last collective.
     """
 
@@ -65,7 +59,7 @@ class StateSynchronizer(Protocol):
     def communicates(self) -> bool: ...
 
     def prepare(self, env: Environment) -> SyncRun:
-        """Start one build (every rank calls it, after the groups exist; may communicate)."""
+        """Start one build on every rank, after the groups exist; may communicate."""
         ...
 
 
@@ -84,15 +78,13 @@ class _PerUnit:
 
 
 class BaseSynchronizer(DeclaredHooks):
-    """Optional base for custom synchronizers: override ``synchronize(unit, env)``; set
-    ``communicates = False`` if it runs no collectives; override ``prepare`` to keep per-build
-    state in a run object of your own."""
+    """Optional base: override ``synchronize(unit, env)`` (or ``prepare`` for per-build state);
+    set ``communicates = False`` if it runs no collectives."""
 
     __slots__ = ()
 
     communicates: bool = True
-    # Whether every rank ends each unit with global rank 0's values of all its states (a
-    # materializer's values on the other ranks are then overwritten, never used).
+    # Every rank ends with rank 0's values, so other ranks' materialized values are never used.
     overwrites: ClassVar[bool] = False
 
     def prepare(self, env: Environment) -> SyncRun:
@@ -170,8 +162,7 @@ class Chain(BaseSynchronizer):
 
 
 def overwrites(synchronizer: StateSynchronizer) -> bool:
-    """Whether ``synchronizer`` gives every rank global rank 0's values (False when it does not
-    say)."""
+    """Whether ``synchronizer`` gives every rank global rank 0's values (False if unsaid)."""
     return bool(getattr(synchronizer, "overwrites", False))
 
 
@@ -183,8 +174,7 @@ Stages = tuple[tuple[dist.ProcessGroup | None, int], ...]
 
 @frozen(eq=False)
 class SyncState:
-    """One plain tensor to synchronize, and the (group, global source rank) broadcasts that
-    carry the first replica's values to every rank that must hold the same ones."""
+    """One plain tensor and the (group, global source rank) stages that reach its replicas."""
 
     name: str
     tensor: torch.Tensor
@@ -192,8 +182,7 @@ class SyncState:
 
 
 def _replica_stages(tensor: Any) -> Stages:
-    """For a DTensor's local shard: the mesh dimensions it is replicated over. Shards along the
-    other dimensions differ by design and are never synchronized with each other."""
+    """A DTensor's replicated mesh dimensions; shards along the others differ by design."""
     mesh = tensor.device_mesh
     stages: list[tuple[dist.ProcessGroup | None, int]] = []
     for dim, placement in enumerate(tensor.placements):
@@ -204,11 +193,11 @@ def _replica_stages(tensor: Any) -> Stages:
 
 
 def _flatten(name: str, tensor: torch.Tensor, stages: Stages) -> Iterator[SyncState]:
-    """Plain tensors for ``tensor``: a DTensor travels as its local shard, among its replicas
-    only; other traceable subclasses (float8 wrappers) as their inner tensors."""
+    """Plain tensors for ``tensor``: a DTensor's local shard (among its replicas), a traceable
+    subclass's (float8) inner tensors."""
     detached = tensor.detach()
-    if _is_dtensor(detached):
-        yield SyncState(name, cast(Any, detached).to_local(), _replica_stages(detached))
+    if isinstance(detached, DTensor):
+        yield SyncState(name, detached.to_local(), _replica_stages(detached))
     elif is_traceable_wrapper_subclass(detached):
         attrs_, _ = detached.__tensor_flatten__()
         for attr in attrs_:
@@ -220,7 +209,7 @@ def _flatten(name: str, tensor: torch.Tensor, stages: Stages) -> Iterator[SyncSt
 
 
 def by_stages(states: list[SyncState]) -> list[tuple[Stages, list[SyncState]]]:
-    """States grouped by how they travel, in first-seen order (the same on every rank)."""
+    """States grouped by stages, in first-seen order (the same on every rank)."""
     groups: dict[Stages, list[SyncState]] = {}
     for s in states:
         groups.setdefault(s.stages, []).append(s)
@@ -228,9 +217,8 @@ def by_stages(states: list[SyncState]) -> list[tuple[Stages, list[SyncState]]]:
 
 
 def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> list[SyncState]:
-    """The unit's own parameters and buffers as ``(fully-qualified name, plain tensor)``, each
-    storage once (tied parameters, buffers registered twice). Buffers whose id is in ``skip``
-    (already handled with a nested unit) are left out; the ids of those taken are added to it."""
+    """The unit's own states, each tensor once. Buffers whose id is in ``skip`` (sent with a
+    nested unit) are left out; the ids taken are added to it."""
     modules = unit.modules
     names = module_names(unit.module)
     seen: set[int] = set()
@@ -254,14 +242,6 @@ def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> l
     return [flat for name, t in params + buffers for flat in _flatten(name, t, plain)]
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without DTensor
-        return False
-    return isinstance(t, DTensor)
-
-
 def _check_real(states: list[SyncState], who: str, unit: Unit) -> None:
     meta = [s.name for s in states if s.tensor.is_meta]
     if meta:
@@ -275,14 +255,14 @@ def _check_real(states: list[SyncState], who: str, unit: Unit) -> None:
 def checked_states(
     unit: Unit, env: Environment, who: str, skip: set[int] | None = None
 ) -> list[SyncState]:
-    """The unit's states (see ``unit_states``), after every rank agreed that each has them all
-    real: a rank with a state still on meta makes every rank raise before any collective."""
+    """``unit_states`` once every rank agreed none is on meta (else all raise, before any
+    collective)."""
     error: BaseException | None = None
     states: list[SyncState] = []
     try:
         states = unit_states(unit, env, skip)
         _check_real(states, who, unit)
-    except Exception as exc:  # reported on every rank before any collective starts
+    except Exception as exc:
         error = exc
     agree("synchronize (check)", error, unit=unit.label, group=env.agreement_group)
     return states
@@ -317,11 +297,7 @@ class _BroadcastRun:
 @frozen
 class BroadcastFromRank0(BaseSynchronizer):
     """Every rank ends with global rank 0's parameters and buffers (every replica too, under
-    hybrid sharding). Works on CPU/gloo as on GPU/NCCL.
-
-    Large states are broadcast in place, small ones packed into buckets of ``bucket_bytes`` (see
-    ``collectives.broadcast_tensors``); tensor subclasses travel as their inner tensors; a buffer
-    shared with a nested unit was sent with that unit and is not sent again.
+    hybrid sharding). Small states travel packed into buckets of ``bucket_bytes``.
 
     Raises:
         ConfigurationError: ``bucket_bytes`` is not a positive int.
@@ -351,7 +327,7 @@ class BroadcastFromRank0(BaseSynchronizer):
 
 
 def checksum(tensor: torch.Tensor) -> int:
-    """A 63-bit digest of the tensor's bytes (bit-exact: -0.0 and 0.0 differ, NaNs compare)."""
+    """A 63-bit digest of the tensor's bytes (-0.0 and 0.0 differ, NaNs compare)."""
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
     return digest63(data.numpy().tobytes(), f"{tuple(tensor.shape)}{tensor.dtype}")
 
@@ -359,9 +335,7 @@ def checksum(tensor: torch.Tensor) -> int:
 @frozen
 class VerifyReplicas(BaseSynchronizer):
     """Checks that every rank holds the same values for the unit's states (a checksum per
-    tensor, gathered across ranks); on a divergence raises StateMismatchError naming the first
-    differing state and the ranks involved, the same on every rank. Chain it after another
-    synchronizer: ``.synchronize(BroadcastFromRank0(), VerifyReplicas())``.
+    tensor, gathered across ranks). Chain it after another synchronizer.
 
     Raises:
         StateMismatchError: on every rank, naming the first differing state and the ranks.
@@ -377,8 +351,6 @@ class VerifyReplicas(BaseSynchronizer):
     def synchronize(self, unit: Unit, env: Environment) -> int:
         states = checked_states(unit, env, "VerifyReplicas")
         total = 0
-        # Each state is compared among the ranks that must hold it alike: all ranks for plain
-        # tensors, a shard's replicas for sharded ones.
         for stages, members in by_stages(states):
             sums = [checksum(s.tensor) for s in members]
             for group, _ in stages:

@@ -1,8 +1,5 @@
-"""The unit plan: which wrap units a model splits into, bottom-up, root last.
-
-A pure function of the model, the wrap policy and the ignored states; it needs no process group,
-so it can be printed and checked on a laptop for a model built on the meta device.
-"""
+"""The unit plan: which wrap units a model splits into, bottom-up, root last. Needs no process
+group, so a meta model's plan can be printed and checked on a laptop."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     numel: int
-    # What the backends' checks refuse, recorded here so that they need no walk for the
-    # tensors (not part of the signature ranks compare).
+    # Recorded so the backends' checks need no walk (not in the signature ranks compare).
     contiguous: bool
     requires_grad: bool
 
@@ -54,8 +50,8 @@ class Unit:
 
     fqn: str  # "" for the root
     module: nn.Module = attrs.field(repr=False)
-    # The modules whose own states the unit holds, breadth-first from ``module``: every stage
-    # walks these, never the tree (which FSDP1's wrappers change while the build runs).
+    # Breadth-first from ``module``. Stages walk these, never the tree, which FSDP1's wrappers
+    # change during the build.
     modules: tuple[nn.Module, ...] = attrs.field(repr=False)
     params: tuple[TensorInfo, ...]
     buffers: tuple[TensorInfo, ...]
@@ -86,9 +82,8 @@ class Unit:
 
 @frozen
 class UnitPlan:
-    """The ordered units (bottom-up, root last). ``ties``: the pairs the model declares tied
-    but holds as two parameters on meta (``fsdp_builder.planning.ties``); the units are planned
-    as if they were tied, which ``tie_declared`` makes them."""
+    """The ordered units (bottom-up, root last). ``ties``: pairs the model declares tied but
+    holds as two meta parameters, planned as tied; ``tie_declared`` ties them."""
 
     units: tuple[Unit, ...]
     ties: tuple[DeclaredTie, ...] = attrs.field(default=(), repr=False, eq=False)
@@ -127,8 +122,7 @@ class UnitPlan:
         return fingerprint_of(self.signature())
 
     def tie_declared(self) -> None:
-        """Tie the pairs of ``ties`` in the model (after every rank agreed on the plan: the
-        model changes here)."""
+        """Tie the pairs of ``ties`` in the model. Precondition: every rank agreed on the plan."""
         for tie in self.ties:
             tie.tie()
 
@@ -141,15 +135,13 @@ class UnitPlan:
 
 
 def unit_modules(root: nn.Module, stop: Iterable[nn.Module]) -> list[nn.Module]:
-    """The modules breadth-first from ``root``, stopping at those in ``stop`` and at
-    already-sharded children. Planned units hold theirs as ``Unit.modules``."""
+    """The modules breadth-first from ``root``, stopping at ``stop`` and sharded children."""
     stops = set(stop)
     order: list[nn.Module] = [root]
     seen = {id(root)}
     queue = collections.deque([root])
     while queue:
-        # The module's own dict: children() is two generators per module (and a set of its
-        # own), walked by every step of every unit.
+        # The module's own dict: children() is two generators and a set per module.
         for child in queue.popleft()._modules.values():
             if child is None or id(child) in seen or child in stops or is_wrapped(child):
                 continue
@@ -173,10 +165,8 @@ def _info(name: str, t: torch.Tensor) -> TensorInfo:
 def _post_order(
     module: nn.Module, prefix: str, stop: frozenset[nn.Module], seen: set[int]
 ) -> Iterator[tuple[str, nn.Module]]:
-    # The module's own dict (named_children() is a generator with a set of its own; ``seen``
-    # already keeps each module once).
+    # The module's own dict: named_children() is a generator with a set of its own.
     for name, child in module._modules.items():
-        # An already-sharded child keeps its own units: nothing below it is planned again.
         if child is None or child in stop or id(child) in seen or is_wrapped(child):
             continue
         seen.add(id(child))
@@ -190,12 +180,11 @@ def plan_units(
     ignored: IgnoredStates,
     named: NamedModules | None = None,
 ) -> UnitPlan:
-    """Split ``model`` into units: modules chosen by ``wrap`` (not ignored, not already wrapped)
-    and the root, bottom-up. Each unit owns the states of its subtree minus nested units, ignored
-    modules and ignored parameters. A parameter reachable from two units is a PlanError.
-    Parameter pairs the model declares tied (``declared_ties``) are planned tied, and the model
-    is left as it was. ``named``: ``list(model.named_modules())``, when the caller already took
-    it.
+    """Split ``model`` into units, bottom-up: modules ``wrap`` chooses, then the root. Each owns
+    its subtree's states minus nested units and ignored ones; the model is left as it was.
+
+    Raises:
+        PlanError: a parameter is reachable from two units.
     """
     if named is None:
         named = list(model.named_modules())
@@ -229,8 +218,7 @@ def _plan_units(
         while stack:
             fqn, module = stack.pop()
             base = f"{fqn}." if fqn else ""
-            # The module's own dicts: named_parameters(recurse=False) and named_buffers build a
-            # generator chain per module and give the same entries (None skipped here).
+            # The module's own dicts: named_parameters(recurse=False) is a generator chain.
             for pname, p in module._parameters.items():
                 if p is None or ignored.ignores(p):
                     continue
@@ -283,8 +271,7 @@ def _plan_units(
 
 @frozen
 class PlannedModel:
-    """Everything the build needs to know of the model before it changes: what is ignored, the
-    unit plan and the parameters the sharding manages."""
+    """What the build knows of the model before it changes."""
 
     ignored: IgnoredStates
     plan: UnitPlan
@@ -298,9 +285,7 @@ def plan_model(
     ignored_states: Iterable[Any] | None = None,
 ) -> PlannedModel:
     """Resolve what is ignored, plan the units and check the ignored states are real, in one
-    pass of the builder over the model (local, the model untouched). Raises the
-    ``ConfigurationError``/``PlanError`` of the first problem."""
-    # One walk of the model, read by every step below.
+    walk of the model (local, the model untouched)."""
     named = list(model.named_modules())
     ignored = resolve_ignored(model, ignored_modules, ignored_states, named)
     plan = plan_units(model, wrap, ignored, named)

@@ -29,10 +29,8 @@ DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 class GroupTimeouts:
-    """Lowers the timeout of the groups a build waits on to the build's bound, and restores
-    them afterwards (``restore``), so that a dead or absent peer fails a collective within the
-    bound on gloo and NCCL alike. No-op without a bound, or where the backend cannot say or
-    change its timeout (the groups' own timeouts then apply)."""
+    """Lowers the timeout of the groups a build waits on to its bound until ``restore``, so a
+    dead peer fails a collective within it; no-op where a backend cannot change its timeout."""
 
     def __init__(self, seconds: float | None) -> None:
         self.bound = None if seconds is None else timedelta(seconds=seconds)
@@ -72,13 +70,7 @@ def check_bucket_bytes(instance: object, attribute: attrs.Attribute[Any], value:
 
 def sync_stages(env: Environment) -> list[tuple[dist.ProcessGroup | None, int]]:
     """The (group, global source rank) broadcasts that carry global rank 0's values to every
-    rank of the build.
-
-    When the build spans the whole world, one broadcast over the world does it. Otherwise the
-    replicate group goes first, then the shard group, each from its first rank: the replicate
-    group of the first rank spreads its values to the first rank of every shard group, which then
-    spreads them inside its shard group, so every replica, not only the shard group, is covered.
-    """
+    rank: the world, or the replicate group then the shard group, each from its first rank."""
     groups = env.groups
     if groups.data_parallel_size == dist.get_world_size():
         return [(None, 0)]
@@ -89,10 +81,8 @@ def sync_stages(env: Environment) -> list[tuple[dist.ProcessGroup | None, int]]:
     return stages
 
 
-# Tensors at least this large (or at least a bucket) are broadcast in place, one collective each:
-# staging them in a flat buffer would copy every byte twice (pack on the source, unpack on the
-# others), which costs more than the broadcast itself on CPU. Smaller ones are coalesced, where
-# one collective per tensor would cost more than the copy.
+# Larger tensors are broadcast in place: staging copies every byte twice, which costs more than
+# the broadcast on CPU. Smaller ones are coalesced, where a collective each would cost more.
 COALESCE_BELOW_BYTES = 1024 * 1024
 
 
@@ -104,13 +94,9 @@ def broadcast_tensors(
 ) -> int:
     """Broadcast ``tensors`` from global rank ``src``; returns the bytes broadcast.
 
-    A tensor of at least ``min(bucket_bytes, COALESCE_BELOW_BYTES)`` travels alone, in place when
-    it is contiguous on the group's collective device. Smaller ones are packed, per dtype, into
-    flat buffers of about ``bucket_bytes`` on that device. Which tensors travel alone or together
-    depends only on their sizes and dtypes, so every rank issues the same collectives whatever its
-    tensors' layout. The broadcasts are issued asynchronously and waited for in order, so
-    unpacking one bucket overlaps the next transfer; at most about one bucket of staging memory
-    is held beyond the one being filled."""
+    Small tensors are packed per dtype into buckets of about ``bucket_bytes``; grouping depends
+    only on sizes and dtypes, so every rank issues the same collectives. Asynchronous, so
+    unpacking overlaps the next transfer, with about one bucket of staging held."""
     device = collective_device(group)
     alone_from = min(bucket_bytes, COALESCE_BELOW_BYTES)
     is_src = dist.get_rank() == src
@@ -156,7 +142,7 @@ class _BroadcastQueue:
     ) -> None:
         self.src, self.group, self.device, self.is_src = src, group, device, is_src
         self.limit = bucket_bytes
-        # (work, the tensors, the buffer on the wire, whether to unpack it into them, staged bytes)
+        # (work, tensors, buffer on the wire, unpack into them?, staged bytes)
         self.pending: deque[tuple[Any, list[torch.Tensor], torch.Tensor, bool, int]] = deque()
         self.staged = 0
 
@@ -201,8 +187,7 @@ class _BroadcastQueue:
 
 @frozen
 class _Layout:
-    """Where one parameter's slices go: what the scatter and broadcasts need, computed once per
-    (mesh, placements) of a unit."""
+    """Where one parameter's slices go, computed once per (mesh, placements) of a unit."""
 
     shard: dist.ProcessGroup
     replicate: dist.ProcessGroup | None
@@ -243,11 +228,8 @@ def _layout(tensor: DTensor, src: int) -> _Layout:
 
 
 def _padded_chunks(full: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
-    """``full`` split as ``fully_shard`` does (torch.chunk: ``ceil(n / parts)`` along ``dim``),
-    each chunk zero-padded to that size so that every rank receives an equal-size message.
-
-    Full-size chunks of a contiguous tensor split along dim 0 are views of ``full`` (no copy);
-    only a short or missing last chunk gets a padded buffer of its own."""
+    """``full`` chunked as ``fully_shard`` does, zero-padded so every rank receives an equal
+    message; full-size dim-0 chunks of a contiguous tensor are views (no copy)."""
     rows = full.size(dim)
     size = chunk_size(rows, parts)
     shape = list(full.shape)
@@ -294,11 +276,8 @@ class _Incoming:
 def _start_scatter(
     local: torch.Tensor, padded_shape: list[int], layout: _Layout, full: torch.Tensor | None
 ) -> _Incoming:
-    """Start scattering ``full`` (given on the source rank only) over the source's shard group.
-
-    The slice lands straight in the local shard when it has the padded size (every rank but
-    those holding a short last chunk); the source sends views of ``full``, so its own slice is
-    copied once, by the scatter, into its shard."""
+    """Start scattering ``full`` (source rank only) over the source's shard group; the slice
+    lands straight in the local shard when that has the padded size."""
     dim = layout.dim
     direct = list(local.shape) == padded_shape and local.is_contiguous()
     recv = local if direct else local.new_empty(padded_shape)
@@ -319,12 +298,8 @@ def _start_scatter(
 def _scatter_params(
     params: list[tuple[DTensor, _Layout, torch.Tensor | None]], is_src: bool
 ) -> int:
-    """Fill each parameter's local shard from its full tensor (given on the source rank only);
-    returns the bytes this rank received.
-
-    The source's shard group scatters every parameter of the unit (all in flight at once, so
-    the sends of one overlap the preparation of the next); under hybrid sharding each member
-    of that group then broadcasts its slices over its replicate group."""
+    """Fill each local shard from its full tensor (source rank only); returns bytes received.
+    All scatters are in flight at once; under hybrid sharding, replicate broadcasts follow."""
     received = 0
     incoming: list[_Incoming] = []
     for param, layout, full in params:
@@ -360,8 +335,7 @@ def _scatter_params(
 def _broadcast_buffer(
     buffer: torch.Tensor, full: torch.Tensor | None, env: Environment, src: int
 ) -> int:
-    """Buffers are replicated: ``src`` broadcasts over its shard group, whose members then
-    broadcast over their replicate groups."""
+    """``src`` broadcasts over its shard group, whose members then over their replicate groups."""
     groups = env.groups
     shard_ranks = dist.get_process_group_ranks(groups.shard_group)
     if full is not None and env.rank == src:
@@ -401,15 +375,10 @@ def scatter_unit_state(
     full_state: Mapping[str, torch.Tensor] | None,
     src: int = 0,
 ) -> int:
-    """Fill one ``fully_shard``-ed unit's own parameters and buffers from ``full_state``, which
-    global rank ``src`` holds (other ranks pass None). Collective over the unit's mesh.
-
-    Each parameter: ``src`` scatters padded slices over its shard group (every rank receives
-    only its slice); under hybrid sharding every member of that first replica then broadcasts
-    its slice over its replicate group. Buffers (replicated) are broadcast the same two-stage
-    way. Local storage is allocated here if the unit is still on meta. A missing or misshapen
-    entry is reported by ``src`` only after it joined every collective (zeros are sent in its
-    place), so no rank is left waiting. Returns the bytes received on this rank.
+    """Fill one ``fully_shard``-ed unit's own states from ``full_state``, held by global rank
+    ``src`` (None elsewhere); collective over the unit's mesh, each rank receiving only its
+    slices. A bad entry is reported after every collective (zeros sent), so no rank is left
+    waiting. Returns the bytes received on this rank.
     """
     modules = list(unit.modules)
     allocate_unit(unit.module, modules, env.device, env.shard_specs)

@@ -1,12 +1,9 @@
-"""The hand-written pieces of the storage step that read private torch names or call libc,
-each kept for a measured gain (benchmarks/results/private_ab.md) and each with the public way
-it falls back to: FSDP2 local shards made directly, a DTensor's shard read without
-``to_local()``, and fresh CPU storage faulted in with one ``madvise`` call.
+"""The storage step's pieces that read private torch names or call libc, each with a public
+fallback (see docs/private_names.md and benchmarks/results/private_ab.md).
 
-Page faults: a new large CPU tensor is a fresh anonymous mapping that the kernel hands over one
-4 KiB page per trap as it is first written; ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) does
-the same zeroing in one call. Storage the builder gives a unit is written in full right after,
-so faulting it in early commits nothing the build would not. Elsewhere nothing is done.
+A large fresh CPU tensor faults in one page per trap as it is first written;
+``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) does it in one call. The builder writes such
+storage in full right after, so this commits nothing the build would not.
 """
 
 from __future__ import annotations
@@ -22,14 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-# Switches for the A/B of benchmarks/results/private_ab.md only (comma-separated):
-# "plain_to_empty" gives FSDP2 units storage through to_empty, "no_madvise" skips prefault.
+# For benchmarks/results/private_ab.md only: "plain_to_empty", "no_madvise" (comma-separated).
 AB_SWITCHES = frozenset(os.environ.get("FSDP_BUILDER_AB", "").split(","))
-
-
-def prefault(tensor: torch.Tensor) -> None:
-    if "no_madvise" not in AB_SWITCHES:
-        _madvise_prefault(tensor)
 
 
 # <sys/mman.h>; the kernel answers EINVAL for an advice it does not know.
@@ -42,10 +33,8 @@ _PAGE = mmap.PAGESIZE
 
 @attrs.define
 class _Madvise:
-    """The process's ``madvise``, looked up once. ``works`` is settled by the first call: a
-    system that refuses it pays one failed call per process; a later refusal (memory the
-    kernel cannot populate, such as a device mapping) leaves only that tensor to fault in as
-    it is written."""
+    """The process's ``madvise``, looked up once; the first call settles ``works``, so a system
+    that refuses it pays one failed call per process."""
 
     call: Any = None
     works: bool | None = None if sys.platform.startswith("linux") else False
@@ -68,14 +57,13 @@ class _Madvise:
 _MADVISE = _Madvise()
 
 
-def _madvise_prefault(tensor: torch.Tensor) -> None:
-    """Fault in the whole pages of ``tensor``'s CPU storage (precondition: the caller writes
-    all of it next). Pages the storage shares with other memory at either end are left alone;
-    anything but a large CPU tensor is left alone."""
+def prefault(tensor: torch.Tensor) -> None:
+    """Fault in the whole pages of a large CPU ``tensor``'s storage. Precondition: the caller
+    writes all of it next."""
     # Size first: most tensors of a small unit stop here, before any storage lookup.
     if tensor.numel() * tensor.element_size() < PREFAULT_MIN_BYTES:
         return
-    if _MADVISE.works is False or tensor.device.type != "cpu":
+    if "no_madvise" in AB_SWITCHES or _MADVISE.works is False or tensor.device.type != "cpu":
         return
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
@@ -87,8 +75,8 @@ def _madvise_prefault(tensor: torch.Tensor) -> None:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (as FSDP holds it; ``to_local()`` goes through a compiled-function
-    wrapper that costs more than the work on a small parameter); any other tensor itself."""
+    """A DTensor's local shard (``to_local()``'s wrapper costs more than a small parameter's
+    work); any other tensor itself."""
     if not isinstance(tensor, DTensor):
         return tensor
     local = getattr(tensor, "_local_tensor", None)
@@ -96,8 +84,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def fsdp2_params(root: nn.Module) -> list[Any] | None:
-    """The FSDP2 parameters (``FSDPParam``) of the unit ``root`` shards; None when ``root`` is not
-    an FSDP2 module."""
+    """The ``FSDPParam``s of the unit ``root`` shards; None when ``root`` is not FSDP2."""
     get_state = getattr(root, "_get_fsdp_state", None)
     if get_state is None:
         return None
@@ -109,7 +96,6 @@ def fsdp2_params(root: nn.Module) -> list[Any] | None:
     return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
 
 
-# The method of FSDP2's per-parameter record the direct path needs (looked up on the first).
 _FSDP_PARAM_API = "to_sharded_dtensor"
 
 
@@ -133,14 +119,11 @@ def give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any, 
                 fsdp_param._sharding_spec = specs.setdefault(spec, spec)
             new = fsdp_param.to_sharded_dtensor(local)
             new.requires_grad_(param.requires_grad)
-            # What nn.Parameter(dtensor) does, without its detach through DTensor's dispatch
-            # (the new DTensor has no history and no other owner); the slow way if that ever
-            # stops making a Parameter.
+            # What nn.Parameter(dtensor) does, without its detach through DTensor's dispatch.
             new._is_param = True
             if not isinstance(new, nn.Parameter):
                 new = nn.Parameter(new, requires_grad=param.requires_grad)
-            # As to_empty does for tensor subclasses: the Parameter object stays the one every
-            # slot (tied ones included) and FSDP2 hold.
+            # As to_empty does: the Parameter object every slot and FSDP2 hold stays the same.
             torch.utils.swap_tensors(param, new)
             fsdp_param.reset_sharded_param()
             allocated += local.numel() * local.element_size()
@@ -148,11 +131,8 @@ def give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any, 
 
 
 def settle_fsdp2_shards(unit_root: nn.Module) -> None:
-    """After the DTensor parameters of an FSDP2 unit got storage module by module (not through
-    ``to_empty`` on the FSDP module, whose ``_apply`` does this), point FSDP2's own references
-    at the new shards, as that ``_apply`` does: the meta shards and their specs are freed now,
-    not at the first forward, and the unit is in the state plain ``to_empty`` leaves it in.
-    A module that is not an FSDP2 unit is left alone."""
+    """Point FSDP2's references at shards given storage module by module, as ``to_empty``'s
+    ``_apply`` would, freeing the meta shards now; a non-FSDP2 module is left alone."""
     params = fsdp2_params(unit_root)
     with torch.no_grad():
         for fsdp_param in params or ():

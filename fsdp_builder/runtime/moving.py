@@ -1,8 +1,5 @@
-"""The per-unit move step: a unit's CPU states go to the compute device before sharding.
-
-As FSDP does: only states on the CPU move (a state on another GPU is left for the compute device
-check to report), ignored states stay; only the unit's own modules are walked.
-"""
+"""The per-unit move step: as FSDP does, only a unit's non-ignored CPU states move (a state on
+another GPU is left for the compute device check to report)."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ CPU = torch.device("cpu")
 def move_unit_states(
     modules: Sequence[nn.Module], ignored: IgnoredStates, device: torch.device
 ) -> int:
-    """Move the CPU parameters (and their grads) and buffers ``modules`` register themselves
-    (a unit's ``Unit.modules``) to ``device``. Returns the bytes moved."""
+    """Move the CPU states (and grads) ``modules`` register to ``device``; returns bytes moved."""
     if device == CPU:
         return 0
     ignored_buffers = {id(b) for b in ignored.buffers}

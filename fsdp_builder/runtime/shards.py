@@ -1,5 +1,4 @@
-"""Which part of a full tensor a rank holds: the one rule every stage (initializers, loaders,
-the scatter from rank 0, the memory estimates) reads it from."""
+"""Which part of a full tensor a rank holds: the one rule every stage reads."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ def chunk_size(length: int, parts: int) -> int:
 
 
 def local_box(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's shard of ``tensor``: its shape and its offset in the full tensor per dim, as
-    DTensor itself computes them (uneven and empty shards, several mesh dims)."""
+    """This rank's shard shape and full-tensor offsets per dim, as DTensor computes them."""
     shape, offsets = compute_local_shape_and_global_offset(
         tensor.shape, tensor.device_mesh, tensor.placements
     )

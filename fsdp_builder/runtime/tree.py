@@ -1,8 +1,4 @@
-"""Walking a unit's own modules and giving their states storage.
-
-A unit owns the modules below its root down to (not into) ignored modules and already-sharded
-children; these helpers are what every materializer, synchronizer and loader walks.
-"""
+"""Walking a unit's own modules and giving their states storage."""
 
 from __future__ import annotations
 
@@ -36,9 +32,8 @@ def module_names(root: nn.Module) -> dict[int, str]:
 
 
 def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    """Clean fully-qualified name → (owning module, local name, tensor) for every parameter and
-    buffer below ``root``, named as the plan names them (no wrapper prefixes such as
-    ``_checkpoint_wrapped_module``)."""
+    """Clean name (as the plan names it) → (owning module, local name, tensor) for every state
+    below ``root``."""
     found: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
     for prefix, module in root.named_modules(remove_duplicate=False):
         base = qualified(root_fqn, prefix)
@@ -50,9 +45,8 @@ def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, s
 
 
 def direct_states(module: nn.Module) -> list[torch.Tensor]:
-    """The parameters and buffers ``module`` registers itself (not its children's). Read from
-    the module's own dicts: ``parameters(recurse=False)`` builds a generator chain per call,
-    which adds up at several calls per module per unit."""
+    """The states ``module`` registers itself, each once. Read from its own dicts:
+    ``parameters(recurse=False)`` builds a generator chain per call, several per module."""
     seen: set[int] = set()
     found: list[torch.Tensor] = []
     for t in (*module._parameters.values(), *module._buffers.values()):
@@ -63,8 +57,7 @@ def direct_states(module: nn.Module) -> list[torch.Tensor]:
 
 
 def has_states(module: nn.Module) -> bool:
-    """Whether ``module`` registers a parameter or buffer itself (read in place, as
-    :func:`has_meta_states`)."""
+    """Whether ``module`` registers a parameter or buffer itself."""
     for states in (module._parameters, module._buffers):
         for t in states.values():
             if t is not None:
@@ -73,9 +66,8 @@ def has_states(module: nn.Module) -> bool:
 
 
 def has_meta_states(module: nn.Module) -> bool:
-    """Whether a parameter or buffer ``module`` registers itself is on the meta device. Read in
-    place from the module's own dicts (asked of every module of every unit, and of the whole
-    model after the build): no list per module, no generator per state."""
+    """Whether a state ``module`` registers itself is on meta; read in place (asked of every
+    module): no list per module, no generator per state."""
     for states in (module._parameters, module._buffers):
         for t in states.values():
             if t is not None and t.is_meta:
@@ -107,21 +99,12 @@ def tied_groups(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
 def allocate_empty(
     modules: list[nn.Module], device: torch.device, *, only_meta: bool = True
 ) -> int:
-    """Storage on ``device`` for the states of each module that owns states (only those with a
-    state on meta unless ``only_meta`` is False), as ``to_empty(recurse=False)`` gives it, then
-    re-tie parameters that were shared (each slot gets its own new tensor, which would untie
-    them). States that were already real keep their values: an initializer that does not write
-    them (a buffer filled in ``__init__``) never leaves them uninitialized. Returns the bytes
-    given storage.
-
-    A module whose real states are already on ``device`` and whose meta states are plain
-    parameters and tensors gets storage for its meta states alone, each made directly (what
-    ``to_empty`` makes, without its per-tensor dispatch from meta); its real states, such as
-    FSDP2 shards given storage before, stay as they are. Any other module goes through
-    ``to_empty`` itself."""
+    """``to_empty(recurse=False)`` on ``modules`` (only those with a meta state unless
+    ``only_meta`` is False), keeping real states' values and ties; returns the bytes given
+    storage. Plain meta states get storage one by one, skipping ``to_empty``'s dispatch."""
     tied = tied_groups(modules)
     allocated = 0
-    # Each meta parameter (kept, so its id stays its own) with its replacement, for tied slots.
+    # Each meta parameter (kept so its id stays unique) with its replacement, for tied slots.
     made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for m in modules:
         own = direct_states(m)
@@ -136,9 +119,7 @@ def allocate_empty(
 
 
 def _meta_states_alone(module: nn.Module, device: torch.device) -> bool:
-    """Whether the module's meta states can get storage one by one, as ``to_empty`` would give
-    them: its real states are on ``device``, its meta parameters plain ``Parameter``s without a
-    gradient, its meta buffers plain tensors, and torch does not swap tensors on conversion."""
+    """Whether the module's meta states can get storage one by one as ``to_empty`` would."""
     if torch.__future__.get_swap_module_params_on_conversion():
         return False
     for p in module._parameters.values():
@@ -161,8 +142,7 @@ def _meta_states_alone(module: nn.Module, device: torch.device) -> bool:
 
 
 def _empty_as(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # torch.empty from the shape is what empty_like gives a contiguous tensor, without the
-    # dispatch from meta; other layouts keep empty_like's strides.
+    # torch.empty skips empty_like's dispatch from meta; other layouts keep its strides.
     if t.is_contiguous():
         fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
     else:
@@ -195,9 +175,7 @@ def _allocate_meta_states(
 
 
 def _to_empty_keeping_values(module: nn.Module, device: torch.device) -> int:
-    # Aliases of the old storage: to_empty may give the same object new storage (``.data`` set
-    # in place, or ``swap_tensors`` for a DTensor), so the object itself cannot be kept as the
-    # source of its values.
+    # Aliases: to_empty may give the same object new storage (``.data``, ``swap_tensors``).
     real = [
         (name, t.detach())
         for name, t in [*module._parameters.items(), *module._buffers.items()]
@@ -206,8 +184,7 @@ def _to_empty_keeping_values(module: nn.Module, device: torch.device) -> int:
     module.to_empty(device=device, recurse=False)
     with torch.no_grad():
         for name, old in real:
-            # Through .data: keeping a value is no write, so the version counter (which the
-            # write detectors read) stays where it was.
+            # Through .data: keeping a value is no write for the version-counter detectors.
             getattr(module, name).data.copy_(old)
     return sum(t.numel() * t.element_size() for t in direct_states(module))
 
@@ -215,37 +192,30 @@ def _to_empty_keeping_values(module: nn.Module, device: torch.device) -> int:
 def allocate_unit(
     root: nn.Module, modules: list[nn.Module], device: torch.device, specs: dict[Any, Any]
 ) -> int:
-    """``allocate_empty`` for the owned ``modules`` of a unit whose ``root`` may be an FSDP2
-    module sharded on meta. Its parameters get their local shards directly (``to_empty`` would
-    create each one through DTensor's dispatch, the larger part of a small unit's cost), keep
-    their identity, and FSDP2 points at the new shards, as after ``to_empty`` on the FSDP
-    module. Equal sharding specs are shared through ``specs`` (one dict per build), as
-    DTensor's cached propagation shares them between ``to_empty``'s tensors: a build keeps one
-    per distinct layout, not one per parameter. Returns the bytes given storage on this rank."""
+    """``allocate_empty`` for a unit whose ``root`` may be an FSDP2 module sharded on meta: its
+    local shards are made directly (DTensor's dispatch is most of a small unit's cost), with
+    sharding specs shared per layout through ``specs``. Returns the bytes given storage."""
     params = fsdp2_params(root)
     if params is None:
         return allocate_empty(modules, device)
     if "plain_to_empty" in AB_SWITCHES:
         return _to_empty_unit(root, modules, device)
     if not has_direct_api(params):
-        # A torch whose FSDP2 names these differently: to_empty, then FSDP2 pointed at the new
-        # shards as its own _apply would.
+        # A torch whose FSDP2 names these differently.
         allocated = allocate_empty(modules, device)
         settle_fsdp2_shards(root)
         return allocated
     allocated = give_fsdp2_shards(params, device, specs)
     if any(t.is_meta for m in modules for t in direct_states(m)):
-        # Buffers, and parameters FSDP2 does not manage. A module that goes through to_empty
-        # (its real states are elsewhere, e.g. shards offloaded to the CPU) gets new FSDP2
-        # parameters too: point FSDP2 at whatever it holds now.
+        # Buffers and unmanaged parameters; to_empty may also replace FSDP2 parameters (shards
+        # offloaded to the CPU), so FSDP2 is pointed at what it holds now.
         allocated += allocate_empty(modules, device)
         settle_fsdp2_shards(root)
     return allocated
 
 
 def _to_empty_unit(root: nn.Module, modules: list[nn.Module], device: torch.device) -> int:
-    # to_empty(recurse=False) on each owned module with a meta state, the FSDP2 root last: its
-    # to_empty (FSDPModule._apply) points FSDP2 at the new shards.
+    # The FSDP2 root last: its to_empty (FSDPModule._apply) points FSDP2 at the new shards.
     tied = tied_groups(modules)
     allocated = 0
     for m in reversed(modules):
@@ -257,8 +227,7 @@ def _to_empty_unit(root: nn.Module, modules: list[nn.Module], device: torch.devi
 
 
 def retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
-    """Make every slot of each group hold its first slot's parameter again (``to_empty`` gives
-    each module a new tensor of its own, which unties them)."""
+    """Make every slot of each group hold its first slot's parameter again."""
     for slots in tied:
         owner, name = slots[0]
         shared = getattr(owner, name)

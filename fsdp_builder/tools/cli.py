@@ -68,22 +68,13 @@ def _show_warning(
 
 
 def quiet_demo_warnings(rank: int) -> None:
-    """Keep the demo's output to warnings a user can act on.
-
-    - Every rank runs the same configuration, so ranks other than 0 would repeat rank 0's
-      warnings: only rank 0 shows them.
-    - FSDP2 warns when a wrapped module returns a view (the demo's logits come out of a
-      reshape inside ``nn.Linear``): an in-place op on that view would skip a hook, but the demo
-      never modifies its output in place.
-    - For ``--strategy none`` the builder already says that PyTorch deprecates NO_SHARD;
-      FSDP1 repeats it in other words.
-    What remains is actionable: NO_SHARD's deprecation (pick another ``--strategy``) and the
-    switch to NO_SHARD at ``--world-size 1``.
-    """
+    """Keep the demo's output to warnings a user can act on: only rank 0's (the others repeat
+    them), without FSDP2's view warning (the demo never writes its output in place) or FSDP1's
+    repeat of the builder's NO_SHARD deprecation."""
     if rank != 0:
         warnings.simplefilter("ignore")
         return
-    # One line per warning: where it was raised inside the ranks' machinery says nothing here.
+    # One line per warning: where it was raised inside the ranks says nothing here.
     warnings.showwarning = _show_warning
     warnings.filterwarnings("ignore", message=r".*returned a view tensor", category=UserWarning)
     warnings.filterwarnings(
@@ -95,8 +86,8 @@ DEMO_SEED = 0
 
 
 def compile_backend(name: str, cuda: bool) -> str | None:
-    """``--compile``'s backend: ``default`` is torch's own (inductor) on CUDA and ``aot_eager``
-    on CPU, which needs no C compiler; any other name is passed to torch.compile as given."""
+    """``--compile``'s backend: ``default`` is inductor on CUDA, ``aot_eager`` on CPU (no C
+    compiler needed); other names pass through."""
     if name != "default":
         return name
     return None if cuda else "aot_eager"
@@ -108,10 +99,8 @@ def build_demo(
     activation_checkpointing: bool = False,
     compile: str | None = None,
 ) -> ShardingBuilder:
-    """The builder the demo uses: the model comes from meta, each unit initialized from a
-    per-name seed, so the weights are the same whatever the world size. Optionally each block
-    is checkpointed (``activation_checkpointing``) and compiled (``compile``: a torch.compile
-    backend, or ``default``), in torchtitan's order: checkpoint, compile, shard."""
+    """The demo's builder: world-size-invariant weights from meta; blocks optionally
+    checkpointed and compiled, in torchtitan's order (checkpoint, compile, shard)."""
     builder = builder_for(backend)
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -235,8 +224,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def load_factory(spec: str) -> Any:
-    """Resolve ``module:callable``, importing from the current directory first, as
-    ``python -m`` does."""
+    """Resolve ``module:callable``, importing from the current directory first."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise SystemExit(f"expected MODULE:FACTORY (e.g. mymodel:make), got {spec!r}")
@@ -347,8 +335,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(rest: list[str]) -> int:
-    """Run ``benchmarks/harness.py`` from the current directory (a checkout of the
-    repository), after checking its extras, so nothing runs before a missing one is named."""
+    """Run ``benchmarks/harness.py`` of the checkout in the current directory, after checking
+    its extras."""
     cwd = Path.cwd()
     if not (cwd / "benchmarks" / "harness.py").is_file():
         raise SystemExit(
@@ -493,7 +481,6 @@ def build_parser() -> argparse.ArgumentParser:
         "low-precision copies gathered for compute (default: no mixed precision)",
     )
     plan.add_argument("--json", action="store_true", help="print the plan and estimates as JSON")
-    # The dry run of the real build (fsdp_builder.tools.dryrun).
     plan.add_argument(
         "--simulate",
         type=int,
@@ -535,14 +522,12 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.world_size < 1:
+        parser.error("--world-size must be at least 1")
     if args.command == "demo":
-        if args.world_size < 1:
-            parser.error("--world-size must be at least 1")
         if args.steps < 0:
             parser.error("--steps must be at least 0")
         return cmd_demo(args)
-    if args.world_size < 1:
-        parser.error("--world-size must be at least 1")
     if args.devices_per_node is not None and args.devices_per_node < 1:
         parser.error("--devices-per-node must be at least 1")
     try:

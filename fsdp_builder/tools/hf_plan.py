@@ -1,10 +1,5 @@
-"""A Hugging Face transformers model on the meta device from its ``config.json``, for
-``fsdp-builder plan FOLDER``.
-
-``accelerate estimate-memory`` does the same for hub names: only the configuration is read, the
-model is created on the meta device (no memory, no weights), and the plan and estimates are
-those of the real model. transformers is imported only when a folder is planned.
-"""
+"""A transformers model on the meta device from its ``config.json``, for
+``fsdp-builder plan FOLDER`` (transformers is imported only then)."""
 
 from __future__ import annotations
 
@@ -25,14 +20,12 @@ _ARGUMENT = "FOLDER"
 
 
 def is_config_path(spec: str) -> bool:
-    """Whether ``plan``'s argument names a folder or a ``.json`` file rather than a
-    ``MODULE:FACTORY`` (an existing path, a path with a separator, or a ``.json`` name)."""
+    """Whether ``plan``'s argument names a folder or ``.json`` file, not ``MODULE:FACTORY``."""
     return os.path.exists(spec) or os.sep in spec or "/" in spec or spec.endswith(".json")
 
 
 def config_file(spec: str | os.PathLike[str]) -> Path:
-    """The ``config.json`` that ``spec`` (a folder, or the file itself) names; raises a
-    ConfigurationError when there is none."""
+    """The ``config.json`` ``spec`` (a folder, or the file) names; ConfigurationError if none."""
     path = Path(spec)
     if path.is_dir():
         found = path / CONFIG_NAME
@@ -59,13 +52,8 @@ def config_file(spec: str | os.PathLike[str]) -> Path:
 def meta_model_from_config(spec: str | os.PathLike[str]) -> nn.Module:
     """The model a transformers ``config.json`` describes, created on the meta device.
 
-    The class is the first of the config's ``architectures`` (e.g. ``LlamaForCausalLM``), or
-    ``AutoModelForCausalLM`` for the config when it names none (``AutoModel`` for a model type
-    that has no causal-LM head). Nothing is downloaded and no code from the folder is run.
-
-    Args:
-        spec: a folder holding ``config.json`` (as ``save_pretrained`` writes it), or the path
-            of the ``.json`` file itself.
+    The class is the first of ``architectures``, else ``AutoModelForCausalLM`` (or
+    ``AutoModel``). Nothing is downloaded and no code from the folder is run.
 
     Raises:
         ConfigurationError: transformers is not installed, there is no ``config.json``, a
@@ -113,16 +101,13 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-# Keys whose values are sizes or counts (hidden_size, num_hidden_layers, n_embd, head_dim,
-# vocab_size, d_model...): an int, a list of ints (image sizes), or null.
+# Keys whose values are sizes or counts: an int, a list of ints (image sizes), or null.
 _SIZE_KEY = re.compile(r"^(num_|n_)|(_size|_dim|_layers|_heads|_embd|_positions)$|^d_(model|ff)$")
 
 
 def check_sizes(path: Path) -> None:
-    """Refuse a size or count in the config.json at ``path`` that cannot be one
-    (``hidden_size: -64``, ``num_hidden_layers: "two"``), naming the key: what transformers or
-    a layer's constructor would otherwise raise without the key's name. -1 (a sentinel some
-    configs use) and null are left to transformers."""
+    """Refuse a size or count that cannot be one (``hidden_size: -64``), naming the key, which
+    transformers' own errors would not; -1 (a sentinel) and null are left to transformers."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -152,8 +137,7 @@ def check_sizes(path: Path) -> None:
 
 
 def _sizes(settings: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
-    """The size-like settings of ``settings`` and of the configs nested in it
-    (``text_config.hidden_size``), with their dotted names."""
+    """The size-like settings, nested configs' included, with their dotted names."""
     found: list[tuple[str, Any]] = []
     for key, value in settings.items():
         name = f"{prefix}{key}"

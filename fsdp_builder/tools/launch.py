@@ -1,8 +1,5 @@
 """Start ``world_size`` local ranks, run a function on each, and collect what they return.
-
-Used by the CLI, the benchmarks and the tests. Every run has a deadline: a rank that hangs is
-killed and the call raises, so nothing waits forever.
-"""
+Every run has a deadline: a rank that hangs is killed and the call raises."""
 
 from __future__ import annotations
 
@@ -81,8 +78,7 @@ def _worker(
 
 
 def _missing_story(rank: int, code: int | None, died: list[int], timeout: float) -> str:
-    """Why ``rank`` returned nothing: it exited (``code``), or it was still running when the
-    deadline passed or when the ranks in ``died`` had died."""
+    """Why ``rank`` returned nothing: it exited, or ran past the deadline or others' deaths."""
     if code is not None:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return (
@@ -104,16 +100,12 @@ def run_ranks(
     start_method: str = "spawn",
     grace: float = 5.0,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` new ranks with an initialized process group;
-    return the per-rank results. ``fn`` must be importable (module level). ``start_method``
-    "forkserver" forks ranks from a server that has already imported what
-    ``multiprocessing.set_forkserver_preload`` named, saving the imports of each rank.
-    ``grace``: seconds the other ranks still get to finish once a rank died without reporting
-    (then they are killed)."""
+    """Run ``fn(*args)`` (importable, module level) on ``world_size`` new ranks with a process
+    group; return the per-rank results. ``grace``: seconds the others get once a rank died
+    without reporting. Raises RankFailure naming every rank's story."""
     ctx: Any = mp.get_context(start_method)  # every context has Process and Queue
     results = ctx.Queue()
-    # The parent hosts the rendezvous store on a port the OS picks and keeps it bound until the
-    # ranks are done, so no other process can take the port between choosing and using it.
+    # The parent keeps the store's OS-chosen port bound, so no other process can take it.
     store = dist.TCPStore(
         "127.0.0.1",
         0,
@@ -146,8 +138,7 @@ def run_ranks(
         except queue_mod.Empty:
             dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in got]
             if dead and all(procs[i].exitcode not in (None, 0) for i in dead):
-                # A rank died without reporting (segfault, OOM kill, a failure while starting):
-                # the rest cannot finish.
+                # A rank died without reporting: the rest cannot finish.
                 died = dead
                 break
     for p in procs:
