@@ -215,8 +215,6 @@ class _Build:
         )
         return describe_settings(items)
 
-    # -- stages, in order ---------------------------------------------------------------
-
     def configure(self, model: nn.Module) -> _Configured:
         """Local checks and resolution, then the agreement on them and on the model."""
         cfg = self.config

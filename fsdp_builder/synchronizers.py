@@ -166,9 +166,6 @@ def overwrites(synchronizer: StateSynchronizer) -> bool:
     return bool(getattr(synchronizer, "overwrites", False))
 
 
-# -- the unit's states ----------------------------------------------------------------------
-
-
 Stages = tuple[tuple[dist.ProcessGroup | None, int], ...]
 
 

@@ -217,8 +217,7 @@ class _PerUnit:
     def materialize(self, unit: Unit) -> int:
         done = self.materializer.materialize(unit, self.env)
         if self.computed:
-            modules = list(unit.modules)
-            done += fill_buffers(modules, self.computed, self.env.device)
+            done += fill_buffers(list(unit.modules), self.computed, self.env.device)
         return done
 
     def close(self) -> None:

@@ -182,9 +182,6 @@ class _BroadcastQueue:
             self._complete()
 
 
-# -- scattering a full state dict into the local shards --------------------------------------
-
-
 @frozen
 class _Layout:
     """Where one parameter's slices go, computed once per (mesh, placements) of a unit."""
