@@ -116,6 +116,8 @@ SMALL_LLAMA: dict[str, Any] = dict(
     num_key_value_heads=4, vocab_size=8192,
 )  # fmt: skip
 TINY = dict(SMALL_LLAMA, hidden_size=64, intermediate_size=160, vocab_size=300)
+# Two experts: FSDP2 gives ranks past the second no expert rows, but pads them a chunk.
+SMALL_MOE = dict(SMALL_LLAMA, num_hidden_layers=2, intermediate_size=2048, num_local_experts=2)
 PEAK_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module]]] = {
     # (the measured model, a tiny one of the same classes for the warm-up build)
     "bench": (
@@ -125,6 +127,10 @@ PEAK_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module]]] 
     "llama": (
         lambda: LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA)),
         lambda: LlamaForCausalLM(LlamaConfig(**TINY)),
+    ),
+    "mixtral": (
+        lambda: MixtralForCausalLM(MixtralConfig(**SMALL_MOE)),
+        lambda: MixtralForCausalLM(MixtralConfig(**dict(TINY, num_local_experts=2))),
     ),
 }
 PEAK_BUILDERS: dict[str, Callable[[], ShardingBuilder]] = {
