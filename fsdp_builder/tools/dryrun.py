@@ -13,7 +13,7 @@ configuration the real job would refuse is refused with the same error.
 - **Checkpoint reads** of safetensors files are recorded from the files' headers, not made.
 
 Exact for the simulated build: the local shards, the reads, and ``build_peak``, the most bytes
-of FakeTensor storage alive at once from their first write (the pages the real build touches).
+of tensor storage alive at once from their first write (the pages the real build touches).
 With ``step``, torch's ``FSDPMemTracker`` gives a training step's peak (FSDP2 only). Unknown:
 the device (bandwidth, NCCL, allocator caching and fragmentation).
 """
@@ -155,8 +155,8 @@ class DryRun:
 class _NoStorage(TorchDispatchMode):
     """Floating-point tensors made from nothing (factories, copies off meta) become FakeTensors;
     everything else (the agreements' integers, tensors with data) runs as usual. The bytes of
-    the FakeTensors' storages alive at once are counted from their first write (``peak``): the
-    pages the real build would hold."""
+    the storages alive at once are counted from their first write (``peak``): the pages the
+    real build would hold."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -175,7 +175,8 @@ class _NoStorage(TorchDispatchMode):
         made = self._run(func, args, kwargs or {})
         if not (func.is_view or func.overloadpacket in _UNWRITTEN):
             for t in pytree.tree_leaves(made):
-                if isinstance(t, FakeTensor) and t.device.type != "meta":
+                # Real ones too: integers the build computes (an index of a shard's elements).
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     self._count(t.untyped_storage())
         return made
 
