@@ -292,3 +292,32 @@ def tensor_bytes(value: Any) -> list[int]:
     if isinstance(value, list | tuple):
         return [n for v in value for n in tensor_bytes(v)]
     return []
+
+
+@contextmanager
+def counting_collectives(sent: list[int]) -> Iterator[None]:
+    """Inside the block, the bytes of every tensor handed to a collective of ``COLLECTIVES``
+    (``torch.distributed`` and its ``distributed_c10d`` module) are appended to ``sent``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for value in (*args, *kwargs.values()):
+                sent.extend(tensor_bytes(value))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    saved: list[tuple[Any, str, Any]] = []
+    for module in (dist, c10d):
+        for name in COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is not None:
+                saved.append((module, name, original))
+                setattr(module, name, counting(original))
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)

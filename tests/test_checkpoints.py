@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
-from models import COLLECTIVES, llama, meta_llama, tensor_bytes
+from models import counting_collectives, llama, meta_llama
 from structlog.testing import capture_logs
 from torch import nn
 
@@ -190,7 +190,6 @@ def bad_case(backend: str, path: str, key_map: Any = KEY_MAP) -> tuple[str, str,
 def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
     """Build with every torch.distributed collective wrapped to count the tensors it carries,
     and the checkpoint's reads wrapped to count the bytes this rank read."""
-    import torch.distributed.distributed_c10d as c10d
 
     from fsdp_builder.sources.hf_safetensors import SafetensorsSource
 
@@ -213,25 +212,12 @@ def counted_case(backend: str, path: str, shared: bool) -> dict[str, int]:
     SafetensorsSource.read = reading  # type: ignore[method-assign]
     SafetensorsSource.read_into = reading_into  # type: ignore[method-assign]
 
-    def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            for value in (*args, *kwargs.values()):
-                seen.extend(tensor_bytes(value))
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for module in (dist, c10d):
-        for name in COLLECTIVES:
-            original = getattr(module, name, None)
-            if original is not None:
-                saved.append((module, name, original))
-                setattr(module, name, counting(original))
     try:
-        b = builder(backend, "full").materialize(
-            FromCheckpoint(path, key_map=KEY_MAP, shared_filesystem=shared)
-        )
-        b.build(meta_llama(ARGS))
+        with counting_collectives(seen):
+            b = builder(backend, "full").materialize(
+                FromCheckpoint(path, key_map=KEY_MAP, shared_filesystem=shared)
+            )
+            b.build(meta_llama(ARGS))
     finally:
         for module, name, original in saved:
             setattr(module, name, original)

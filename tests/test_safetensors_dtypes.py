@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
-from models import COLLECTIVES, tensor_bytes
+from models import counting_collectives
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -93,7 +92,6 @@ class Model(nn.Module):
 def counted_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, dict[str, set[int]], int]:
     """``build()`` with the checkpoint's reads recorded (the rows read of each key) and every
     collective's tensors measured: the model, the rows read per key, the largest tensor sent."""
-    import torch.distributed.distributed_c10d as c10d
 
     from fsdp_builder.sources.hf_safetensors import SafetensorsSource
 
@@ -117,30 +115,14 @@ def counted_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, dict[str, 
         note(self, key, index)
         read_into(self, key, index, out)
 
-    def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            sent.extend(n for v in (*args, *kwargs.values()) for n in tensor_bytes(v))
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    saved: list[tuple[Any, str, Any]] = [
-        (SafetensorsSource, "read", read),
-        (SafetensorsSource, "read_into", read_into),
-    ]
     SafetensorsSource.read = reading  # type: ignore[method-assign]
     SafetensorsSource.read_into = reading_into  # type: ignore[method-assign]
-    for module in (dist, c10d):
-        for name in COLLECTIVES:
-            original = getattr(module, name, None)
-            if original is not None:
-                saved.append((module, name, original))
-                setattr(module, name, counting(original))
     try:
-        model = build()
+        with counting_collectives(sent):
+            model = build()
     finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
+        SafetensorsSource.read = read  # type: ignore[method-assign]
+        SafetensorsSource.read_into = read_into  # type: ignore[method-assign]
     return model, rows, max(sent, default=0)
 
 
