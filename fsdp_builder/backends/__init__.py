@@ -42,39 +42,31 @@ class Backend(Protocol):
 
     def default_materializer(self) -> Materializer:
         """The materializer of a build that sets none."""
-        ...
 
     def check(self, options: ShardingOptions) -> None:
         """Refuse options this backend cannot honour; local, pure."""
-        ...
 
     def check_context(self, context: ConfigureContext) -> None:
         """Refuse now what this backend would refuse later for this model; local, pure."""
-        ...
 
     def keyword_mixed_precision(
         self, given: dict[str, Any]
     ) -> MixedPrecision | MixedPrecisionPolicy:
         """The backend's mixed-precision object for ``mixed_precision(**keywords)``."""
-        ...
 
     def kept_bytes(self, unit: Unit, shards: int) -> int:
         """Parameter bytes of ``unit`` that one rank keeps when split over ``shards`` ranks."""
-        ...
 
     def sharding_bytes(self, unit: Unit, shards: int) -> int:
         """Bytes allocated on top of the full unit while sharding it (peak estimate)."""
-        ...
 
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
     ) -> ProcessGroups:
         """The backend's view of the build's groups; called once on every rank, may communicate."""
-        ...
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         """Shard ``unit.module``; return the module that takes its place in the parent."""
-        ...
 
 
 def capabilities(backend: Backend) -> BackendCapabilities:

@@ -162,6 +162,16 @@ def called_overrides(unit: Unit, options: ShardingOptions, where: str) -> dict[s
         ) from exc
 
 
+def build_wide_error(where: str, name: str, label: str, fix: str) -> Exception:
+    """The refusal of a per-unit override of ``name``, which a build sets for every unit."""
+    return config_error(
+        f"{where}.per_unit",
+        name,
+        f"'{name}' is the same for every unit of a build and cannot be overridden (unit '{label}')",
+        f"Set it for the whole model with {fix}.",
+    )
+
+
 def check_per_unit(
     plan: UnitPlan, options: ShardingOptions, checked: Callable[[Unit], object]
 ) -> None:

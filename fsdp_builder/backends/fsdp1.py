@@ -1,5 +1,5 @@
-"""FSDP1 backend: each unit becomes a ``FullyShardedDataParallel`` instance, given its per-unit
-overrides as torch's auto-wrap gives them; arguments that are build-wide are refused per unit."""
+"""FSDP1 backend: each unit becomes a ``FullyShardedDataParallel``, with its per-unit overrides
+as torch's auto-wrap gives them (build-wide arguments are refused per unit)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_builder.backends.checks import (
+    build_wide_error,
     called_overrides,
     check_composition,
     check_fsdp1_plan,
@@ -107,13 +108,7 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
     checked: dict[str, Any] = {}
     for name, value in overrides.items():
         if name in _BUILD_WIDE:
-            raise config_error(
-                f"{_WHERE}.per_unit",
-                name,
-                f"'{name}' is the same for every unit of a build and cannot be overridden "
-                f"(unit '{unit.label}')",
-                f"Set it for the whole model with {_BUILD_WIDE[name]}.",
-            )
+            raise build_wide_error(_WHERE, name, unit.label, _BUILD_WIDE[name])
         if name not in _PER_UNIT:
             close = difflib.get_close_matches(name, _PER_UNIT, n=1)
             raise config_error(
@@ -185,17 +180,14 @@ def fsdp1_kwargs(env: Environment, unit: Unit | None = None) -> dict[str, Any]:
     ignored = env.ignored
     # As FSDP1's auto-wrap passes them: modules (their buffers too), or every ignored parameter
     # as states when some are ignored one by one (torch takes only one of the two arguments).
-    if ignored.params and not ignored.params <= _module_params(ignored.modules):
+    in_modules = {p for m in ignored.modules for p in m.parameters(recurse=False)}
+    if ignored.params and not ignored.params <= in_modules:
         kwargs["ignored_states"] = list(ignored.params)
     elif ignored.modules:
         kwargs["ignored_modules"] = list(ignored.modules)
     if unit is not None:
         kwargs.update(fsdp1_unit_overrides(unit, opts))
     return kwargs
-
-
-def _module_params(modules: frozenset[nn.Module]) -> frozenset[nn.Parameter]:
-    return frozenset(p for m in modules for p in m.parameters(recurse=False))
 
 
 @frozen

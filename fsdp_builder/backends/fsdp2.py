@@ -1,10 +1,6 @@
-"""FSDP2 backend: ``fully_shard`` applied to each unit, root last.
-
-docs/migration.md tables how each option maps. Beyond it: NO_SHARD runs on a 2-D
-``(replicate=N, shard=1)`` mesh (whole parameters, gradients all-reduced as DDP would), and
-FSDP1-only options set to values FSDP2 cannot honour are refused rather than warned about, so a
-model never silently trains with another schedule than the one asked for.
-"""
+"""FSDP2 backend: ``fully_shard`` applied to each unit, root last (docs/migration.md maps the
+options). NO_SHARD runs on a ``(replicate=N, shard=1)`` mesh; FSDP1-only options FSDP2 cannot
+honour are refused, so a model never silently trains with another schedule than asked."""
 
 from __future__ import annotations
 
@@ -30,6 +26,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_builder.backends.checks import (
+    build_wide_error,
     called_overrides,
     check_composition,
     check_fsdp2_plan,
@@ -53,9 +50,8 @@ from fsdp_builder.runtime.shards import chunk_size
 from fsdp_builder.versions import check_fully_shard
 
 MESH_DIM_NAMES = ("replicate", "shard")
-
-
 _WHERE = "FullyShardBuilder"
+_RESHARD = f"{_WHERE}.reshard_after_forward"
 
 
 def check_fsdp1_only_options(options: ShardingOptions) -> None:
@@ -99,17 +95,14 @@ def check_fsdp1_only_options(options: ShardingOptions) -> None:
 
 def check_reshard_option(options: ShardingOptions) -> None:
     """``reshard_after_forward`` set next to a strategy that says the opposite is refused."""
-    explicit = options.explicit
-    value = options.reshard_after_forward
-    if "reshard_after_forward" not in explicit or value is None or "strategy" not in explicit:
-        return
-    strategy = options.strategy
-    if strategy == ShardingStrategy.NO_SHARD:
+    value, strategy = options.reshard_after_forward, options.strategy
+    explicit = {"reshard_after_forward", "strategy"} <= options.explicit
+    if not explicit or value is None or strategy == ShardingStrategy.NO_SHARD:
         return
     keeps = strategy in NO_RESHARD_AFTER_FORWARD
     if keeps != (value is False):
         raise config_error(
-            f"{_WHERE}.reshard_after_forward",
+            _RESHARD,
             "reshard_after_forward",
             f"{value!r} contradicts sharding({strategy.name}), which "
             f"{'keeps' if keeps else 'frees'} the parameters after forward",
@@ -138,6 +131,15 @@ _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
 
 
+def _no_buffer_dtype() -> Exception:
+    return config_error(
+        f"{_WHERE}.mixed_precision",
+        "buffer_dtype",
+        "FSDP2 keeps buffers in their own dtype and does not cast them",
+        "Drop buffer_dtype, or cast the buffers of the model yourself before build().",
+    )
+
+
 def mixed_precision_policy(
     policy: MixedPrecision | MixedPrecisionPolicy | None, is_root: bool
 ) -> MixedPrecisionPolicy:
@@ -147,12 +149,7 @@ def mixed_precision_policy(
     if isinstance(policy, MixedPrecisionPolicy):
         return policy
     if policy.buffer_dtype is not None:
-        raise config_error(
-            f"{_WHERE}.mixed_precision",
-            "buffer_dtype",
-            "FSDP2 keeps buffers in their own dtype and does not cast them",
-            "Drop buffer_dtype, or cast the buffers of the model yourself before build().",
-        )
+        raise _no_buffer_dtype()
     if policy.keep_low_precision_grads:
         raise config_error(
             f"{_WHERE}.mixed_precision",
@@ -171,11 +168,9 @@ def mixed_precision_policy(
 def check_offload(options: ShardingOptions) -> None:
     """Refuse pinned host memory without an accelerator."""
     offload = options.cpu_offload
-    if (
-        isinstance(offload, CPUOffloadPolicy)
-        and offload.pin_memory
-        and not torch.accelerator.is_available()
-    ):
+    if isinstance(offload, CPUOffloadPolicy) and offload.pin_memory:
+        if torch.accelerator.is_available():
+            return
         raise config_error(
             f"{_WHERE}.cpu_offload",
             "pin_memory",
@@ -274,7 +269,6 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
         return DeviceMesh.from_group(
             [over, _singleton_group()], device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES
         )
-    hybrid = options.is_hybrid
     if groups.mesh is not None:
         mesh = groups.mesh
         _check_mesh(mesh, groups, strategy)
@@ -295,7 +289,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
                 mesh_dim_names=MESH_DIM_NAMES,
             )
         return mesh
-    if hybrid:
+    if options.is_hybrid:
         if groups.replicate_group is None:
             raise config_error(
                 f"{_WHERE}.groups",
@@ -329,18 +323,14 @@ def _check_override(name: str, value: Any, label: str) -> None:
         return
     if name == "offload_policy" and isinstance(value, OffloadPolicy):
         check_offload(ShardingOptions(cpu_offload=value))
-    expected: dict[str, tuple[type, ...]] = {
-        "mp_policy": (MixedPrecisionPolicy,),
-        "offload_policy": (OffloadPolicy,),
-    }
-    if name in expected:
-        if not isinstance(value, expected[name]):
+    expected = {"mp_policy": MixedPrecisionPolicy, "offload_policy": OffloadPolicy}.get(name)
+    if expected is not None:
+        if not isinstance(value, expected):
             raise config_error(
                 where,
                 name,
-                f"expected {expected[name][0].__name__} for unit '{label}', "
-                f"got {type(value).__name__}",
-                f"Pass a torch.distributed.fsdp.{expected[name][0].__name__}.",
+                f"expected {expected.__name__} for unit '{label}', got {type(value).__name__}",
+                f"Pass a torch.distributed.fsdp.{expected.__name__}.",
             )
         return
     if name == "shard_placement_fn":
@@ -351,13 +341,7 @@ def _check_override(name: str, value: Any, label: str) -> None:
         return
     if name in ("mesh", "ignored_params"):
         fix = "groups(...)" if name == "mesh" else "ignore(...)"
-        raise config_error(
-            where,
-            name,
-            f"'{name}' is the same for every unit of a build and cannot be overridden "
-            f"(unit '{label}')",
-            f"Set it for the whole model with {fix}.",
-        )
+        raise build_wide_error(_WHERE, name, label, fix)
     hint = _FSDP1_NAMES.get(name)
     close = difflib.get_close_matches(name, _PER_UNIT_NAMES, n=1)
     if hint is None and close:
@@ -418,8 +402,8 @@ class FullyShardBackend:
         check_fsdp1_only_options(options)
         check_reshard_option(options)
         check_offload(options)
-        # Both the root and the other units take the same dtype fields: check them once here,
-        # before any collective.
+        # The root and the other units take the same dtype fields: checked once, before any
+        # collective.
         mixed_precision_policy(options.mixed_precision, is_root=True)
 
     def check_context(self, context: ConfigureContext) -> None:
@@ -432,17 +416,12 @@ class FullyShardBackend:
             ignored_params_kwargs(context.model, context.ignored.params)  # raises, naming why
         # The shard group spans the world or a divisor of it: a size that does not divide the
         # world cannot divide the group (the exact group is checked once it exists).
-        world = "the world size"
-        check_reshard_divides(
-            options.reshard_after_forward,
-            context.world_size,
-            world,
-            f"{_WHERE}.reshard_after_forward",
-        )
+        size, world = context.world_size, "the world size"
+        check_reshard_divides(options.reshard_after_forward, size, world, _RESHARD)
 
         def per_unit(unit: Unit) -> None:
             value = unit_fully_shard_overrides(unit, options).get("reshard_after_forward")
-            check_reshard_divides(value, context.world_size, world, f"{_WHERE}.per_unit")
+            check_reshard_divides(value, size, world, f"{_WHERE}.per_unit")
 
         check_per_unit(context.plan, options, per_unit)
         check_composition(context)
@@ -450,12 +429,7 @@ class FullyShardBackend:
     def keyword_mixed_precision(self, given: dict[str, Any]) -> MixedPrecisionPolicy:
         """MixedPrecisionPolicy with fully_shard's defaults (inputs cast)."""
         if "buffer_dtype" in given:
-            raise config_error(
-                f"{_WHERE}.mixed_precision",
-                "buffer_dtype",
-                "FSDP2 keeps buffers in their own dtype and does not cast them",
-                "Drop buffer_dtype, or cast the buffers of the model yourself before build().",
-            )
+            raise _no_buffer_dtype()
         return MixedPrecisionPolicy(**given)
 
     def kept_bytes(self, unit: Unit, shards: int) -> int:
@@ -479,12 +453,8 @@ class FullyShardBackend:
         """The groups with the mesh ``fully_shard`` runs on; collective."""
         mesh = build_mesh(groups, options, device.type)
         if "reshard_after_forward" in options.explicit:
-            check_reshard_divides(
-                options.reshard_after_forward,
-                mesh.shape[-1],
-                "the shard group",
-                f"{_WHERE}.reshard_after_forward",
-            )
+            shard = mesh.shape[-1]
+            check_reshard_divides(options.reshard_after_forward, shard, "the shard group", _RESHARD)
         return attrs.evolve(groups, mesh=mesh)
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:

@@ -43,7 +43,6 @@ class ChecksContext(Protocol):
 
     def check_context(self, context: ConfigureContext) -> None:
         """Raise (a ``ConfigurationError`` naming the argument and the fix) to refuse."""
-        ...
 
 
 __all__ = ["BackendCapabilities", "ChecksContext", "ConfigureContext"]

@@ -4,6 +4,7 @@ predicate, a torch policy, or :class:`NoSplitModules`)."""
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
@@ -42,6 +43,10 @@ def no_split_class_names(model: nn.Module, named: NamedModules | None = None) ->
     return tuple(names)
 
 
+def _wrap_error(problem: str, fix: str) -> Exception:
+    return config_error("ShardingBuilder.wrap", "policy", problem, fix)
+
+
 def _is_module_class(value: Any) -> bool:
     return isinstance(value, type) and issubclass(value, nn.Module)
 
@@ -69,9 +74,7 @@ class WrapPolicy:
         if isinstance(spec, NoSplitModules):
             return cls(no_split=True)
         if spec is NoSplitModules:
-            raise config_error(
-                "ShardingBuilder.wrap",
-                "policy",
+            raise _wrap_error(
                 "the class NoSplitModules was given, not an instance of it",
                 "Call it: `.wrap(NoSplitModules())`.",
             )
@@ -80,9 +83,7 @@ class WrapPolicy:
         if _is_module_class(spec):
             return cls(classes=(spec,))
         if isinstance(spec, type):
-            raise config_error(
-                "ShardingBuilder.wrap",
-                "policy",
+            raise _wrap_error(
                 f"the class {spec.__name__} is not an nn.Module subclass",
                 "Pass module classes such as `.wrap(TransformerBlock)` (the classes whose "
                 "instances become units), or a callable (module, fqn) -> bool.",
@@ -91,9 +92,7 @@ class WrapPolicy:
             items = list(spec)  # taken once: a generator is empty the second time
             bad = [repr(i) for i in items if not _is_module_class(i)]
             if not items or bad:
-                raise config_error(
-                    "ShardingBuilder.wrap",
-                    "policy",
+                raise _wrap_error(
                     f"expected nn.Module subclasses, got {', '.join(bad) or 'an empty collection'}",
                     "Pass module classes such as `.wrap(TransformerBlock)`.",
                 )
@@ -103,9 +102,7 @@ class WrapPolicy:
                 return cls(legacy_policy=spec)
             _check_predicate_arity(spec)
             return cls(predicate=spec)
-        raise config_error(
-            "ShardingBuilder.wrap",
-            "policy",
+        raise _wrap_error(
             f"{type(spec).__name__} is not a wrap policy",
             "Pass module classes, a callable (module, fqn) -> bool, or a torch wrap policy "
             "(ModuleWrapPolicy, CustomPolicy, or a callable such as "
@@ -114,17 +111,6 @@ class WrapPolicy:
 
     def is_default(self) -> bool:
         return self == WrapPolicy()
-
-    def _by_names(
-        self, root: nn.Module, named: NamedModules, declared: tuple[str, ...]
-    ) -> tuple[type[nn.Module], ...]:
-        """The classes of ``root``'s modules named by its ``_no_split_modules`` (``declared``)."""
-        names = set(declared)
-        found: dict[type[nn.Module], None] = {}
-        for _, module in named:
-            if type(module).__name__ in names:
-                found[type(module)] = None
-        return tuple(found)
 
     def select(
         self,
@@ -162,9 +148,7 @@ class WrapPolicy:
             elif self.predicate is not None and self.predicate(module, fqn):
                 selected.add(module)
         if self.classes and not has_class:
-            raise config_error(
-                "ShardingBuilder.wrap",
-                "policy",
+            raise _wrap_error(
                 f"no module of {type(root).__name__} is a "
                 f"{' or '.join(c.__name__ for c in self.classes)}, so the model would be one unit",
                 _wrap_fix(root),
@@ -178,11 +162,10 @@ class WrapPolicy:
         named: NamedModules,
         declared: tuple[str, ...],
     ) -> set[nn.Module]:
-        classes = self._by_names(root, named, declared)
+        names = set(declared)
+        classes = tuple(dict.fromkeys(type(m) for _, m in named if type(m).__name__ in names))
         if not classes:
-            raise config_error(
-                "ShardingBuilder.wrap",
-                "policy",
+            raise _wrap_error(
                 f"NoSplitModules() found no module of the classes "
                 f"{list(declared) or '(none declared)'} that "
                 f"{type(root).__name__}._no_split_modules names",
@@ -210,9 +193,7 @@ class WrapPolicy:
         chosen = self.torch_policy._run_policy(root, set(ignored_modules), {})
         found = {m: dict(kwargs) for m, kwargs in chosen.items() if kwargs}
         if root in found:
-            raise config_error(
-                "ShardingBuilder.wrap",
-                "policy",
+            raise _wrap_error(
                 f"{type(self.torch_policy).__name__} returned overrides "
                 f"{sorted(found[root])} for the root module, which FullyShardedDataParallel's "
                 "auto-wrap ignores",
@@ -238,34 +219,31 @@ class WrapPolicy:
 
 def _tied_outside(named: NamedModules, chosen: set[nn.Module]) -> dict[nn.Module, str]:
     """The modules of ``chosen`` holding a parameter also registered outside them, by name."""
-    registrations: dict[int, int] = {}
-    for _, module in named:
-        for p in module._parameters.values():
-            if p is not None:
-                registrations[id(p)] = registrations.get(id(p), 0) + 1
+    registrations = _registrations(m for _, m in named)
     names = {m: n for n, m in named}
     out: dict[nn.Module, str] = {}
     for module in chosen:
-        inside: dict[int, int] = {}
-        for sub in module.modules():
-            for p in sub._parameters.values():
-                if p is not None:
-                    inside[id(p)] = inside.get(id(p), 0) + 1
+        inside = _registrations(module.modules())
         if any(registrations[i] > n for i, n in inside.items()):
             out[module] = names.get(module, "?")
     return out
 
 
+def _registrations(modules: Iterable[nn.Module]) -> Counter[int]:
+    """How many times each parameter (by id) is registered in ``modules``."""
+    return Counter(id(p) for m in modules for p in m._parameters.values() if p is not None)
+
+
 def block_like_classes(model: nn.Module) -> list[str]:
     """Names of the classes that look like a model's blocks: those its ``_no_split_modules``
     names, then the classes of ``nn.ModuleList`` members, most frequent first."""
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                name = type(child).__name__
-                counts[name] = counts.get(name, 0) + 1
-    ranked = sorted(counts, key=lambda n: -counts[n])
+    counts = Counter(
+        type(child).__name__
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList)
+        for child in module
+    )
+    ranked = [name for name, _ in counts.most_common()]
     return list(dict.fromkeys([*no_split_class_names(model), *ranked]))
 
 
@@ -316,34 +294,26 @@ def unit_overrides(
 
 def checkpoint_predicate(spec: Any) -> CheckpointPredicate:
     """Module classes or a ``(module, fqn)`` predicate, as a predicate."""
-    if isinstance(spec, _Policy) or (callable(spec) and _is_legacy_policy(spec)):
-        raise config_error(
+
+    def refused(problem: str) -> Exception:
+        return config_error(
             "ShardingBuilder.activation_checkpointing",
             "policy",
-            "a torch wrap policy was given",
-            "Pass module classes or a callable (module, fqn) -> bool.",
-        )
-    try:
-        policy = WrapPolicy.of(spec)
-    except Exception as exc:
-        raise config_error(
-            "ShardingBuilder.activation_checkpointing",
-            "policy",
-            str(exc).split(": ", 1)[-1],
-            "Pass module classes or a callable (module, fqn) -> bool.",
-        ) from exc
-    if policy.predicate is not None:
-        return policy.predicate
-    classes = policy.classes
-    if not classes:
-        raise config_error(
-            "ShardingBuilder.activation_checkpointing",
-            "policy",
-            "no module classes were given",
+            problem,
             "Pass module classes or a callable (module, fqn) -> bool.",
         )
 
-    return ChosenClasses(classes)
+    if isinstance(spec, _Policy) or (callable(spec) and _is_legacy_policy(spec)):
+        raise refused("a torch wrap policy was given")
+    try:
+        policy = WrapPolicy.of(spec)
+    except Exception as exc:
+        raise refused(str(exc).split(": ", 1)[-1]) from exc
+    if policy.predicate is not None:
+        return policy.predicate
+    if not policy.classes:
+        raise refused("no module classes were given")
+    return ChosenClasses(policy.classes)
 
 
 @frozen

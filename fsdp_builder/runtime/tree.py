@@ -32,13 +32,11 @@ def module_names(root: nn.Module) -> dict[int, str]:
 
 
 def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    """Clean name (as the plan names it) → (owning module, local name, tensor) for every state
-    below ``root``."""
+    """Clean name → (owning module, local name, tensor) for every state below ``root``."""
     found: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
     for prefix, module in root.named_modules(remove_duplicate=False):
         base = qualified(root_fqn, prefix)
-        named = [*module._parameters.items(), *module._buffers.items()]
-        for name, t in named:
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
             if t is not None:
                 found.setdefault(clean_name(qualified(base, name)), (module, name, t))
     return found
@@ -99,9 +97,8 @@ def tied_groups(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
 def allocate_empty(
     modules: list[nn.Module], device: torch.device, *, only_meta: bool = True
 ) -> int:
-    """``to_empty(recurse=False)`` on ``modules`` (only those with a meta state unless
-    ``only_meta`` is False), keeping real states' values and ties; returns the bytes given
-    storage. Plain meta states get storage one by one, skipping ``to_empty``'s dispatch."""
+    """``to_empty(recurse=False)`` on ``modules`` (those with a meta state, or all unless
+    ``only_meta``), keeping real values and ties; returns the bytes given storage."""
     tied = tied_groups(modules)
     allocated = 0
     # Each meta parameter (kept so its id stays unique) with its replacement, for tied slots.
@@ -122,22 +119,15 @@ def _meta_states_alone(module: nn.Module, device: torch.device) -> bool:
     """Whether the module's meta states can get storage one by one as ``to_empty`` would."""
     if torch.__future__.get_swap_module_params_on_conversion():
         return False
-    for p in module._parameters.values():
-        if p is None:
-            continue
-        if p.is_meta:
-            if type(p) is not nn.Parameter or p.grad is not None:
+    for states, kind in ((module._parameters, nn.Parameter), (module._buffers, torch.Tensor)):
+        for t in states.values():
+            if t is None:
+                continue
+            if t.is_meta:
+                if type(t) is not kind or (kind is nn.Parameter and t.grad is not None):
+                    return False
+            elif t.device != device:
                 return False
-        elif p.device != device:
-            return False
-    for b in module._buffers.values():
-        if b is None:
-            continue
-        if b.is_meta:
-            if type(b) is not torch.Tensor:
-                return False
-        elif b.device != device:
-            return False
     return True
 
 
@@ -192,9 +182,8 @@ def _to_empty_keeping_values(module: nn.Module, device: torch.device) -> int:
 def allocate_unit(
     root: nn.Module, modules: list[nn.Module], device: torch.device, specs: dict[Any, Any]
 ) -> int:
-    """``allocate_empty`` for a unit whose ``root`` may be an FSDP2 module sharded on meta: its
-    local shards are made directly (DTensor's dispatch is most of a small unit's cost), with
-    sharding specs shared per layout through ``specs``. Returns the bytes given storage."""
+    """``allocate_empty`` for a unit whose ``root`` may be FSDP2-sharded on meta: local shards
+    are made directly (DTensor's dispatch is most of a small unit's cost), sharing ``specs``."""
     params = fsdp2_params(root)
     if params is None:
         return allocate_empty(modules, device)
