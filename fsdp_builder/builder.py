@@ -25,12 +25,7 @@ from fsdp_builder.backends.fsdp1 import FSDP1Backend
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
 from fsdp_builder.backends.registry import backend_named
 from fsdp_builder.compiling import CompileSpec
-from fsdp_builder.config import (
-    PerUnitFn,
-    ShardingOptions,
-    check_reshard_after_forward,
-    to_dtype,
-)
+from fsdp_builder.config import PerUnitFn, ShardingOptions, to_dtype
 from fsdp_builder.devices import DeviceResolver, ExplicitDevice
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.groups import GivenGroup, GroupFactory, HybridGroups, MeshGroups
@@ -49,14 +44,6 @@ B = TypeVar("B", bound="ShardingBuilder")
 _LONGEST_TIMEOUT = 1e9
 
 
-def _protocol_members(protocol: type) -> list[str]:
-    return sorted(
-        name
-        for name in getattr(protocol, "__protocol_attrs__", None) or vars(protocol)
-        if not name.startswith("_")
-    )
-
-
 def _require(where: str, value: Any, protocol: type, fix: str) -> None:
     """Refuse a class given for an instance, or an object lacking ``protocol``'s members."""
     if isinstance(value, type):
@@ -67,7 +54,8 @@ def _require(where: str, value: Any, protocol: type, fix: str) -> None:
             f"Did you mean `{value.__name__}()`?",
         )
     if not isinstance(value, protocol):
-        missing = [m for m in _protocol_members(protocol) if not hasattr(value, m)]
+        members = getattr(protocol, "__protocol_attrs__", None) or vars(protocol)
+        missing = sorted(m for m in members if not m.startswith("_") and not hasattr(value, m))
         raise config_error(
             f"ShardingBuilder.{where}",
             where,
@@ -164,8 +152,8 @@ class ShardingBuilder:
         return self._set("groups", _as_group_factory(factory))
 
     def materialize(self: B, materializer: Materializer) -> B:
-        """How meta states become real (default: ``StreamInit()`` on FullyShardBuilder,
-        ``ResetParameters()`` on FSDPBuilder).
+        """How meta states become real (default: ``StreamInit()``; FSDPBuilder:
+        ``ResetParameters()``).
 
         Raises:
             ConfigurationError: not a Materializer (the missing hooks are named).
@@ -203,11 +191,11 @@ class ShardingBuilder:
 
     def wrap(self: B, *policy: Any) -> B:
         """Which modules become units: module classes, a ``(module, fqn) -> bool``, a torch
-        policy, or ``NoSplitModules()``. Unset: a transformers model's ``_no_split_modules``
-        classes, else one unit. At build, classes the model has none of are refused.
+        policy or ``NoSplitModules()`` (unset: a transformers model's ``_no_split_modules``).
 
         Raises:
-            ConfigurationError: not module classes, a two-argument predicate or a torch policy.
+            ConfigurationError: not module classes, a two-argument predicate or a torch policy;
+                at build, classes the model has none of.
 
         Example:
             ```python
@@ -220,11 +208,8 @@ class ShardingBuilder:
     def ignore(
         self: B, modules: Iterable[nn.Module] | None = None, states: Iterable[Any] | None = None
     ) -> B:
-        """Leave modules (whole subtrees) or parameters out of sharding.
-
-        They stay unsharded, unmoved and unsynchronized; loaders write their full values on
-        every rank. Precondition: states of ignored modules are real (an ignored parameter on
-        meta is materialized with its module). Pass everything in one call.
+        """Leave modules (whole subtrees) or parameters unsharded, unmoved and unsynchronized,
+        all in one call. Precondition: their states are real, or materialized with their module.
 
         Raises:
             ConfigurationError: both arguments; a mix of modules and parameters; a sharded wrapper.
@@ -271,7 +256,7 @@ class ShardingBuilder:
         cast_forward_inputs: bool | None = None,
     ) -> B:
         """A MixedPrecision (FullyShardBuilder: also a MixedPrecisionPolicy), or its fields as
-        keywords with the backend's defaults; dtypes may be names (``"bf16"``, ``"float32"``...).
+        keywords; dtypes may be names (``"bf16"``, ``"float32"``...).
 
         Raises:
             ConfigurationError: a policy and keywords together; a dtype that is not floating.
@@ -305,15 +290,12 @@ class ShardingBuilder:
             )
         if policy is None:
             policy = self._backend().keyword_mixed_precision(given)
-        self._check_backend_options(mixed_precision=policy)
+        self._backend().check(ShardingOptions(mixed_precision=policy))
         return self._option(mixed_precision=policy)
 
-    def _check_backend_options(self, **changes: Any) -> None:
-        self._backend().check(ShardingOptions(**changes))
-
     def cpu_offload(self: B, offload: CPUOffload | OffloadPolicy | bool = True) -> B:
-        """Keep sharded parameters on the CPU between uses: a bool, a CPUOffload, or (FSDP2) an
-        OffloadPolicy used as given.
+        """Keep sharded parameters on the CPU between uses: a bool, a CPUOffload or an
+        OffloadPolicy (FSDP2).
 
         Raises:
             ConfigurationError: not a bool, a CPUOffload or an OffloadPolicy the backend takes.
@@ -323,23 +305,20 @@ class ShardingBuilder:
             FullyShardBuilder().cpu_offload(CPUOffloadPolicy(pin_memory=True))
             ```
         """
-        self._check_backend_options(cpu_offload=offload)
+        self._backend().check(ShardingOptions(cpu_offload=offload))
         return self._option(cpu_offload=offload)
 
     def per_unit(self: B, fn: PerUnitFn) -> B:
         """Per-unit overrides: ``fn(module, fqn)`` returns the backend's own arguments for that
-        unit, or None. Precondition: ``fn`` is pure (it is called when checking and again when
-        sharding). At build, arguments a unit cannot take, or ``fn`` raising, are refused.
+        unit, or None. Precondition: ``fn`` is pure (it is called more than once).
 
         Raises:
-            ConfigurationError: ``fn`` is not callable.
+            ConfigurationError: ``fn`` is not callable; at build, ``fn`` raising or returning
+                arguments a unit cannot take.
 
         Example:
             ```python
-            def overrides(module, fqn):
-                return {"reshard_after_forward": False} if fqn == "layers.0" else None
-
-            FullyShardBuilder().per_unit(overrides)
+            FullyShardBuilder().per_unit(lambda m, fqn: {"reshard_after_forward": fqn != "out"})
             ```
         """
         if not callable(fn):
@@ -353,11 +332,11 @@ class ShardingBuilder:
 
     def activation_checkpointing(self: B, policy: Any) -> B:
         """Wrap the outermost modules ``policy`` chooses (module classes or a ``(module, fqn) ->
-        bool``) in torch's non-reentrant ``checkpoint_wrapper`` before their unit is sharded;
-        state-dict keys stay the same. At build, a policy choosing no module is refused.
+        bool``) in torch's non-reentrant ``checkpoint_wrapper``; state-dict keys stay the same.
 
         Raises:
-            ConfigurationError: not module classes or a ``(module, fqn)`` predicate.
+            ConfigurationError: not module classes or a ``(module, fqn)`` predicate; at build, a
+                policy choosing no module.
 
         Example:
             ```python
@@ -367,12 +346,12 @@ class ShardingBuilder:
         return self._option(activation_checkpointing=checkpoint_predicate(policy))
 
     def compile(self: B, per_unit: bool = True, **torch_compile_kwargs: Any) -> B:
-        """``module.compile(**torch_compile_kwargs)`` in place (same slots and state-dict keys):
-        each unit below the root before it is sharded (``per_unit=True``), or the sharded root
-        (``per_unit=False``). At build, ``per_unit=True`` with no unit below the root is refused.
+        """``module.compile(**torch_compile_kwargs)`` in place: each unit below the root before
+        it is sharded (``per_unit=True``), or the sharded root (``per_unit=False``).
 
         Raises:
-            ConfigurationError: a keyword torch.compile does not take; ``mode`` with ``options``.
+            ConfigurationError: a keyword torch.compile does not take; ``mode`` with ``options``;
+                at build, ``per_unit=True`` with no unit below the root.
 
         Example:
             ```python
@@ -426,9 +405,8 @@ class ShardingBuilder:
         return self._option(use_orig_params=enabled)
 
     def timeout(self: B, seconds: float) -> B:
-        """Bound every wait of the build: a collective not done within ``seconds`` makes every
-        surviving rank raise ``CommunicationError`` naming the stage, unit and missing ranks.
-        Unset, the process groups' own timeouts apply (30 min on gloo, 10 min on NCCL).
+        """Bound every wait of the build: a collective not done within ``seconds`` raises
+        ``CommunicationError`` on every surviving rank (unset: the process groups' timeouts).
 
         Raises:
             ConfigurationError: not a positive, finite number of seconds.
@@ -490,7 +468,7 @@ class ShardingBuilder:
 
     @property
     def plan(self) -> UnitPlan:
-        return self._built().environment.plan
+        return self.environment.plan
 
     def _backend(self) -> Backend:
         raise NotImplementedError
@@ -546,18 +524,17 @@ class FullyShardBuilder(ShardingBuilder):
 
     def reshard_after_forward(self: B, value: bool | int) -> B:
         """``fully_shard``'s ``reshard_after_forward`` for every unit, the root included: True,
-        False, or the group size to reshard to. Unset, it follows the strategy (the root keeps
-        its parameters); a value contradicting an explicit ``.sharding(...)`` is refused.
+        False, or the group size to reshard to (unset: it follows the strategy).
 
         Raises:
-            ConfigurationError: not a bool or a positive int.
+            ConfigurationError: not a bool or a positive int; one contradicting an explicit
+                ``.sharding(...)``.
 
         Example:
             ```python
             FullyShardBuilder().reshard_after_forward(8)   # reshard to groups of 8 after forward
             ```
         """
-        check_reshard_after_forward(value)
         return self._option(reshard_after_forward=value)
 
     def shard_placement_fn(self: B, fn: Callable[[nn.Parameter], Any]) -> B:

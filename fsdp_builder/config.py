@@ -93,17 +93,14 @@ def _to_names(value: Iterable[str]) -> frozenset[str]:
 
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
+    name: dtype
+    for dtype, names in (
+        (torch.bfloat16, ("bf16", "bfloat16")),
+        (torch.float16, ("fp16", "float16", "half")),
+        (torch.float32, ("fp32", "float32", "float")),
+        (torch.float64, ("fp64", "float64", "double")),
+    )
+    for name in names
 }
 _MIXED_PRECISION_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype")
 
@@ -114,8 +111,7 @@ def to_dtype(value: Any, argument: str, where: str = "ShardingBuilder.mixed_prec
         return None
     dtype = value
     if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        dtype = _DTYPE_NAMES.get(key)
+        dtype = _DTYPE_NAMES.get(value.strip().lower().removeprefix("torch."))
         if dtype is None:
             raise config_error(
                 where,
@@ -238,5 +234,4 @@ class ShardingOptions:
 
     def set(self, **changes: Any) -> ShardingOptions:
         """A copy with ``changes`` applied and recorded as explicit."""
-        explicit = self.explicit | frozenset(changes.keys())
-        return attrs.evolve(self, explicit=explicit, **changes)
+        return attrs.evolve(self, explicit=self.explicit.union(changes), **changes)
