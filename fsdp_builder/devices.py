@@ -44,10 +44,10 @@ class BaseDeviceResolver(DeclaredHooks):
         raise NotImplementedError
 
 
-def _check_cuda_index(device: torch.device) -> None:
-    """``cuda:<index>`` needs CUDA and a GPU of that index on this machine."""
-    if device.type != "cuda" or device.index is None:
-        return
+def _with_index(device: torch.device, rank: int) -> torch.device:
+    """``cuda:<index>`` needs CUDA and a GPU of that index; plain ``cuda`` is the current one."""
+    if device.type != "cuda":
+        return device
     if not torch.cuda.is_available():
         raise config_error(
             "ExplicitDevice",
@@ -56,6 +56,13 @@ def _check_cuda_index(device: torch.device) -> None:
             "Use ExplicitDevice('cpu') (or CPUDevice(), LocalRankDevice()) with the gloo "
             "backend, or run on a GPU machine.",
         )
+    if device.index is None:
+        current = torch.cuda.current_device()
+        warn_user(
+            f"Device 'cuda' on rank {rank} has no explicit index; using the current device "
+            f"cuda:{current}. Call torch.cuda.set_device() first or pass 'cuda:<index>'."
+        )
+        return torch.device("cuda", current)
     count = torch.cuda.device_count()
     if device.index >= count:
         raise config_error(
@@ -65,38 +72,14 @@ def _check_cuda_index(device: torch.device) -> None:
             f"(cuda:0 to cuda:{count - 1})",
             "Pass an index below the GPU count, or use LocalRankDevice() under torchrun.",
         )
-
-
-def _with_index(device: torch.device, rank: int) -> torch.device:
-    _check_cuda_index(device)
-    if device.type == "cuda" and device.index is None:
-        if not torch.cuda.is_available():
-            raise config_error(
-                "ExplicitDevice",
-                "device",
-                "'cuda' was asked for but CUDA is not available on this machine",
-                "Use ExplicitDevice('cpu') with the gloo backend, or run on a GPU machine.",
-            )
-        current = torch.cuda.current_device()
-        warn_user(
-            f"Device 'cuda' on rank {rank} has no explicit index; using the current device "
-            f"cuda:{current}. Call torch.cuda.set_device() first or pass 'cuda:<index>'."
-        )
-        return torch.device("cuda", current)
     return device
-
-
-def _to_device(value: int | str | torch.device) -> torch.device:
-    if isinstance(value, bool):
-        raise TypeError(value)
-    if isinstance(value, int):
-        return torch.device("cuda", value)
-    return torch.device(value)
 
 
 def _convert_device(value: int | str | torch.device) -> torch.device:
     try:
-        return _to_device(value)
+        if isinstance(value, bool):
+            raise TypeError(value)
+        return torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
     except (TypeError, RuntimeError) as exc:
         raise config_error(
             "ExplicitDevice",

@@ -174,7 +174,6 @@ class AutoHybridGroups(BaseGroupFactory):
     def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
         per_node = self.resolved_devices_per_node()
         world = dist.get_world_size()
-        rank = dist.get_rank()
         # Ranks that see different node sizes would create different groups and hang: compare
         # first, and refuse on every rank alike.
         mine = torch.tensor([per_node], dtype=torch.int64, device=collective_device(None))
@@ -189,20 +188,13 @@ class AutoHybridGroups(BaseGroupFactory):
                 "Pass AutoHybridGroups(devices_per_node=N) explicitly on every rank.",
             )
         # Every rank must create every group, in the same order, even the ones it is not in.
-        shard: dist.ProcessGroup | None = None
-        replicate: dist.ProcessGroup | None = None
-        for node in range(world // per_node):
-            ranks = list(range(node * per_node, (node + 1) * per_node))
-            group = dist.new_group(ranks=ranks)
-            if rank in ranks:
-                shard = group
-        for local in range(per_node):
-            ranks = list(range(local, world, per_node))
-            group = dist.new_group(ranks=ranks)
-            if rank in ranks:
-                replicate = group
-        assert shard is not None and replicate is not None
-        return ProcessGroups(shard_group=shard, replicate_group=replicate)
+        shards = [
+            dist.new_group(ranks=list(range(n * per_node, (n + 1) * per_node)))
+            for n in range(world // per_node)
+        ]
+        replicas = [dist.new_group(ranks=list(range(i, world, per_node))) for i in range(per_node)]
+        rank = dist.get_rank()
+        return ProcessGroups(shards[rank // per_node], replicas[rank % per_node])
 
 
 @frozen
@@ -500,10 +492,5 @@ class MeshGroups(BaseGroupFactory):
 
     @override
     def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
-        if self.mesh.ndim == 2:
-            return ProcessGroups(
-                shard_group=self.mesh.get_group(1),
-                replicate_group=self.mesh.get_group(0),
-                mesh=self.mesh,
-            )
-        return ProcessGroups(shard_group=self.mesh.get_group(0), mesh=self.mesh)
+        replicate = self.mesh.get_group(0) if self.mesh.ndim == 2 else None
+        return ProcessGroups(self.mesh.get_group(self.mesh.ndim - 1), replicate, self.mesh)
