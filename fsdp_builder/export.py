@@ -324,9 +324,7 @@ def save_hf_checkpoint(
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     agree("export (check)", _unbuilt(model))
-    target = Path(folder)
-    tally = _Tally()
-    writer = _Writer(target, max_shard_bytes, tally)
+    writer = _Writer(Path(folder), max_shard_bytes, _Tally())
     try:
         outcome = _export(model, rank, distributed, mapper, writer)
     except BaseException as exc:
@@ -334,7 +332,7 @@ def save_hf_checkpoint(
         # earlier export is put back, the staged files go.
         writer.settle(done=False)
         if isinstance(exc, Exception) and distributed:
-            raise _peer_lost(target, rank, exc) from exc
+            raise _peer_lost(writer.folder, rank, exc) from exc
         raise
     writer.settle(done=True)
     files, total, failure = outcome
@@ -346,7 +344,7 @@ def save_hf_checkpoint(
             cause = writer.error
         error_type = ConfigurationError if kind == ConfigurationError.__name__ else ExportError
         raise error_type(message) from cause
-    return HFExport(files=files, total_size=total, peak_bytes=tally.peak if rank == 0 else 0)
+    return HFExport(files=files, total_size=total, peak_bytes=writer.tally.peak if rank == 0 else 0)
 
 
 def _export(
@@ -396,8 +394,7 @@ def _export(
     if distributed:
         # The last collective: a peer that dies here undoes rank 0's commit (in the caller).
         dist.broadcast_object_list(outcome, src=0)
-    files, total, failure = outcome[0]
-    return files, total, failure
+    return outcome[0]
 
 
 def _peer_lost(folder: Path, rank: int, error: BaseException) -> ExportError:
@@ -446,21 +443,17 @@ _OS_FIXES: dict[int, tuple[str, str]] = {
 
 def _failure(error: BaseException, folder: Path) -> tuple[str, str, BaseException | None]:
     """Rank 0's failure as every rank raises it: the error's type name, message and cause."""
-    cause = error.__cause__ if isinstance(error, FSDPBuilderError) else error
     if isinstance(error, FSDPBuilderError):
-        kind, message = type(error).__name__, str(error)
-    else:
-        if isinstance(error, OSError) and error.errno in _OS_FIXES:
-            what, fix = _OS_FIXES[error.errno]
-        else:
-            what, fix = "rank 0 could not write or gather a state", "Fix the cause above"
-        kind = ExportError.__name__
-        message = (
-            f"`save_hf_checkpoint` could not write to '{folder}': {what} "
-            f"({type(error).__name__}: {error}). {fix}; the files this export wrote were "
-            "removed."
-        )
-    return kind, message, None if cause is None else _portable(cause)
+        cause = error.__cause__
+        return type(error).__name__, str(error), None if cause is None else _portable(cause)
+    what, fix = "rank 0 could not write or gather a state", "Fix the cause above"
+    if isinstance(error, OSError) and error.errno in _OS_FIXES:
+        what, fix = _OS_FIXES[error.errno]
+    message = (
+        f"`save_hf_checkpoint` could not write to '{folder}': {what} "
+        f"({type(error).__name__}: {error}). {fix}; the files this export wrote were removed."
+    )
+    return ExportError.__name__, message, _portable(error)
 
 
 def _portable(error: BaseException) -> BaseException:

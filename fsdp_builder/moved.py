@@ -15,7 +15,7 @@ import sys
 import types
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from functools import partial
 
 # Old path -> new path, for every public module that moved.
 MOVED: dict[str, str] = {
@@ -55,11 +55,7 @@ class _Forwarding(importlib.abc.Loader):
         target = importlib.import_module(new)
         warn_moved(spec.name, new, stacklevel=8)
         module = types.ModuleType(spec.name, target.__doc__)
-
-        def forward(name: str) -> Any:
-            return getattr(target, name)
-
-        module.__dict__["__getattr__"] = forward
+        module.__dict__["__getattr__"] = partial(getattr, target)
         module.__dict__["__all__"] = getattr(
             target, "__all__", [n for n in vars(target) if not n.startswith("_")]
         )

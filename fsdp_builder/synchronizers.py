@@ -181,12 +181,8 @@ class SyncState:
 def _replica_stages(tensor: Any) -> Stages:
     """A DTensor's replicated mesh dimensions; shards along the others differ by design."""
     mesh = tensor.device_mesh
-    stages: list[tuple[dist.ProcessGroup | None, int]] = []
-    for dim, placement in enumerate(tensor.placements):
-        group = mesh.get_group(dim)
-        if placement.is_replicate() and group.size() > 1:
-            stages.append((group, dist.get_global_rank(group, 0)))
-    return tuple(stages)
+    groups = [mesh.get_group(dim) for dim, p in enumerate(tensor.placements) if p.is_replicate()]
+    return tuple((group, dist.get_global_rank(group, 0)) for group in groups if group.size() > 1)
 
 
 def _flatten(name: str, tensor: torch.Tensor, stages: Stages) -> Iterator[SyncState]:
@@ -196,8 +192,7 @@ def _flatten(name: str, tensor: torch.Tensor, stages: Stages) -> Iterator[SyncSt
     if isinstance(detached, DTensor):
         yield SyncState(name, detached.to_local(), _replica_stages(detached))
     elif is_traceable_wrapper_subclass(detached):
-        attrs_, _ = detached.__tensor_flatten__()
-        for attr in attrs_:
+        for attr in detached.__tensor_flatten__()[0]:
             inner = getattr(detached, attr)
             if isinstance(inner, torch.Tensor):
                 yield from _flatten(f"{name}.{attr}", inner, stages)
@@ -216,37 +211,24 @@ def by_stages(states: list[SyncState]) -> list[tuple[Stages, list[SyncState]]]:
 def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> list[SyncState]:
     """The unit's own states, each tensor once. Buffers whose id is in ``skip`` (sent with a
     nested unit) are left out; the ids taken are added to it."""
-    modules = unit.modules
     names = module_names(unit.module)
+    skip = set() if skip is None else skip
     seen: set[int] = set()
     params: list[tuple[str, torch.Tensor]] = []
     buffers: list[tuple[str, torch.Tensor]] = []
-    for m in modules:
+    for m in unit.modules:
         prefix = qualified(unit.fqn, names.get(id(m), ""))
         for pname, p in m.named_parameters(recurse=False):
-            if p in env.ignored.params or id(p) in seen:
-                continue
-            seen.add(id(p))
-            params.append((f"{prefix}.{pname}" if prefix else pname, p))
+            if p not in env.ignored.params and id(p) not in seen:
+                seen.add(id(p))
+                params.append((qualified(prefix, pname), p))
         for bname, b in m.named_buffers(recurse=False):
-            if id(b) in seen or (skip is not None and id(b) in skip):
-                continue
-            seen.add(id(b))
-            if skip is not None:
+            if id(b) not in seen and id(b) not in skip:
+                seen.add(id(b))
                 skip.add(id(b))
-            buffers.append((f"{prefix}.{bname}" if prefix else bname, b))
+                buffers.append((qualified(prefix, bname), b))
     plain = tuple(sync_stages(env))
     return [flat for name, t in params + buffers for flat in _flatten(name, t, plain)]
-
-
-def _check_real(states: list[SyncState], who: str, unit: Unit) -> None:
-    meta = [s.name for s in states if s.tensor.is_meta]
-    if meta:
-        raise FSDPBuilderError(
-            f"`{who}` cannot synchronize unit '{unit.label}': {', '.join(meta[:8])}"
-            f"{' ...' if len(meta) > 8 else ''} are still on the meta device on this rank. "
-            "Pass a materializer that gives them values (e.g. ResetParameters())."
-        )
 
 
 def checked_states(
@@ -258,7 +240,13 @@ def checked_states(
     states: list[SyncState] = []
     try:
         states = unit_states(unit, env, skip)
-        _check_real(states, who, unit)
+        meta = [s.name for s in states if s.tensor.is_meta]
+        if meta:
+            raise FSDPBuilderError(
+                f"`{who}` cannot synchronize unit '{unit.label}': {', '.join(meta[:8])}"
+                f"{' ...' if len(meta) > 8 else ''} are still on the meta device on this rank. "
+                "Pass a materializer that gives them values (e.g. ResetParameters())."
+            )
     except Exception as exc:
         error = exc
     agree("synchronize (check)", error, unit=unit.label, group=env.agreement_group)
@@ -374,10 +362,7 @@ class VerifyReplicas(BaseSynchronizer):
             ranks = [
                 dist.get_global_rank(group, r) if group is not None else r for r in range(world)
             ]
-            classes: dict[int, list[int]] = {}
-            for r, v in zip(ranks, values, strict=True):
-                classes.setdefault(v, []).append(r)
-            agreeing = classes[values[0]]
+            agreeing = [r for r, v in zip(ranks, values, strict=True) if v == values[0]]
             odd = [r for r in ranks if r not in agreeing]
             count = int(differs.sum())
             raise StateMismatchError(
