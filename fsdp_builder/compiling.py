@@ -19,12 +19,6 @@ from fsdp_builder.errors import config_error
 _WHERE = "ShardingBuilder.compile"
 
 
-def _compile_arguments() -> frozenset[str]:
-    """``torch.compile``'s keyword arguments in this torch, the model excepted."""
-    params = inspect.signature(torch.compile).parameters
-    return frozenset(name for name in params if name != "model")
-
-
 def _to_items(
     value: Mapping[str, Any] | tuple[tuple[str, Any], ...],
 ) -> tuple[tuple[str, Any], ...]:
@@ -44,7 +38,8 @@ class CompileSpec:
             raise config_error(
                 _WHERE, "per_unit", f"expected a bool, got {self.per_unit!r}", "Pass True or False."
             )
-        known = _compile_arguments()
+        # torch.compile's keyword arguments in this torch, the model excepted.
+        known = set(inspect.signature(torch.compile).parameters) - {"model"}
         unknown = sorted(name for name, _ in self.kwargs if name not in known)
         if unknown:
             raise config_error(
@@ -66,12 +61,8 @@ class CompileSpec:
         _check_backend(given.get("backend", "inductor"))
         _check_mode(given.get("mode"))
 
-    @property
-    def compile_kwargs(self) -> dict[str, Any]:
-        return dict(self.kwargs)
-
     def describe(self) -> str:
-        return f"compile(per_unit={self.per_unit}, {describe(self.compile_kwargs)})"
+        return f"compile(per_unit={self.per_unit}, {describe(dict(self.kwargs))})"
 
     def before_shard(self, is_root: bool) -> bool:
         """Whether a unit is compiled before it is sharded (per unit, every unit but the root)."""
@@ -136,7 +127,7 @@ def check_units(spec: CompileSpec, unit_count: int, where: str) -> None:
 
 def compile_in_place(module: nn.Module, spec: CompileSpec) -> nn.Module:
     """``module.compile(**kwargs)``: in place, same slot, same state-dict keys."""
-    module.compile(**spec.compile_kwargs)
+    module.compile(**dict(spec.kwargs))
     return module
 
 

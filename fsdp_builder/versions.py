@@ -14,6 +14,7 @@ from attrs import frozen
 from torch.distributed.fsdp import ShardingStrategy
 
 from fsdp_builder.common.logs import get_logger
+from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import config_error
 
 logger = get_logger(__name__)
@@ -121,13 +122,9 @@ def _release_of(version: str) -> Release:
 
 def supports(feature: str, release: Release | None = None) -> bool:
     """Whether ``release`` (default: this torch) can do ``feature`` (a key of FEATURES)."""
-    try:
-        needed = FEATURES[feature]
-    except KeyError:
-        raise ValueError(
-            f"unknown feature {feature!r}; known: {', '.join(sorted(FEATURES))}"
-        ) from None
-    return (release or torch_release()) >= needed.minimum
+    if feature not in FEATURES:
+        raise ValueError(f"unknown feature {feature!r}; known: {', '.join(sorted(FEATURES))}")
+    return (release or torch_release()) >= FEATURES[feature].minimum
 
 
 def require(feature: str, where: str, argument: str) -> None:
@@ -149,13 +146,7 @@ def require(feature: str, where: str, argument: str) -> None:
     )
 
 
-_REPLICATING: Final = frozenset(
-    {
-        ShardingStrategy.NO_SHARD,
-        ShardingStrategy.HYBRID_SHARD,
-        ShardingStrategy._HYBRID_SHARD_ZERO2,
-    }
-)
+_REPLICATING: Final = HYBRID_STRATEGIES | {ShardingStrategy.NO_SHARD}
 
 
 def check_fully_shard(
