@@ -60,12 +60,8 @@ def _by_module(owner: nn.Module, lineage: Lineage, names: list[str]) -> dict[str
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         init()
-    out = {}
-    for name in names:
-        value = scratch._buffers.get(name)
-        if value is not None and not value.is_meta:
-            out[name] = value.detach()
-    return out
+    values = {name: scratch._buffers.get(name) for name in names}
+    return {n: v.detach() for n, v in values.items() if v is not None and not v.is_meta}
 
 
 def whole_model_kwargs(init: Callable[..., Any], device: torch.device) -> dict[str, Any]:

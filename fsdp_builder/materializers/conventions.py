@@ -316,31 +316,22 @@ def _untied_while(slots: tuple[tuple[nn.Module, str], ...], init: Callable[[], A
             owner._parameters[name] = param
 
 
-def _skip() -> None:
-    return None
-
-
 def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable[[], Any] | None:
     """The initializer of ``module`` by its model's convention, or None. A module owning only
     tie targets is skipped; other initializers reaching a tie target write a stand-in."""
     init = _convention(module, lineage)
-    if init is None or not lineage.tied:
+    slots = lineage.tied_below.get(id(module)) if lineage.tied else None
+    if init is None or not slots:
         return init
-    slots = lineage.tied_below.get(id(module))
-    if not slots:
-        return init
-    key = id(module)
-    own = [n for n, t in module._parameters.items() if t is not None and (key, n) in lineage.tied]
+    tied = lineage.tied
+    own = [n for n, t in module._parameters.items() if t is not None and (id(module), n) in tied]
     if own and len(own) == len(_direct(module)):
-        return _skip
+        return lambda: None
     return lambda: _untied_while(slots, init)
 
 
 def _convention(module: nn.Module, lineage: Lineage) -> Callable[[], Any] | None:
-    registered = _registered(module)
-    if registered is not None:
-        return lambda: registered(module)
     library = lineage.library_init
-    if library is not None:
+    if library is not None and _registered(module) is None:
         return lambda: _library_then_torch(module, library)
     return torch_initializer(module)

@@ -1,18 +1,14 @@
-"""Ignored parameters (``ignore(states=[param])``) during materialization.
-
-An ignored parameter is never sharded, moved or synchronized, but it is part of the model:
+"""Ignored parameters (``ignore(states=[param])``) during materialization: never sharded,
+moved or synchronized, but part of the model.
 
 - **Real**: left as the user set it (value and device); an initializer that writes it is undone.
   A loader writes the checkpoint's full value into it on every rank.
-- **On meta**: materialized with its module, as ``Model(config)`` and FSDP1's ``to_empty`` +
-  initializer give it: storage in place (the same ``Parameter`` object, which the user, FSDP's
-  ignored sets and optimizers hold; ``to_empty`` would make a new one, which FSDP1 would then
-  flatten), on the compute device, and its value from its module's initializer by the model's
-  convention. Where that initializer does not write it (CLIP's ``logit_scale`` is set by the
-  constructor from the config, not by ``_init_weights``), it gets the value the enclosing
-  library model's constructor gives it: the constructor is run again on a copy whose tensors
-  are all on meta except constants made from Python numbers. A value the constructor draws at
-  random or computes from other weights cannot be had that way and is refused, naming it.
+- **On meta**: given storage in place on the compute device (the same ``Parameter`` object, which
+  the user, FSDP's ignored sets and optimizers hold; ``to_empty`` would make a new one, which
+  FSDP1 would flatten) and its value from its module's initializer. Where that does not write it
+  (CLIP's ``logit_scale``, set by the constructor from the config), the enclosing library model's
+  constructor is run again on a copy whose tensors are all on meta except constants made from
+  Python numbers; a value it draws at random or computes from other weights is refused.
 
 States of ignored modules are left alone entirely and must be real before ``build()``.
 """
@@ -134,9 +130,6 @@ def settling_ignored(
             ):
                 p.copy_(value)
     move_in_place([p for _, _, p in fresh], device)
-
-
-# -- the constructor's values -----------------------------------------------------------------
 
 
 # The public factory functions that take ``device=`` (those a ``torch.device`` context redirects,

@@ -1,11 +1,10 @@
 """Materializer role: give a unit's own meta states storage and values, one unit at a time.
-
-``prepare(env)`` returns the build's :class:`MaterializerRun` (state kept between units), which
-is closed on success and failure alike, so materializer objects stay immutable and shareable.
-"""
+Per-build state lives in the :class:`MaterializerRun` from ``prepare(env)``, so materializer
+objects stay immutable and shareable."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable
@@ -72,27 +71,21 @@ _REFERENCE = BackendCapabilities(
 )
 
 
-def unreached_subtrees(plan: UnitPlan) -> list[tuple[str, list[str]]]:
-    """Registered parents whose subtree holds units of its own, with those units."""
-    out: list[tuple[str, list[str]]] = []
+def warn_unreached_subtrees(plan: UnitPlan, who: str) -> None:
+    """Warn for each registered parent whose subtree holds units of its own, naming them."""
     for fqn, module in plan.root.module.named_modules():
         if not any(isinstance(module, cls) for cls in _SUBTREE_RULES):
             continue
         below = {id(m) for m in module.modules() if m is not module}
         units = [u.label for u in plan if id(u.module) in below]
         if units:
-            out.append((clean_name(fqn) or "<root>", units))
-    return out
-
-
-def warn_unreached_subtrees(plan: UnitPlan, who: str) -> None:
-    for parent, units in unreached_subtrees(plan):
-        warn_user(
-            f"`{who}` does not apply the subtree initializer of '{parent}' to the units below "
-            f"it ({', '.join(units[:8])}{' ...' if len(units) > 8 else ''}): they keep their own "
-            "modules' initialization. Use ResetParameters() or DeterministicInit(seed), which "
-            "apply it, or initialize those units the way the parent would in your function."
-        )
+            warn_user(
+                f"`{who}` does not apply the subtree initializer of '{clean_name(fqn) or '<root>'}'"
+                f" to the units below it ({', '.join(units[:8])}{' ...' if len(units) > 8 else ''})"
+                ": they keep their own modules' initialization. Use ResetParameters() or "
+                "DeterministicInit(seed), which apply it, or initialize those units the way the "
+                "parent would in your function."
+            )
 
 
 def seed_generators(seed: int, device: torch.device) -> None:
@@ -178,7 +171,7 @@ def check_materializer(materializer: Materializer, context: ConfigureContext) ->
         legacy(context.plan, context.ignored)
 
 
-def initialize_children_first(
+def initialize_modules(
     root: nn.Module,
     root_fqn: str,
     modules: list[nn.Module],
@@ -186,14 +179,15 @@ def initialize_children_first(
     who: str,
     fix: str,
     names: dict[int, str] | None = None,
+    parents_first: bool = False,
 ) -> None:
-    """Call ``init(module, fqn)`` over ``modules`` (breadth-first) in reverse: a parent's
-    initializer may set its children's values (MultiheadAttention's out_proj.bias) and must win,
-    as at construction. Failures are re-raised naming the module, ``who`` and ``fix``."""
+    """Call ``init(module, fqn)`` over ``modules`` (breadth-first), by default in reverse: a
+    parent's initializer may set its children's values (MultiheadAttention's out_proj.bias) and
+    must win, as at construction. Failures are re-raised naming the module, ``who`` and ``fix``."""
     if names is None:
         names = module_names(root)
     with torch.no_grad():
-        for module in reversed(modules):
+        for module in modules if parents_first else reversed(modules):
             fqn = clean_name(qualified(root_fqn, names.get(id(module), "")))
             try:
                 init(module, fqn)
@@ -300,7 +294,7 @@ class BaseMaterializer(DeclaredHooks):
         storage = self.storage_device or device
         with settling_ignored(modules, ignored, storage, device, model or root):
             allocated = allocate_empty(modules, storage, only_meta=not self.reinitialize)
-            initialize_children_first(
+            initialize_modules(
                 root,
                 root_fqn,
                 modules,
@@ -412,12 +406,9 @@ def _stand_in(module: nn.Module, memo: dict[int, Any], device: str = "cpu") -> n
         return cast(nn.Module, memo[id(module)])
     probe = copy.copy(module)
     memo[id(module)] = probe
-    probe.__dict__["_parameters"] = {
-        n: None if t is None else _like(t, memo, device) for n, t in module._parameters.items()
-    }
-    probe.__dict__["_buffers"] = {
-        n: None if t is None else _like(t, memo, device) for n, t in module._buffers.items()
-    }
+    for key in ("_parameters", "_buffers"):
+        states = getattr(module, key).items()
+        probe.__dict__[key] = {n: None if t is None else _like(t, memo, device) for n, t in states}
     probe.__dict__["_modules"] = {
         n: None if c is None else _stand_in(c, memo, "meta") for n, c in module._modules.items()
     }
@@ -427,18 +418,15 @@ def _stand_in(module: nn.Module, memo: dict[int, Any], device: str = "cpu") -> n
 def _like(tensor: torch.Tensor, memo: dict[int, Any], device: str) -> torch.Tensor:
     if id(tensor) not in memo:
         fresh = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
-        memo[id(tensor)] = (
-            nn.Parameter(fresh, requires_grad=tensor.requires_grad)
-            if isinstance(tensor, nn.Parameter)
-            else fresh
-        )
+        if isinstance(tensor, nn.Parameter):
+            fresh = nn.Parameter(fresh, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = fresh
     return cast(torch.Tensor, memo[id(tensor)])
 
 
 def _only_nonpersistent_buffers(module: nn.Module) -> bool:
     """The module owns nothing but non-persistent buffers (which the build computes)."""
-    names = [n for n, t in module._parameters.items() if t is not None]
-    names += [n for n, t in module._buffers.items() if t is not None]
+    names = [n for n, _ in _direct(module)]
     return bool(names) and all(n in module._non_persistent_buffers_set for n in names)
 
 
@@ -456,13 +444,6 @@ def run_initializer(module: nn.Module, fqn: str, lineage: Lineage = NO_LINEAGE) 
         for name, param in module._parameters.items():
             if param is not None and (id(module), name) not in lineage.tied:
                 rule(param)
-
-
-_NO_INITIALIZER_FIX = (
-    "Give their class a reset_parameters() method, or register one with "
-    "`fsdp_builder.register_initializer(TheirClass, fn)` (fn(module) sets the module's own "
-    "states in place), or load their values with FromCheckpoint(path) / FromStateDict(...)."
-)
 
 
 @frozen
@@ -490,11 +471,17 @@ class ResetParameters(BaseMaterializer):
 
     @override
     def check_context(self, context: ConfigureContext) -> None:
-        missing = _uninitializable(context.plan, context.ignored, meta_only=True)
+        # A reinitializing subclass (DeterministicInit) initializes real modules too.
+        meta_only = not self.reinitialize
+        missing = _uninitializable(context.plan, context.ignored, meta_only)
         if missing:
             raise MaterializationError(
-                f"`{type(self).__name__}` cannot initialize these modules on the meta device "
-                f"because they have no initializer: {', '.join(missing)}. {_NO_INITIALIZER_FIX}"
+                f"`{type(self).__name__}` cannot initialize these modules"
+                f"{' on the meta device' if meta_only else ''} because they have no initializer: "
+                f"{', '.join(missing)}. Give their class a reset_parameters() method, or register "
+                "one with `fsdp_builder.register_initializer(TheirClass, fn)` (fn(module) sets the "
+                "module's own states in place), or load their values with FromCheckpoint(path) / "
+                "FromStateDict(...)."
             )
 
     @override
@@ -504,16 +491,6 @@ class ResetParameters(BaseMaterializer):
     @override
     def init_owned(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         run_initializer(module, fqn, lineage)
-
-
-def _check_callable(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not callable(value):
-        raise config_error(
-            type(instance).__name__,
-            attribute.name,
-            f"expected a callable taking a module, got {type(value).__name__} {value!r}",
-            "Pass a function such as `lambda m: m.reset_parameters()`.",
-        )
 
 
 @frozen
@@ -546,7 +523,13 @@ class InitFn(BaseMaterializer):
 
     communicates: ClassVar[bool] = False
 
-    fn: Callable[[nn.Module], object] = attrs.field(validator=_check_callable)
+    fn: Callable[[nn.Module], object] = attrs.field(
+        validator=checked(
+            attrs.validators.is_callable(),
+            "a callable taking a module",
+            "Pass a function such as `lambda m: m.reset_parameters()`.",
+        )
+    )
     allocate: bool = attrs.field(
         default=False,
         validator=checked(
@@ -563,10 +546,15 @@ class InitFn(BaseMaterializer):
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
-        modules = list(unit.modules)
-        # When the synchronizer overwrites with rank 0's values, only they count.
-        judge = not env.values_from_rank0 or env.rank == 0
-        return self._materialize(unit.module, unit.fqn, env.device, modules, env.ignored, judge)
+        return self.materialize_modules(
+            unit.module,
+            unit.fqn,
+            env.device,
+            list(unit.modules),
+            env.ignored,
+            # When the synchronizer overwrites with rank 0's values, only they count.
+            judge_unwritten=not env.values_from_rank0 or env.rank == 0,
+        )
 
     @override
     def materialize_modules(
@@ -577,18 +565,10 @@ class InitFn(BaseMaterializer):
         modules: list[nn.Module],
         ignored: IgnoredStates | None = None,
         model: nn.Module | None = None,
-    ) -> int:
-        return self._materialize(root, root_fqn, device, modules, ignored or IgnoredStates())
-
-    def _materialize(
-        self,
-        root: nn.Module,
-        root_fqn: str,
-        device: torch.device,
-        modules: list[nn.Module],
-        ignored: IgnoredStates,
+        *,
         judge_unwritten: bool = True,
     ) -> int:
+        ignored = ignored or IgnoredStates()
         if not needs_materialization(modules, ignored) and not has_meta_ignored(modules, ignored):
             return 0
         pending = [(m, n, t) for m in modules for n, t in _named_direct(m) if t.is_meta]
@@ -596,41 +576,30 @@ class InitFn(BaseMaterializer):
         ignored_meta = [s for s in ignored_slots(modules, ignored) if s[2].is_meta]
         names = module_names(root)
 
-        def fqn_of(module: nn.Module, name: str = "") -> str:
+        def fqn_of(module: nn.Module, name: str) -> str:
             return clean_name(qualified(qualified(root_fqn, names.get(id(module), "")), name))
 
         if self.allocate:
             allocate_empty(modules, device)
         given = {(id(m), n): _storage_key(getattr(m, n)) for m, n, _ in pending}
         writes = WriteWatch()
-        if self.allocate:
 
-            def call(module: nn.Module, _fqn: str) -> None:
-                with writes:
-                    self.fn(module)
+        def call(module: nn.Module, _fqn: str) -> None:
+            with writes:
+                self.fn(module)
 
-            initialize_children_first(
-                root,
-                root_fqn,
-                modules,
-                call,
-                "InitFn",
-                "Fix the function, or pass another materializer.",
-            )
-        else:
-            tied = tied_groups(modules)
-            with torch.no_grad(), writes:
-                for module in modules:  # breadth-first, parents first: FSDP1's order
-                    try:
-                        self.fn(module)
-                    except Exception as exc:
-                        raise MaterializationError(
-                            f"Initializing '{fqn_of(module) or '<root>'}' "
-                            f"({type(module).__name__}) with `InitFn` failed: "
-                            f"{type(exc).__name__}: {exc}. Fix the function, or pass another "
-                            "materializer."
-                        ) from exc
-            retie(tied)
+        tied = [] if self.allocate else tied_groups(modules)
+        initialize_modules(
+            root,
+            root_fqn,
+            modules,
+            call,
+            "InitFn",
+            "Fix the function, or pass another materializer.",
+            names,
+            parents_first=not self.allocate,  # FSDP1's order, unless fn only writes values
+        )
+        retie(tied)
         reseat(ignored_meta)
         left = [fqn_of(m, n) for m, n, _ in pending if getattr(m, n).is_meta]
         unwritten = [
@@ -729,11 +698,9 @@ def check_seed(instance: object, attribute: attrs.Attribute[Any], value: Any) ->
 
 @frozen
 class DeterministicInit(ResetParameters):
-    """World-size-invariant initialization: each owned module is initialized on the CPU under
-    an RNG seeded from ``seed`` and its qualified name, real states included.
-
-    The full weights depend only on ``seed`` and the model: bit-identical for any world size,
-    sharding or backend.
+    """World-size-invariant initialization: each owned module, real states included, is
+    initialized on the CPU under an RNG seeded from ``seed`` and its qualified name, so the full
+    weights are bit-identical for any world size, sharding or backend.
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
@@ -753,15 +720,6 @@ class DeterministicInit(ResetParameters):
     storage_device: torch.device | None = attrs.field(
         default=torch.device("cpu"), init=False, eq=False
     )
-
-    @override
-    def check_context(self, context: ConfigureContext) -> None:
-        missing = _uninitializable(context.plan, context.ignored, meta_only=False)
-        if missing:
-            raise MaterializationError(
-                "`DeterministicInit` cannot initialize these modules because they have no "
-                f"initializer: {', '.join(missing)}. {_NO_INITIALIZER_FIX}"
-            )
 
     @override
     def init_owned(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
@@ -855,10 +813,7 @@ class KeepAsIs(BaseMaterializer):
 
 def _is_meta(unit_module: nn.Module, name: str, unit_fqn: str) -> bool:
     rel = name[len(unit_fqn) + 1 :] if unit_fqn else name
-    try:
-        return bool(unit_module.get_parameter(rel).is_meta)
-    except AttributeError:
-        try:
-            return bool(unit_module.get_buffer(rel).is_meta)
-        except AttributeError:
-            return False
+    for get in (unit_module.get_parameter, unit_module.get_buffer):
+        with contextlib.suppress(AttributeError):
+            return bool(get(rel).is_meta)
+    return False

@@ -11,11 +11,11 @@ from typing import Any, Final
 import attrs
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.runtime.collectives import collective_device
+from fsdp_builder.runtime.tree import local_tensor
 
 NONFINITE_MODES: Final = ("warn", "error", "ignore")
 _SHOWN = 8
@@ -51,12 +51,8 @@ def holds_nonfinite(tensor: torch.Tensor) -> bool:
 
 def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the tensors holding NaN or inf (a DTensor: its local part)."""
-    bad = []
-    for name, tensor in named:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if not local.is_meta and holds_nonfinite(local):
-            bad.append(name)
-    return bad
+    local = [(name, local_tensor(t)) for name, t in named]
+    return [name for name, t in local if not t.is_meta and holds_nonfinite(t)]
 
 
 def _gather(names: list[str], group: dist.ProcessGroup | None) -> list[str]:

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
 from torch.distributed.fsdp import ShardingStrategy
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from fsdp_builder.common.hashing import digest63
@@ -36,7 +35,7 @@ from fsdp_builder.materializers.initializers import (
     ResetParameters,
     buffers_to_compute,
     check_seed,
-    initialize_children_first,
+    initialize_modules,
     initializer_of,
     run_initializer,
     seed_generators,
@@ -73,7 +72,7 @@ def local_bytes(module: nn.Module) -> int:
     seen: set[tuple[str, int]] = set()
     total = 0
     for t in [*module.parameters(), *module.buffers()]:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_tensor(t)
         if local.is_meta:
             continue
         storage = local.untyped_storage()
@@ -86,12 +85,8 @@ def local_bytes(module: nn.Module) -> int:
 
 
 def _owned_bytes(modules: list[nn.Module]) -> int:
-    total = 0
-    for m in modules:
-        for t in direct_states(m):
-            local = local_tensor(t)
-            total += local.numel() * local.element_size()
-    return total
+    owned = [local_tensor(t) for m in modules for t in direct_states(m)]
+    return sum(t.numel() * t.element_size() for t in owned)
 
 
 def fork_devices(device: torch.device) -> list[torch.device]:
@@ -179,11 +174,9 @@ class ShardFirstRun:
         if not needs_materialization(modules, ignored) and not has_meta_ignored(modules, ignored):
             return 0
         pending = {id(m) for m in modules if has_meta_states(m)}
-        settling = settling_ignored(modules, ignored, env.device, env.device, env.plan.root.module)
-        rules = self.rules
 
         def init(module: nn.Module, fqn: str) -> None:
-            lineage = rules.get(id(module), NO_LINEAGE)
+            lineage = self.rules.get(id(module), NO_LINEAGE)
             if initializer_of(module, lineage) is None:
                 return  # buffers only: to_empty gave it storage
             # A library initializer may set a child's states from a stateless parent (GPT-2's
@@ -197,10 +190,10 @@ class ShardFirstRun:
                 self.init.init_module(module, fqn, lineage)
 
         names = module_names(unit.module)  # one walk for the scope and the initializers
-        with settling:
+        with settling_ignored(modules, ignored, env.device, env.device, env.plan.root.module):
             allocate_unit(unit.module, modules, env.device, env.shard_specs)
             with self.init.scope(unit, modules, names):
-                initialize_children_first(
+                initialize_modules(
                     unit.module, unit.fqn, modules, init, self.who, self.fix, names=names
                 )
         fill_buffers(modules, self.computed, env.device)
@@ -238,10 +231,9 @@ class ShardFirstReset(ResetParameters):
     def prepare(self, env: Environment) -> MaterializerRun:
         """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module
-        computed = buffers_to_compute(model, env.ignored)
         return ShardFirstRun(
             env,
-            computed,
+            buffers_to_compute(model, env.ignored),
             lineages(model),
             _PerShardSeed(agree_on_seed(env, self.seed), shard_index(env), env.device),
             "ShardFirstReset",
@@ -268,19 +260,18 @@ class _InitWeightsRun:
         with torch.no_grad():
             # Defined values until the root's initializer writes them.
             for module in fresh:
-                for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                    local = t.to_local() if isinstance(t, DTensor) else t
-                    local.zero_()
+                for t in direct_states(module):
+                    local_tensor(t).zero_()
         if unit.is_root:
             init = getattr(unit.module, self.method)
             kwargs = whole_model_kwargs(init, env.device)
             # Ignored modules are the user's: restored whatever the model's initializer writes.
-            kept = {
-                id(t): (t, t.detach().clone())
+            kept = [
+                (t, t.detach().clone())
                 for m in env.ignored.modules
-                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+                for t in direct_states(m)
                 if not t.is_meta
-            }
+            ]
             with (
                 torch.no_grad(),
                 torch.random.fork_rng(devices=fork_devices(env.device)),
@@ -289,7 +280,7 @@ class _InitWeightsRun:
                     shard_seed(self.base_seed, shard_index(env), self.method), env.device
                 )
                 init(**kwargs)
-                for t, value in kept.values():
+                for t, value in kept:
                     t.copy_(value)
         return allocated
 

@@ -91,12 +91,10 @@ def _draw_flat(
 def global_indices(tensor: torch.Tensor) -> torch.Tensor:
     """Row-major full-tensor index of each local element, shaped like the local tensor."""
     shape = tuple(tensor.shape)
-    if isinstance(tensor, DTensor):
-        local_shape, offsets = local_box(tensor)
-        device = tensor.to_local().device
-    else:
-        local_shape, offsets = shape, (0,) * len(shape)
-        device = tensor.device
+    local_shape, offsets = (
+        local_box(tensor) if isinstance(tensor, DTensor) else (shape, (0,) * len(shape))
+    )
+    device = local_tensor(tensor).device
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for dim in reversed(range(len(shape))):
@@ -121,10 +119,9 @@ class _Streams:
         self.generators: dict[torch.device, torch.Generator] = {}
 
     def generator(self, device: torch.device) -> torch.Generator:
-        found = self.generators.get(device)
-        if found is None:
-            found = self.generators[device] = torch.Generator(device=device)
-        return found
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device)
+        return self.generators[device]
 
     def key(self, tensor: torch.Tensor) -> int:
         name = self.names[id(tensor)]
@@ -429,21 +426,22 @@ class _StreamedInit:
         if held is not None:
             held.__exit__(None, None, None)
 
-    def _seeded(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
-        seed_generators(derived_seed(self.seed, fqn), self.env.device)
-        run_initializer(module, fqn, lineage)
+    def _seeded(self, done: list[_Done]) -> str | None:
+        """Run ``done``'s initializers, seeded by name, under a ``_ShardWatch``; the first
+        operation it stopped, or None."""
+        watch = _ShardWatch()
+        with contextlib.suppress(_ShardOp), watch:
+            for d in done:
+                seed_generators(derived_seed(self.seed, d.fqn), self.env.device)
+                run_initializer(d.module, d.fqn, d.lineage)
+        return watch.stopped
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         entry = _Done(module, fqn, lineage, dict(self.streams.draws))
         self.done.append(entry)
-        watch = _ShardWatch()
-        try:
-            with watch:
-                self._seeded(module, fqn, lineage)
-        except _ShardOp:
-            pass
-        if watch.stopped is not None:
-            self._on_whole_tensors(entry, watch.stopped)
+        stopped = self._seeded([entry])
+        if stopped is not None:
+            self._on_whole_tensors(entry, stopped)
 
     def _on_whole_tensors(self, entry: _Done, why: str) -> None:
         """Initialize ``entry.module`` and its unit's modules below it again on whole tensors,
@@ -473,18 +471,12 @@ class _StreamedInit:
                 swapped.append((d.module, name, param, full))
         log.debug("stream_init_whole_tensors", module=entry.fqn, operation=why)
         try:
-            watch = _ShardWatch()
-            try:
-                with watch:
-                    for d in again:
-                        self._seeded(d.module, d.fqn, d.lineage)
-            except _ShardOp:
-                pass
-            if watch.stopped is not None:
+            stopped = self._seeded(again)
+            if stopped is not None:
                 raise MaterializationError(
                     f"`StreamInit` initialized '{entry.fqn or '<root>'}' on whole tensors "
                     f"(its initializer runs {why} on a shard), but it still runs "
-                    f"{watch.stopped} on a sharded parameter it does not own. Use "
+                    f"{stopped} on a sharded parameter it does not own. Use "
                     "DeterministicInit(seed) for this model."
                 )
         finally:
@@ -525,10 +517,9 @@ class StreamInit(ResetParameters):
     def prepare(self, env: Environment) -> MaterializerRun:
         """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module
-        computed = buffers_to_compute(model, env.ignored)
         return ShardFirstRun(
             env,
-            computed,
+            buffers_to_compute(model, env.ignored),
             lineages(model),
             _StreamedInit(agree_on_seed(env, self.seed), env),
             "StreamInit",
