@@ -19,7 +19,6 @@ from torch import nn
 
 from fsdp_builder.backends import Backend, capabilities
 from fsdp_builder.common.describe import describe_settings
-from fsdp_builder.common.logs import build_logger
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
     DeviceResolver,
@@ -37,7 +36,6 @@ from fsdp_builder.materializers.initializers import (
 from fsdp_builder.planning.context import ChecksContext, ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
 from fsdp_builder.planning.plan import (
-    PlannedModel,
     Unit,
     UnitPlan,
     fingerprint_of,
@@ -86,16 +84,9 @@ class BuildResult:
 class _Configured:
     """What the configure stage resolved, locally and without touching the model."""
 
-    planned: PlannedModel
+    plan: UnitPlan
+    ignored: IgnoredStates
     device: Any
-
-    @property
-    def ignored(self) -> IgnoredStates:
-        return self.planned.ignored
-
-    @property
-    def plan(self) -> UnitPlan:
-        return self.planned.plan
 
 
 @define
@@ -135,7 +126,7 @@ class _Build:
         self.synchronizer = config.synchronizer or NoSync()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agreement = Agreement(None)
-        self.real_anywhere = False  # asked in the groups stage
+        self.shards_first = False  # decided in the groups stage
         self.bound = GroupTimeouts(config.timeout)
 
     def run(self, model: nn.Module) -> BuildResult:
@@ -148,7 +139,7 @@ class _Build:
         started = time.perf_counter()
         configured = self.configure(model)
         configured.plan.tie_declared()  # every rank agreed: the model may change from here
-        env = self.environment(model, configured, *self.create_groups(configured))
+        env = self.environment(configured, *self.create_groups(configured))
         groups = env.groups
         self.bound.add(groups.shard_group, groups.replicate_group)
         if groups.mesh is not None:
@@ -189,18 +180,14 @@ class _Build:
         """The whole configuration as ranks compare it."""
         cfg = self.config
         items: dict[str, Any] = {"backend": self.backend.name}
-        for field in attrs.fields(BuilderConfig):
-            if field.name == "options":
-                continue
-            items[field.name] = getattr(cfg, field.name)
+        items.update(attrs.asdict(cfg, recurse=False, filter=lambda a, _: a.name != "options"))
         items.update(
             device=self.resolver,
             groups=self.factory,
             materializer=self.materializer,
             synchronizer=self.synchronizer,
         )
-        for field in attrs.fields(ShardingOptions):
-            items[field.name] = getattr(cfg.options, field.name)
+        items.update(attrs.asdict(cfg.options, recurse=False))
         # Process-wide registries decide values too; named by the call that fills each, so a
         # difference names the call to make on every rank.
         from fsdp_builder.materializers.conventions import _REGISTERED, _SUBTREE_RULES
@@ -242,7 +229,7 @@ class _Build:
                 )
             )
             description = {"config": self.settings(), "plan": plan.signature()}
-            configured = _Configured(planned, device)
+            configured = _Configured(plan, ignored, device)
         except Exception as exc:
             error = exc
         self.agreement = Agreement(self.factory.agreement_group(), cfg.timeout)
@@ -286,7 +273,7 @@ class _Build:
 
         def create() -> tuple[ShardingOptions, Any]:
             # First, before anything here can fail on one rank alone.
-            self.real_anywhere = self.any_rank_real(configured)
+            self.shards_first = self.units_shard_first(configured)
             groups = self.factory.create(self.config.options.strategy, configured.device)
             options, groups = effective_strategy(self.config.options, groups)
             groups = self.backend.prepare_groups(groups, options, configured.device)
@@ -298,9 +285,11 @@ class _Build:
 
         return self.agreement.now("groups", create)
 
-    def any_rank_real(self, configured: _Configured) -> bool:
-        """Whether any rank holds a real managed state; one all-reduce, only where it decides
-        ``shards_first``."""
+    def units_shard_first(self, configured: _Configured) -> bool:
+        """Whether units are sharded on meta before being filled: only when no rank holds a real
+        managed state (one all-reduce). Otherwise full values must exist before sharding (for a
+        synchronizer), and initializers running on DTensors on some ranks only would run
+        collectives on those alone."""
         if not (self.materializer.shard_first and self.backend.supports_shard_first):
             return False
         ignored = configured.ignored
@@ -312,27 +301,25 @@ class _Build:
         )
         group = self.agreement.group
         if group is None and not dist.is_initialized():
-            return mine
+            return not mine
         flag = torch.tensor([int(mine)], device=collective_device(group))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        return not flag.item()
 
     def environment(
-        self, model: nn.Module, configured: _Configured, options: ShardingOptions, groups: Any
+        self, configured: _Configured, options: ShardingOptions, groups: Any
     ) -> Environment:
-        world_size = dist.get_world_size()
         return Environment(
             rank=self.rank,
-            world_size=world_size,
+            world_size=dist.get_world_size(),
             groups=groups,
             device=configured.device,
             options=options,
             ignored=configured.ignored,
             plan=configured.plan,
             agreement_group=self.agreement.group,
-            shards_first=shards_first(self.materializer, self.backend, self.real_anywhere),
+            shards_first=self.shards_first,
             values_from_rank0=overwrites(self.synchronizer),
-            logger=build_logger(__name__, rank=self.rank, world_size=world_size),
         )
 
     def prepare(self, env: Environment) -> _Runs:
@@ -410,13 +397,6 @@ class _Build:
             self.agreement.settle(unit.label)
         # Skipped after a local failure on this rank, which the next agreement reports.
         return sharded[0] if sharded else unit.module
-
-
-def shards_first(materializer: Materializer, backend: Backend, real_anywhere: bool) -> bool:
-    """Whether units are sharded on meta before being filled: only when the model is on meta
-    on every rank. Otherwise full values must exist before sharding (for a synchronizer), and
-    initializers running on DTensors on some ranks only would run collectives on those alone."""
-    return materializer.shard_first and backend.supports_shard_first and not real_anywhere
 
 
 def _own_params(unit: Unit, ignored: IgnoredStates) -> list[nn.Parameter]:

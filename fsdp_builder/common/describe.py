@@ -60,16 +60,14 @@ def describe(value: Any) -> str:
     if isinstance(value, functools.partial):
         parts = (describe(value.func), describe(value.args), describe(value.keywords))
         return f"partial({', '.join(parts)})"
-    if attrs.has(type(value)):
-        fields = [
-            f"{f.name}={describe(getattr(value, f.name))}"
-            for f in attrs.fields(type(value))
-            if f.eq and not f.name.startswith("_")
-        ]
-        return f"{type(value).__qualname__}({', '.join(fields)})"
-    if dataclasses.is_dataclass(value):
-        fields = [f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value)]
-        return f"{type(value).__qualname__}({', '.join(fields)})"
+    if attrs.has(type(value)) or dataclasses.is_dataclass(value):
+        names = (
+            [f.name for f in attrs.fields(type(value)) if f.eq and not f.name.startswith("_")]
+            if attrs.has(type(value))
+            else [f.name for f in dataclasses.fields(value)]
+        )
+        fields = ", ".join(f"{name}={describe(getattr(value, name))}" for name in names)
+        return f"{type(value).__qualname__}({fields})"
     if callable(value):
         name = getattr(value, "__qualname__", None) or type(value).__qualname__
         return f"{getattr(value, '__module__', '')}.{name}"

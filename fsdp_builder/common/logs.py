@@ -6,6 +6,7 @@ when nothing is configured, prints every debug event to standard output.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import warnings
@@ -33,14 +34,6 @@ def build_logger(name: str, **values: Any) -> Any:
     ).bind(**values)
 
 
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-}
-
-
 class LibraryLogger:
     """A module-level logger that picks the route of :func:`build_logger` at every call, so
     that an application configuring structlog or logging after the import is still obeyed."""
@@ -54,25 +47,16 @@ class LibraryLogger:
     def bind(self, **values: Any) -> LibraryLogger:
         return LibraryLogger(self._name, {**self._values, **values})
 
-    def _emit(self, method: str, event: str, values: dict[str, Any]) -> None:
+    def _emit(self, method: str, level: int, event: str, **values: Any) -> None:
         # The common case, nothing configured, costs no logger construction.
-        if not structlog.is_configured() and not logging.getLogger(self._name).isEnabledFor(
-            _LEVELS[method]
-        ):
+        if not structlog.is_configured() and not logging.getLogger(self._name).isEnabledFor(level):
             return
         getattr(build_logger(self._name, **self._values), method)(event, **values)
 
-    def debug(self, event: str, **values: Any) -> None:
-        self._emit("debug", event, values)
-
-    def info(self, event: str, **values: Any) -> None:
-        self._emit("info", event, values)
-
-    def warning(self, event: str, **values: Any) -> None:
-        self._emit("warning", event, values)
-
-    def error(self, event: str, **values: Any) -> None:
-        self._emit("error", event, values)
+    debug = functools.partialmethod(_emit, "debug", logging.DEBUG)
+    info = functools.partialmethod(_emit, "info", logging.INFO)
+    warning = functools.partialmethod(_emit, "warning", logging.WARNING)
+    error = functools.partialmethod(_emit, "error", logging.ERROR)
 
 
 def get_logger(name: str) -> LibraryLogger:

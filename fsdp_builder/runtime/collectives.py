@@ -92,17 +92,13 @@ def broadcast_tensors(
     group: dist.ProcessGroup | None,
     bucket_bytes: int,
 ) -> int:
-    """Broadcast ``tensors`` from global rank ``src``; returns the bytes broadcast.
-
-    Small tensors are packed per dtype into buckets of about ``bucket_bytes``; grouping depends
-    only on sizes and dtypes, so every rank issues the same collectives. Asynchronous, so
-    unpacking overlaps the next transfer, with about one bucket of staging held."""
-    device = collective_device(group)
+    """Broadcast ``tensors`` from global rank ``src``; returns the bytes broadcast. Small tensors
+    are packed per dtype into buckets of about ``bucket_bytes`` (grouped by sizes and dtypes
+    alone, so every rank issues the same collectives), with about one bucket of staging held."""
     alone_from = min(bucket_bytes, COALESCE_BELOW_BYTES)
-    is_src = dist.get_rank() == src
     sent = 0
     small: dict[torch.dtype, list[torch.Tensor]] = {}
-    pipe = _BroadcastQueue(src, group, device, is_src, bucket_bytes)
+    pipe = _BroadcastQueue(src, group, collective_device(group), bucket_bytes)
     with torch.no_grad():
         for t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -133,15 +129,10 @@ class _BroadcastQueue:
     """Asynchronous broadcasts from ``src``, completed in the order they were issued."""
 
     def __init__(
-        self,
-        src: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-        is_src: bool,
-        bucket_bytes: int,
+        self, src: int, group: dist.ProcessGroup | None, device: torch.device, limit: int
     ) -> None:
-        self.src, self.group, self.device, self.is_src = src, group, device, is_src
-        self.limit = bucket_bytes
+        self.src, self.group, self.device, self.limit = src, group, device, limit
+        self.is_src = dist.get_rank() == src
         # (work, tensors, buffer on the wire, unpack into them?, staged bytes)
         self.pending: deque[tuple[Any, list[torch.Tensor], torch.Tensor, bool, int]] = deque()
         self.staged = 0
@@ -377,8 +368,7 @@ def scatter_unit_state(
     slices. A bad entry is reported after every collective (zeros sent), so no rank is left
     waiting. Returns the bytes received on this rank.
     """
-    modules = list(unit.modules)
-    allocate_unit(unit.module, modules, env.device, env.shard_specs)
+    allocate_unit(unit.module, list(unit.modules), env.device, env.shard_specs)
     is_src = env.rank == src
     problems: list[str] = []
 
@@ -403,7 +393,6 @@ def scatter_unit_state(
             "Pass the full state dict on the source rank and None elsewhere.",
         )
     states = owned_states(unit.module, unit.fqn)
-    received = 0
     layouts: dict[tuple[int, tuple[Any, ...]], _Layout] = {}
     params: list[tuple[DTensor, _Layout, torch.Tensor | None]] = []
     with torch.no_grad():
@@ -415,11 +404,10 @@ def scatter_unit_state(
                     "by fully_shard (FullyShardBuilder)."
                 )
             key = (id(param.device_mesh), tuple(param.placements))
-            layout = layouts.get(key)
-            if layout is None:
-                layout = layouts[key] = _layout(param, src)
-            params.append((param, layout, source(info.name, info.shape, info.dtype)))
-        received += _scatter_params(params, is_src)
+            if key not in layouts:
+                layouts[key] = _layout(param, src)
+            params.append((param, layouts[key], source(info.name, info.shape, info.dtype)))
+        received = _scatter_params(params, is_src)
         for info in unit.buffers:
             owner, leaf, buffer = states[info.name]
             if leaf in owner._non_persistent_buffers_set:

@@ -154,14 +154,6 @@ class _Measurement:
             peak_bytes=peak_memory_bytes(self.device),
         )
         self.report.records.append(record)
-        if self.logger is None:
-            return
-        self.logger.debug(
-            "build_stage",
-            stage=record.stage,
-            unit=record.unit,
-            seconds=round(record.seconds, 6),
-            bytes=record.bytes,
-            comm_bytes=record.comm_bytes,
-            peak_bytes=record.peak_bytes,
-        )
+        if self.logger is not None:
+            fields = attrs.asdict(record)
+            self.logger.debug("build_stage", **{**fields, "seconds": round(record.seconds, 6)})
