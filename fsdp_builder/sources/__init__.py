@@ -1,9 +1,7 @@
-"""Checkpoint sources: one protocol for reading a checkpoint, whatever its format, and a
-registry of formats (safetensors files and Hugging Face folders, ``torch.save`` files and their
-``.bin`` index folders, DCP folders, state dicts in memory) that users can extend with
-:func:`register_format`; and rules that read a model's tensors out of checkpoints laid out
-differently (per-expert tensors merged into a mixture-of-experts model's fused ones), chosen by
-the model's ``model_type`` and extended with :func:`register_checkpoint_rules`."""
+"""Checkpoint sources: one protocol for reading a checkpoint whatever its format, a registry of
+formats users extend with :func:`register_format`, and rules reading checkpoints laid out
+differently from the model (per-expert tensors merged into fused ones), chosen by the model's
+``model_type`` and extended with :func:`register_checkpoint_rules`."""
 
 from fsdp_builder.sources.base import (
     CheckpointSource,

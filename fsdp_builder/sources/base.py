@@ -1,18 +1,12 @@
-"""The checkpoint-source protocol: what a loader needs from a checkpoint, whatever its format.
-
-A source is opened from a path (or a state dict in memory) by the format that recognizes it
-(``fsdp_builder.sources.registry``). It lists its tensors with their global shapes and dtypes
-without reading their values, reads one tensor or a slice of it, and is closed once. Loaders
-match the listing against the model before anything is written, then read unit by unit.
-
-Problems with what the path holds are raised as :class:`SourceError`; the loader that opened the
-source turns them into its own ``ConfigurationError`` (its name, its argument, its fix).
-"""
+"""The checkpoint-source protocol: what a loader needs from a checkpoint, whatever its format:
+its tensors' global shapes and dtypes (no values read), reads of a tensor or a slice of it, and
+one close. Problems with what a path holds are :class:`SourceError`, which the loader that opened
+the source raises as its own ``ConfigurationError`` (its name, its argument, its fix)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol, cast, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from attrs import frozen
@@ -47,18 +41,15 @@ class MissingPath(SourceError):
     def __init__(self, path: str, rank: int, near: str | None = None) -> None:
         self.path = path
         self.rank = rank
-        # A name in the same folder close to the one given: the likely typo's fix.
-        self.near = near
+        self.near = near  # a name in the same folder close to the one given: the likely typo
         hint = f"; did you mean '{near}'?" if near else ""
         super().__init__(f"the path '{path}' does not exist on rank {rank}{hint}")
 
 
 @runtime_checkable
 class CheckpointSource(Protocol):
-    """An open checkpoint: its tensors' names, shapes and dtypes, and reads of their values.
-
-    ``describe`` names the source in messages (e.g. ``"'/ckpt/model.safetensors'"``).
-    """
+    """An open checkpoint: its tensors' names, shapes and dtypes, and reads of their values;
+    ``describe`` names the source in messages (e.g. ``"'/ckpt/model.safetensors'"``)."""
 
     describe: str
 
@@ -118,13 +109,18 @@ class FillsTargets(Protocol):
 class _Checked:
     """A registered format's source whose reads are held to its own listing: a read of another
     shape would be broadcast into the destination (one row copied into every row) and one of
-    another dtype converted without a word, so both are refused, naming the format."""
+    another dtype converted without a word, so both are refused, naming the format. A
+    ``read_into`` or ``fill`` the source defines is kept as it is (it writes into the loader's
+    destination itself), so the protocol checks answer as for the source."""
 
     def __init__(self, format_name: str, source: CheckpointSource) -> None:
         self._format = format_name
         self._source = source
         self._listing: Mapping[str, TensorMeta] | None = None
         self.describe = source.describe
+        for method in ("read_into", "fill"):
+            if hasattr(source, method):
+                setattr(self, method, getattr(source, method))
 
     def tensors(self) -> Mapping[str, TensorMeta]:
         self._listing = self._source.tensors()
@@ -145,11 +141,9 @@ class _Checked:
                 f"{where} as a {type(got).__name__}, not a torch.Tensor; make the format's "
                 "read() return a tensor"
             )
-        want = tuple(meta.shape)
-        if index:
-            want = tuple(torch.empty(meta.shape, device="meta")[index].shape)
+        want = tuple(torch.empty(meta.shape, device="meta")[index or ()].shape)
         if tuple(got.shape) != want:
-            part = "" if want == tuple(meta.shape) else f" (rows {_rows(index)} of it)"
+            part = "" if want == tuple(meta.shape) else f" (rows {rows(index)} of it)"
             raise SourceError(
                 f"{where} as shape {list(got.shape)} where its tensors() listed "
                 f"{list(meta.shape)}{part}, which the loader would broadcast into every row; "
@@ -168,42 +162,18 @@ class _Checked:
         self._source.close()
 
 
-def _rows(index: Index | None) -> str:
+def rows(index: Index | None) -> str:
+    """``index`` as a message shows it: ``0:4, 2:``."""
     return ", ".join(
         f"{s.start or 0}:{'' if s.stop is None else s.stop}" if isinstance(s, slice) else repr(s)
         for s in index or ()
     )
 
 
-class _CheckedReadsInto(_Checked):
-    def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
-        cast(ReadsInto, self._source).read_into(key, index, out)
-
-
-class _CheckedFills(_Checked):
-    def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
-        cast(FillsTargets, self._source).fill(targets)
-
-
-class _CheckedBoth(_CheckedReadsInto, _CheckedFills):
-    pass
-
-
 def checked_source(format_name: str, source: CheckpointSource) -> CheckpointSource:
     """``source``, opened by the registered format ``format_name``, with each ``read`` checked
-    against its ``tensors()`` listing (shape and dtype); a ``read_into`` or ``fill`` it
-    defines is kept as it is (it writes into the loader's destination itself)."""
-    into, fills = isinstance(source, ReadsInto), isinstance(source, FillsTargets)
-    kind = (
-        _CheckedBoth
-        if into and fills
-        else _CheckedReadsInto
-        if into
-        else _CheckedFills
-        if fills
-        else _Checked
-    )
-    return kind(format_name, source)
+    against its ``tensors()`` listing (shape and dtype)."""
+    return _Checked(format_name, source)
 
 
 def listed(items: list[str], shown: int = 8, sep: str = ", ") -> str:
@@ -225,4 +195,5 @@ __all__ = [
     "listed",
     "read_into",
     "reader",
+    "rows",
 ]

@@ -75,7 +75,7 @@ def read_metadata(folder: Path) -> Any:
 
 @functools.cache
 def _reader_class() -> type:
-    """``FileSystemReader`` with its metadata read by ``read_metadata``."""
+    """``FileSystemReader`` with its metadata read by ``read_metadata``; built on first use."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -91,10 +91,6 @@ def _reader_class() -> type:
     return SafeMetadataReader
 
 
-def _reader(folder: Path) -> Any:
-    return _reader_class()(str(folder))
-
-
 class DCPSource:
     """A DCP folder: its metadata when opened, values per request."""
 
@@ -105,7 +101,7 @@ class DCPSource:
         self.describe = f"the DCP folder '{folder}'"
         self.folder = folder
         try:
-            metadata = _reader(folder).read_metadata()
+            metadata = _reader_class()(str(folder)).read_metadata()
         except RefusedGlobal as exc:
             raise SourceError(
                 f"{self.describe} has a .metadata ('{folder / '.metadata'}') that refers to "
@@ -172,16 +168,17 @@ class DCPSource:
             return
         # DCP copies into same-dtype targets only: read into staging of the checkpoint's dtype
         # where the model's differs.
-        staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local part read, target)
         request: dict[str, torch.Tensor] = {}
         for key, target in targets.items():
             dtype = self._meta[key].dtype
             if target.dtype == dtype:
                 request[key] = target
-                continue
-            if isinstance(target, DTensor):
-                buf: torch.Tensor = DTensor.from_local(
-                    torch.empty_like(target.to_local(), dtype=dtype),
+            elif isinstance(target, DTensor):
+                local = torch.empty_like(target.to_local(), dtype=dtype)
+                staged.append((local, target))
+                request[key] = DTensor.from_local(
+                    local,
                     target.device_mesh,
                     target.placements,
                     run_check=False,
@@ -189,25 +186,20 @@ class DCPSource:
                     stride=target.stride(),
                 )
             else:
-                buf = torch.empty_like(target, dtype=dtype)
-            staged[key] = (buf, target)
-            request[key] = buf
+                request[key] = torch.empty_like(target, dtype=dtype)
+                staged.append((request[key], target))
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 # Reading without collectives is the point, not a fallback to warn about.
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.load(request, storage_reader=_reader(self.folder), no_dist=True)
+                dcp.load(request, storage_reader=_reader_class()(str(self.folder)), no_dist=True)
         except _READ_ERRORS as exc:
             raise MaterializationError(
                 f"{self.describe} could not be read: {type(exc).__name__}: {exc}"
             ) from exc
         with torch.no_grad():
-            for buf, target in staged.values():
-                if isinstance(target, DTensor):
-                    assert isinstance(buf, DTensor)
-                    target.to_local().copy_(buf.to_local())
-                else:
-                    target.copy_(buf)
+            for read, target in staged:
+                (target.to_local() if isinstance(target, DTensor) else target).copy_(read)
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         meta = self._meta[key]
@@ -216,7 +208,7 @@ class DCPSource:
         return full[index] if index else full
 
     def close(self) -> None:
-        return None
+        pass
 
 
 def is_dcp_folder(path: Path) -> bool:

@@ -1,10 +1,6 @@
 """Safetensors checkpoints: one ``.safetensors`` file, or a Hugging Face folder whose
-``*.safetensors.index.json`` says which shard file holds each tensor (``save_pretrained``).
-
-Files are read through safetensors' own API (``safe_open``, ``get_slice``): a source lists what
-the headers hold, every dtype safetensors reads included, and a read takes only the rows asked
-for, copied from the file's mapping into the destination (:meth:`SafetensorsSource.read_into`).
-"""
+``*.safetensors.index.json`` says which shard file holds each tensor, read through safetensors'
+own ``safe_open`` / ``get_slice``: every dtype it reads, only the rows asked for."""
 
 from __future__ import annotations
 
@@ -20,16 +16,14 @@ import torch
 from safetensors import safe_open
 
 from fsdp_builder.common.logs import get_logger
-from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
+from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed, rows
 
 log = get_logger(__name__)
 
-# safe_open maps its file, and the slices it returns view that mapping: the pages a read touches
-# count as the process's file-backed memory until the mapping goes. Once a source read this many
-# bytes, the files it read them from are unmapped (and opened again at their next read), so that
-# a rank's mapped pages stay near this bound instead of growing to its whole share of the
-# checkpoint; the pages stay in the page cache. The same time either way
-# (benchmarks/results/safetensors_api.md).
+# safe_open maps its file and its slices view the mapping: its touched pages count as the
+# process's memory until it goes. After this many bytes read, a source unmaps the files read
+# from (they reopen at their next read), so a rank's mapped pages stay near this bound instead of
+# its whole share of the checkpoint; as fast (benchmarks/results/safetensors_api.md).
 _MAPPED_BYTES = 16 << 20
 
 # Sources opened while a recorder is set (a dry run's, ``fsdp_builder.tools.dryrun``) hand it
@@ -77,9 +71,8 @@ class _File:
         return piece[:] if piece.get_shape() else piece[()]
 
     def meta(self, describe: str, key: str, known: dict[str, torch.dtype | None]) -> TensorMeta:
-        """``key``'s shape and the torch dtype safetensors reads its stored dtype as: that of an
-        empty slice, asked once per stored dtype (``known``; None: read whole), so every dtype
-        the installed safetensors reads is taken."""
+        """``key``'s shape and the dtype safetensors reads it as: that of an empty slice, asked
+        once per stored dtype (``known``; None: read whole)."""
         piece = self.piece(key)
         shape, name = tuple(piece.get_shape()), piece.get_dtype()
         if name not in known:
@@ -110,20 +103,14 @@ class SafetensorsSource:
     """Tensors spread over safetensors files, read through safe_open until close()."""
 
     def __init__(self, describe: str, files: Mapping[Path, list[str] | None]) -> None:
-        """``files``: each file with the keys to take from it (None: all it holds)."""
+        """``files``: each existing file with the keys to take from it (None: all it holds)."""
         self.describe = describe
         self._record = RECORDER.get()
         self._meta: dict[str, TensorMeta] = {}
         self._where: dict[str, _File] = {}
         self._files: list[_File] = []
-        # Bytes read since the files in `_mapped` were last unmapped.
-        self._read = 0
+        self._read = 0  # bytes read since the files in `_mapped` were last unmapped
         self._mapped: dict[Path, _File] = {}
-        absent_files = sorted(f.name for f in files if not f.is_file())
-        if absent_files:
-            raise SourceError(
-                f"{describe} names shard file(s) that do not exist: {listed(absent_files)}"
-            )
         absent: list[str] = []
         try:
             for path, keys in files.items():
@@ -174,9 +161,8 @@ class SafetensorsSource:
             return self._record(file.path, key, index)
         part = file.part(key, index)
         if part.shape != out.shape:
-            raise ValueError(
-                f"'{key}'{_shown(index)} is {list(part.shape)}, the destination {list(out.shape)}"
-            )
+            where = f"'{key}'[{rows(index)}]" if index else f"'{key}'"
+            raise ValueError(f"{where} is {list(part.shape)}, the destination {list(out.shape)}")
         out.copy_(part)
         nbytes = part.nbytes
         del part
@@ -194,12 +180,6 @@ class SafetensorsSource:
         self._files, self._where, self._mapped = [], {}, {}
 
 
-def _shown(index: Index | None) -> str:
-    if not index:
-        return ""
-    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in index) + "]"
-
-
 def _unreadable(describe: str, file: Path, exc: BaseException) -> str:
     detail = f"safetensors could not read it: {type(exc).__name__}: {exc}"
     if describe == f"'{file}'":
@@ -211,31 +191,24 @@ def _unreadable(describe: str, file: Path, exc: BaseException) -> str:
     )
 
 
-def index_of_shard(file: Path) -> Path | None:
-    """The index in ``file``'s folder that lists ``file`` as one of several shards, if any."""
+def refuse_a_shard(file: Path) -> None:
+    """Refuse one shard of several (as the first index in its folder listing it says): loading
+    it alone would report most of the model as missing, which hides the actual mistake."""
     for index in sorted(file.parent.glob("*.index.json")):
         try:
             weight_map = json.loads(index.read_text()).get("weight_map", {})
         except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(weight_map, dict) and file.name in set(weight_map.values()):
-            return index
-    return None
-
-
-def refuse_a_shard(file: Path) -> None:
-    """One shard of a sharded checkpoint given instead of its folder: loading it alone would
-    report most of the model as missing, which hides the actual mistake."""
-    index = index_of_shard(file)
-    if index is None:
+        if not isinstance(weight_map, dict) or file.name not in set(weight_map.values()):
+            continue
+        count = len(set(weight_map.values()))
+        if count > 1:
+            raise SourceError(
+                f"'{file}' is one of the {count} shard files that '{index.name}' lists; pass "
+                f"the folder '{file.parent}' (or the index) to load the whole checkpoint",
+                fix=f"Pass the folder: '{file.parent}'",
+            )
         return
-    count = len(set(json.loads(index.read_text())["weight_map"].values()))
-    if count > 1:
-        raise SourceError(
-            f"'{file}' is one of the {count} shard files that '{index.name}' lists; pass the "
-            f"folder '{file.parent}' (or the index) to load the whole checkpoint",
-            fix=f"Pass the folder: '{file.parent}'",
-        )
 
 
 def open_file(path: Path) -> SafetensorsSource:
@@ -268,23 +241,28 @@ def read_weight_map(index: Path) -> dict[str, str]:
 
 
 def inside_folder(name: str) -> bool:
-    """Whether the relative file name ``name`` (from a checkpoint's own listing) stays inside
-    the folder it is relative to. Checked on the name, not on the resolved path: a folder of
-    links to files elsewhere (the Hugging Face cache's snapshots) is a folder of its own files,
-    while an absolute name or one that climbs out with ``..`` reads what the folder's owner did
-    not put there."""
+    """Whether the file name ``name`` (from a checkpoint's own listing) stays inside its folder:
+    judged on the name, not the resolved path, as a folder of links (the Hugging Face cache's
+    snapshots) is a folder of its own files, but an absolute or ``..`` name is not."""
     path = PurePath(name)
     climbs = PurePath(os.path.normpath(path)).parts[:1] == ("..",)
     return bool(name) and not path.is_absolute() and not climbs
 
 
+def shard_keys(index: Path) -> dict[str, list[str]]:
+    """Each shard file an index names, with its keys; a SourceError names absent files."""
+    files: dict[str, list[str]] = {}
+    for key, name in read_weight_map(index).items():
+        files.setdefault(name, []).append(key)
+    absent = sorted(n for n in files if not (index.parent / n).is_file())
+    if absent:
+        raise SourceError(f"'{index}' names shard file(s) that do not exist: {listed(absent)}")
+    return files
+
+
 def open_index(index: Path) -> SafetensorsSource:
     """A ``*.safetensors.index.json`` and the shard files it names."""
-    files: dict[Path, list[str] | None] = {}
-    for key, name in read_weight_map(index).items():
-        keys = files.setdefault(index.parent / name, [])
-        assert keys is not None
-        keys.append(key)
+    files = {index.parent / name: keys for name, keys in shard_keys(index).items()}
     return SafetensorsSource(f"'{index}'", files)
 
 
@@ -299,16 +277,8 @@ def only_index(folder: Path, pattern: str) -> Path:
     return indexes[0]
 
 
-def is_index_folder(path: Path) -> bool:
-    return path.is_dir() and any(path.glob("*.safetensors.index.json"))
-
-
 def is_single_file_folder(path: Path) -> bool:
     return path.is_dir() and len(list(path.glob("*.safetensors"))) == 1
-
-
-def open_index_folder(folder: Path) -> SafetensorsSource:
-    return open_index(only_index(folder, "*.safetensors.index.json"))
 
 
 def open_single_file_folder(folder: Path) -> SafetensorsSource:
@@ -318,15 +288,13 @@ def open_single_file_folder(folder: Path) -> SafetensorsSource:
 
 __all__ = [
     "SafetensorsSource",
-    "index_of_shard",
     "inside_folder",
-    "is_index_folder",
     "is_single_file_folder",
     "only_index",
     "open_file",
     "open_index",
-    "open_index_folder",
     "open_single_file_folder",
     "read_weight_map",
     "refuse_a_shard",
+    "shard_keys",
 ]

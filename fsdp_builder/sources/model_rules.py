@@ -121,24 +121,14 @@ def _from_transformers(model: Any) -> tuple[Rule, ...] | None:
             return None
         ops = list(t.operations)
         originals = list(getattr(t, "_original_source_patterns", sources))
-        if any(s.count("*") != 1 for s in originals):
+        stacked = bool(ops) and type(ops[0]) is MergeModulelist and ops[0].dim == 0
+        if not stacked or any(s.count("*") != 1 for s in originals):
             return None
-        if (
-            len(originals) == 1
-            and len(ops) == 1
-            and type(ops[0]) is MergeModulelist
-            and ops[0].dim == 0
-        ):
+        last = ops[-1]
+        if len(originals) == 1 and len(ops) == 1:
             rules.append(MergeExperts((originals[0],), targets[0]))
-        elif (
-            len(originals) > 1
-            and len(ops) == 2
-            and type(ops[0]) is MergeModulelist
-            and ops[0].dim == 0
-            and type(ops[1]) is Concatenate
-            and ops[1].dim >= 1
-        ):
-            rules.append(MergeExperts(tuple(originals), targets[0], ops[1].dim))
+        elif len(originals) > 1 and len(ops) == 2 and type(last) is Concatenate and last.dim >= 1:
+            rules.append(MergeExperts(tuple(originals), targets[0], last.dim))
         else:
             return None
     return tuple(rules)
@@ -156,9 +146,7 @@ def checkpoint_rules(model: Any, *, complete: bool = False) -> tuple[Rule, ...]:
     if complete:
         return ()
     found = _from_transformers(model)
-    if found is not None:
-        return found
-    return _BUILT_IN.get(model_type, ())
+    return found if found is not None else _BUILT_IN.get(model_type, ())
 
 
 __all__ = [

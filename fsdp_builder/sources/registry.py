@@ -36,22 +36,29 @@ def _is_file_with(*suffixes: str) -> Callable[[Path], bool]:
     return lambda path: path.is_file() and path.name.endswith(suffixes)
 
 
+def _index_folder(name: str, pattern: str, open_index: Callable[[Path], Any]) -> Format:
+    """A folder holding an index matching ``pattern``, opened through the one it holds."""
+    return Format(
+        name,
+        lambda path: path.is_dir() and any(path.glob(pattern)),
+        lambda folder: open_index(hf_safetensors.only_index(folder, pattern)),
+    )
+
+
 _BUILT_IN: tuple[Format, ...] = (
     Format("safetensors", _is_file_with(".safetensors"), hf_safetensors.open_file),
     Format(
         "safetensors-index", _is_file_with(".safetensors.index.json"), hf_safetensors.open_index
     ),
     Format("torch-index", _is_file_with(".bin.index.json"), torch_files.open_index),
-    Format(
-        "hf-safetensors-folder", hf_safetensors.is_index_folder, hf_safetensors.open_index_folder
-    ),
+    _index_folder("hf-safetensors-folder", "*.safetensors.index.json", hf_safetensors.open_index),
     Format("dcp-folder", dcp_folder.is_dcp_folder, dcp_folder.DCPSource),
     Format(
         "safetensors-file-folder",
         hf_safetensors.is_single_file_folder,
         hf_safetensors.open_single_file_folder,
     ),
-    Format("hf-torch-folder", torch_files.is_index_folder, torch_files.open_index_folder),
+    _index_folder("hf-torch-folder", "*.bin.index.json", torch_files.open_index),
     Format(
         "torch-file-folder", torch_files.is_single_file_folder, torch_files.open_single_file_folder
     ),
@@ -132,13 +139,18 @@ def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> Checkpoin
     for fmt in _USER:
         if _user_call(fmt, "detect", path):
             opened = _user_call(fmt, "open", path)
-            _check_opened(fmt, path, opened)
+            if not isinstance(opened, CheckpointSource):
+                raise ConfigurationError(
+                    f"The checkpoint format '{fmt.name}' opened '{path}' as a "
+                    f"{type(opened).__name__}, which lacks what a CheckpointSource has "
+                    "(describe, tensors(), read(key, index), close()). Fix the format's open "
+                    "function."
+                )
             log.debug("checkpoint_opened", format=fmt.name, path=str(path))
             return checked_source(fmt.name, opened)
     for fmt in _BUILT_IN:
         if fmt.detect(path):
             opened = fmt.open(path)
-            _check_opened(fmt, path, opened)
             log.debug("checkpoint_opened", format=fmt.name, path=str(path))
             return opened
     raise SourceError(_unknown_folder(path))
@@ -160,16 +172,6 @@ def _user_call(fmt: Format, step: str, path: Path) -> Any:
             + (" (it should only look at the path and say True or False)" if detect else "")
             + f", or remove the format with unregister_format('{fmt.name}')",
         ) from exc
-
-
-def _check_opened(fmt: Format, path: Path, opened: object) -> None:
-    if not isinstance(opened, CheckpointSource):
-        raise ConfigurationError(
-            f"The checkpoint format '{fmt.name}' opened '{path}' as a "
-            f"{type(opened).__name__}, which lacks what a CheckpointSource has "
-            "(describe, tensors(), read(key, index), close()). Fix the format's open "
-            "function."
-        )
 
 
 def _missing(path: Path) -> MissingPath:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fsdp_builder.sources.base import SourceError, listed
-from fsdp_builder.sources.hf_safetensors import only_index, read_weight_map, refuse_a_shard
+from fsdp_builder.sources.hf_safetensors import refuse_a_shard, shard_keys
 from fsdp_builder.sources.memory import StateDictSource, check_state_dict
 
 
@@ -42,37 +42,18 @@ def open_file(path: Path) -> StateDictSource:
 def open_index(index: Path) -> StateDictSource:
     """``.bin`` shards named by an index, each loaded (mapped) when the source opens."""
     describe = f"'{index}'"
-    by_file: dict[str, list[str]] = {}
-    for key, name in read_weight_map(index).items():
-        by_file.setdefault(name, []).append(key)
-    absent_files = sorted(n for n in by_file if not (index.parent / n).is_file())
-    if absent_files:
-        raise SourceError(
-            f"{describe} names shard file(s) that do not exist: {listed(absent_files)}"
-        )
     tensors: dict[str, torch.Tensor] = {}
     absent: list[str] = []
-    for name, keys in by_file.items():
+    for name, keys in shard_keys(index).items():
         held = load_state_dict_file(index.parent / name, f"{describe} holds '{name}', which")
-        for key in keys:
-            if key in held:
-                tensors[key] = held[key]
-            else:
-                absent.append(f"{key} (in {name})")
+        tensors.update((key, held[key]) for key in keys if key in held)
+        absent += [f"{key} (in {name})" for key in keys if key not in held]
     if absent:
         raise SourceError(
             f"{describe} has {len(absent)} key(s) in its index but not in their file: "
             f"{listed(absent)}"
         )
     return StateDictSource(tensors, describe)
-
-
-def is_index_folder(path: Path) -> bool:
-    return path.is_dir() and any(path.glob("*.bin.index.json"))
-
-
-def open_index_folder(folder: Path) -> StateDictSource:
-    return open_index(only_index(folder, "*.bin.index.json"))
 
 
 def single_file_in(folder: Path) -> Path | None:
@@ -92,11 +73,9 @@ def open_single_file_folder(folder: Path) -> StateDictSource:
 
 
 __all__ = [
-    "is_index_folder",
     "is_single_file_folder",
     "load_state_dict_file",
     "open_file",
     "open_index",
-    "open_index_folder",
     "open_single_file_folder",
 ]
