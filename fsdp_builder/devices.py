@@ -26,11 +26,9 @@ class DeviceResolver(Protocol):
     @property
     def explicit(self) -> bool:
         """True when the device was named by the user (a CPU part may then be moved there)."""
-        ...
 
     def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
         """Return the compute device. Must not communicate (it runs before ranks agree)."""
-        ...
 
 
 class BaseDeviceResolver(DeclaredHooks):

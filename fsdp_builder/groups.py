@@ -64,15 +64,12 @@ class GroupFactory(Protocol):
 
     def validate(self, strategy: ShardingStrategy) -> None:
         """Raise a ConfigurationError if this factory cannot serve ``strategy``. No collectives."""
-        ...
 
     def agreement_group(self) -> dist.ProcessGroup | None:
         """The group whose ranks build together (None: the default group)."""
-        ...
 
     def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
         """Return the groups; every rank of the agreement group calls this together."""
-        ...
 
 
 class BaseGroupFactory(DeclaredHooks):

@@ -40,11 +40,9 @@ class SyncRun(Protocol):
 
     def synchronize(self, unit: Unit) -> int:
         """Synchronize the unit's states; return the bytes sent or received on this rank."""
-        ...
 
     def close(self) -> None:
         """Release what the build held; called on every rank, after success or failure."""
-        ...
 
 
 @runtime_checkable
@@ -60,7 +58,6 @@ class StateSynchronizer(Protocol):
 
     def prepare(self, env: Environment) -> SyncRun:
         """Start one build on every rank, after the groups exist; may communicate."""
-        ...
 
 
 @define
