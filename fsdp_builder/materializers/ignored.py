@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.materializers.conventions import SETTLED_BY_CALLER, Lineage, lineages
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name, unsharded_class
+from fsdp_builder.runtime.tree import qualified
 
 # (owning module, name in it, the parameter)
 Slot = tuple[nn.Module, str, nn.Parameter]
@@ -197,7 +198,7 @@ def constructor_values(model: nn.Module, slots: Sequence[Slot]) -> list[torch.Te
     values: list[torch.Tensor] = []
     refused: list[str] = []
     for module, name, _ in slots:
-        label = ".".join(x for x in (paths.get(id(module), ""), name) if x)
+        label = qualified(paths.get(id(module), ""), name)
         library = _library_model(found.get(id(module), Lineage()))
         if library is None:
             refused.append(
@@ -241,8 +242,7 @@ def constructor_values(model: nn.Module, slots: Sequence[Slot]) -> list[torch.Te
 
 
 def _construct(library: nn.Module) -> nn.Module | Exception:
-    """``Model(config)`` of ``library``'s class, with only its constants real (see
-    ``_ConstantsOnly``)."""
+    """``Model(config)`` of ``library``'s class under ``_ConstantsOnly``."""
     config = copy.deepcopy(vars(library).get("config"))
     try:
         with torch.no_grad(), warnings.catch_warnings(), _ConstantsOnly():

@@ -315,20 +315,15 @@ class BaseMaterializer(DeclaredHooks):
 
         ignored = resolve_ignored(model)
         plan = plan_units(model, WrapPolicy.of(wrap), ignored)
-        check_materializer(
-            self,
-            ConfigureContext(
-                model, plan, ignored, ShardingOptions(), _REFERENCE, torch.device(device)
-            ),
-        )
+        device = torch.device(device)
+        context = ConfigureContext(model, plan, ignored, ShardingOptions(), _REFERENCE, device)
+        check_materializer(self, context)
         plan.tie_declared()  # as a build does once its checks passed
         computed = buffers_to_compute(model, ignored)
         for unit in plan:
             modules = list(unit.modules)
-            self.materialize_modules(
-                unit.module, unit.fqn, torch.device(device), modules, ignored, model=model
-            )
-            fill_buffers(modules, computed, torch.device(device))
+            self.materialize_modules(unit.module, unit.fqn, device, modules, ignored, model=model)
+            fill_buffers(modules, computed, device)
         return model
 
 

@@ -401,9 +401,7 @@ class _StreamedInit:
     @contextlib.contextmanager
     def scope(self, unit: Unit, modules: list[nn.Module], names: dict[int, str]) -> Iterator[None]:
         streams = self.streams
-        streams.names.clear()
-        streams.draws.clear()
-        self.done = []
+        streams.draws.clear()  # names and done are emptied when each scope ends
         ignored = self.env.ignored
         for module in modules:
             base = qualified(unit.fqn, names.get(id(module), ""))
@@ -411,9 +409,8 @@ class _StreamedInit:
                 if param is not None and not ignored.ignores(param):
                     streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
         if self.held is None:
-            held = torch.random.fork_rng(devices=fork_devices(self.env.device))
-            held.__enter__()
-            self.held = held
+            self.held = torch.random.fork_rng(devices=fork_devices(self.env.device))
+            self.held.__enter__()
         try:
             with _StreamMode(streams):
                 yield
