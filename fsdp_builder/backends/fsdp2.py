@@ -250,28 +250,29 @@ def _singleton_group() -> dist.ProcessGroup:
     return group
 
 
+def _named_mesh(
+    groups: list[dist.ProcessGroup], device_type: str, layout: torch.Tensor
+) -> DeviceMesh:
+    return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES)
+
+
 def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str) -> DeviceMesh:
     """The mesh ``fully_shard`` runs on for these groups and strategy."""
-    strategy = options.strategy
+    strategy, mesh = options.strategy, groups.mesh
+    if mesh is not None:
+        _check_mesh(mesh, groups, strategy)
     if strategy == ShardingStrategy.NO_SHARD:
-        over = groups.shard_group
-        if groups.mesh is not None:
-            _check_mesh(groups.mesh, groups, strategy)
-            over = groups.mesh.get_group(0)
+        over = groups.shard_group if mesh is None else mesh.get_group(0)
         if over.size() == 1:
-            if groups.mesh is not None and groups.mesh.ndim == 1:
+            if mesh is not None and mesh.ndim == 1:
                 # The given mesh itself: a slice of a larger mesh (tensor parallelism on the
                 # other dims) must stay one, for fully_shard and for the placement check.
-                return groups.mesh
+                return mesh
             return DeviceMesh.from_group(over, device_type)
         # A replicate-only layout: shard dimension of size one, every rank keeps whole tensors.
         layout = torch.tensor(dist.get_process_group_ranks(over), dtype=torch.int).view(-1, 1)
-        return DeviceMesh.from_group(
-            [over, _singleton_group()], device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES
-        )
-    if groups.mesh is not None:
-        mesh = groups.mesh
-        _check_mesh(mesh, groups, strategy)
+        return _named_mesh([over, _singleton_group()], device_type, layout)
+    if mesh is not None:
         if mesh.device_type != device_type:
             raise config_error(
                 f"{_WHERE}.groups",
@@ -282,12 +283,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
             )
         if mesh.ndim == 2 and mesh.mesh_dim_names is None:
             # fully_shard asks for named dimensions on a 2-D mesh; name the same groups.
-            return DeviceMesh.from_group(
-                [mesh.get_group(0), mesh.get_group(1)],
-                device_type,
-                mesh=mesh.mesh,
-                mesh_dim_names=MESH_DIM_NAMES,
-            )
+            return _named_mesh([mesh.get_group(0), mesh.get_group(1)], device_type, mesh.mesh)
         return mesh
     if options.is_hybrid:
         if groups.replicate_group is None:
@@ -298,12 +294,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
                 "Use AutoHybridGroups, HybridGroups or a 2-D mesh.",
             )
         layout = _hybrid_layout(groups.shard_group, groups.replicate_group)
-        return DeviceMesh.from_group(
-            [groups.replicate_group, groups.shard_group],
-            device_type,
-            mesh=layout,
-            mesh_dim_names=MESH_DIM_NAMES,
-        )
+        return _named_mesh([groups.replicate_group, groups.shard_group], device_type, layout)
     return DeviceMesh.from_group(groups.shard_group, device_type)
 
 

@@ -92,21 +92,16 @@ class IgnoredStates:
 
 
 def _check_uniform(states: list[Any], as_states: bool) -> None:
-    if not states:
-        return
     types = sorted({type(s).__name__ for s in states})
-    if as_states:
-        if all(isinstance(s, nn.Parameter) for s in states) or all(
-            isinstance(s, nn.Module) for s in states
-        ):
-            return
+    modules = all(isinstance(s, nn.Module) for s in states)
+    if as_states and not modules and not all(isinstance(s, nn.Parameter) for s in states):
         raise config_error(
             "ShardingBuilder.ignore",
             "states",
             f"expected all nn.Parameter or all nn.Module, got a mix of types {types}",
             "Ignore modules and parameters in separate builds, or list the modules only.",
         )
-    if not all(isinstance(s, nn.Module) for s in states):
+    if not as_states and not modules:
         raise config_error(
             "ShardingBuilder.ignore",
             "modules",

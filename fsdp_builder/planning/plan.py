@@ -205,6 +205,7 @@ def _plan_units(
     unit_roots = [(fqn, m) for fqn, m in order if m in chosen and not is_wrapped(m)]
     unit_roots.append(("", model))
     unit_set = {m for _, m in unit_roots}
+    stops = unit_set | set(ignored.modules)
 
     # Keyed by id: a tensor's own __hash__ is a Python call, once per parameter and lookup.
     owner_of: dict[int, list[tuple[str, str]]] = {}
@@ -231,14 +232,8 @@ def _plan_units(
                     seen_buffers.add(id(b))
                     buffers.append(_info(base + bname, b))
             for cname, child in reversed(module._modules.items()):
-                if (
-                    child is None
-                    or child in unit_set
-                    or child in ignored.modules
-                    or is_wrapped(child)
-                ):
-                    continue
-                stack.append((base + cname, child))
+                if child is not None and child not in stops and not is_wrapped(child):
+                    stack.append((base + cname, child))
         owned[unit_module] = (params, buffers)
 
     split = {p: owners for p, owners in owner_of.items() if len({unit for unit, _ in owners}) > 1}
@@ -253,7 +248,6 @@ def _plan_units(
             "together (e.g. do not wrap them separately and let their common parent own them)."
         )
 
-    stops = unit_set | set(ignored.modules)
     units = tuple(
         Unit(
             fqn=fqn,
@@ -290,8 +284,4 @@ def plan_model(
     ignored = resolve_ignored(model, ignored_modules, ignored_states, named)
     plan = plan_units(model, wrap, ignored, named)
     check_ignored_real(model, ignored)
-    return PlannedModel(
-        ignored=ignored,
-        plan=plan,
-        managed=tuple(managed_params(model, ignored, named)),
-    )
+    return PlannedModel(ignored, plan, tuple(managed_params(model, ignored, named)))
