@@ -46,18 +46,6 @@ class Arrival:
             return []
 
 
-def _lost(
-    stage: str,
-    unit: str | None,
-    exc: BaseException,
-    arrival: Arrival | None,
-    timeout: float | None,
-) -> CommunicationError:
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    missing = arrival.missing() if arrival is not None else []
-    return CommunicationError(stage, unit, missing, f"{type(exc).__name__}: {detail}", timeout)
-
-
 def _first_difference(descriptions: list[Any]) -> str:
     """The first setting, then the first planned state, where a rank differs from rank 0."""
     reference = descriptions[0]
@@ -125,43 +113,46 @@ def agree(
             raise error
         return
     world = dist.get_world_size(group)
+
+    def lost(exc: Exception) -> CommunicationError:
+        text = str(exc).strip()
+        detail = text.splitlines()[0] if text else type(exc).__name__
+        missing = arrival.missing() if arrival is not None else []
+        return CommunicationError(stage, unit, missing, f"{type(exc).__name__}: {detail}", timeout)
+
+    def gather_objects(value: Any) -> list[Any]:
+        found: list[Any] = [None] * world
+        try:
+            dist.all_gather_object(found, value, group=group)
+        except Exception as exc:
+            raise lost(exc) from (error or exc)
+        return found
+
     device = collective_device(group)
-    mine = torch.tensor(
-        [1 if error is not None else 0, fingerprint], dtype=torch.int64, device=device
-    )
+    mine = torch.tensor([int(error is not None), fingerprint], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     try:
         if arrival is not None:
             arrival.mark()
         dist.all_gather(gathered, mine, group=group)
     except Exception as exc:
-        raise _lost(stage, unit, exc, arrival, timeout) from (error or exc)
+        raise lost(exc) from (error or exc)
     flags = [int(t[0]) for t in gathered]
-    prints = {int(t[1]) for t in gathered}
+    by_rank = [int(t[1]) for t in gathered]
     if error is not None and all(flags):
         # Every rank failed: each raises its own error, which already says what to fix.
         raise error
     if any(flags):
         # Each failing rank sends its stage and unit, so every rank names the first failure,
         # not where it waited.
-        notes: list[Any] = [None] * world
         local = None if error is None else (stage, unit, f"{type(error).__name__}: {error}")
-        try:
-            dist.all_gather_object(notes, local, group=group)
-        except Exception as exc:
-            raise _lost(stage, unit, exc, arrival, timeout) from (error or exc)
+        notes = gather_objects(local)
         failures = {r: str(n[2]) for r, n in enumerate(notes) if n is not None}
         first = next(n for n in notes if n is not None)
         raise RankDisagreementError(first[0], failures, first[1]) from error
-    if len(prints) > 1:
-        descriptions: list[Any] = [None] * world
-        try:
-            dist.all_gather_object(descriptions, description, group=group)
-        except Exception as exc:
-            raise _lost(stage, unit, exc, arrival, timeout) from exc
-        by_rank = [int(t[1]) for t in gathered]
+    if len(set(by_rank)) > 1:
         odd = [r for r, fp in enumerate(by_rank) if fp != by_rank[0]]
-        detail = _first_difference(descriptions)
+        detail = _first_difference(gather_objects(description))
         raise RankDisagreementError(
             stage,
             {

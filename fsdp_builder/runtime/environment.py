@@ -59,28 +59,21 @@ def effective_strategy(
     warns as deprecated. Hybrid with one rank per shard group replicates over the replicate group
     (FSDP would silently stop averaging gradients across replicas there)."""
     strategy = options.strategy
+    no_shard = attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD)
     if groups.data_parallel_size == 1:
         if strategy != ShardingStrategy.NO_SHARD:
-            warn_user(
-                f"Using NO_SHARD instead of {strategy.name} since the world size is 1.",
-            )
-        # One rank: a hybrid mesh has nothing left to describe.
-        return (
-            attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD),
-            ProcessGroups(shard_group=groups.shard_group)
-            if groups.mesh is not None and groups.mesh.ndim > 1
-            else groups,
-        )
+            warn_user(f"Using NO_SHARD instead of {strategy.name} since the world size is 1.")
+        if groups.mesh is not None and groups.mesh.ndim > 1:
+            # One rank: a hybrid mesh has nothing left to describe.
+            groups = ProcessGroups(shard_group=groups.shard_group)
+        return no_shard, groups
     if options.is_hybrid and groups.world_size == 1 and groups.replicate_group is not None:
         warn_user(
             f"Using NO_SHARD over the replicate group instead of {strategy.name} since each "
             "shard group has one rank.",
             UserWarning,
         )
-        return (
-            attrs.evolve(options, strategy=ShardingStrategy.NO_SHARD),
-            ProcessGroups(shard_group=groups.replicate_group),
-        )
+        return no_shard, ProcessGroups(shard_group=groups.replicate_group)
     if strategy == ShardingStrategy.NO_SHARD:
         warn_user(
             "The NO_SHARD sharding strategy is deprecated by PyTorch; prefer "
