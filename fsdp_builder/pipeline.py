@@ -144,17 +144,12 @@ class _Build:
         self.bound.add(groups.shard_group, groups.replicate_group)
         if groups.mesh is not None:
             self.bound.add(*(groups.mesh.get_group(d) for d in range(groups.mesh.ndim)))
-        report = BuildReport(
-            rank=env.rank,
-            world_size=env.world_size,
-            backend=self.backend.name,
-            strategy=env.strategy.name,
-            device=str(env.device),
-        )
+        backend, strategy = self.backend.name, env.strategy.name
+        report = BuildReport(env.rank, env.world_size, backend, strategy, str(env.device))
         env.logger.debug(
             "build_start",
-            backend=self.backend.name,
-            strategy=env.strategy.name,
+            backend=backend,
+            strategy=strategy,
             units=len(env.plan),
             device=str(env.device),
             mesh=None if groups.mesh is None else tuple(groups.mesh.shape),
@@ -171,8 +166,8 @@ class _Build:
             seconds=round(report.total_seconds, 6),
             wall_seconds=round(time.perf_counter() - started, 6),
             units=len(env.plan),
-            backend=self.backend.name,
-            strategy=env.strategy.name,
+            backend=backend,
+            strategy=strategy,
         )
         return BuildResult(environment=env, report=report, module=result)
 
@@ -211,12 +206,11 @@ class _Build:
         try:
             self.factory.validate(cfg.options.strategy)
             self.backend.check(cfg.options)
-            planned = plan_model(
-                model, cfg.wrap or WrapPolicy(), cfg.ignored_modules, cfg.ignored_states
-            )
-            plan, ignored = planned.plan, planned.ignored
-            check_single_device(list(planned.managed), self.resolver.explicit)
-            device = self.resolver.resolve(model, list(planned.managed), self.rank)
+            wrap = cfg.wrap or WrapPolicy()
+            planned = plan_model(model, wrap, cfg.ignored_modules, cfg.ignored_states)
+            plan, ignored, managed = planned.plan, planned.ignored, list(planned.managed)
+            check_single_device(managed, self.resolver.explicit)
+            device = self.resolver.resolve(model, managed, self.rank)
             self.check_roles(
                 ConfigureContext(
                     model=model,
