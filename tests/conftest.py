@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Iterator
 
 import pytest
 import structlog
 import torch.distributed as dist
+from isolated import PRELOAD
 
 from fsdp_builder.tools.launch import free_port
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 @pytest.fixture

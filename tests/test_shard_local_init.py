@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import multiprocessing
 import sys
 import threading
 from collections.abc import Callable
@@ -116,14 +115,12 @@ def _scenarios() -> Results:
     return run_each([("builds", _both_backends)])
 
 
-# 15 ranks in all: forked from a server that imported torch and this module once, rather than
-# each importing them. Generous bounds: a machine that may be busy.
-SPAWNS = Spawns(_scenarios, timeout=500, start_method="forkserver")
+# 15 ranks in all. Generous bounds: a machine that may be busy.
+SPAWNS = Spawns(_scenarios, timeout=500)
 
 
 @pytest.fixture(scope="module")
 def builds() -> dict[int, list[dict[str, Any]]]:
-    multiprocessing.set_forkserver_preload([__name__])
     return {w: values(SPAWNS(w), "builds") for w in WORLDS}
 
 
