@@ -24,7 +24,6 @@ from fsdp_builder.materializers.loading import (
     Loader,
     LoaderSpec,
     LoadRun,
-    Match,
     Rank0Run,
     check_key_map,
     describe_key_map,
@@ -46,7 +45,7 @@ from fsdp_builder.runtime.collectives import DEFAULT_BUCKET_BYTES, check_bucket_
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.shards import local_slices
 from fsdp_builder.runtime.tree import allocate_unit, local_tensor
-from fsdp_builder.sources import CheckpointSource, FillsTargets, TensorMeta
+from fsdp_builder.sources import CheckpointSource, FillsTargets
 from fsdp_builder.sources.base import Index, reader
 
 _FIX = (
@@ -116,9 +115,9 @@ class FromCheckpoint(Loader):
     folder, or a format you registered with :func:`fsdp_builder.sources.register_format`),
     detected from the path every rank passes.
 
-    Each rank reads only what it keeps: with FSDP2 the rows of its local shards, with FSDP1 one
-    unit's full tensors at a time; no collective carries weights. ``shared_filesystem=False``:
-    rank 0 alone reads and the weights travel as with ``FromStateDict``.
+    Each rank reads only what it keeps (FSDP2: its shards' rows; FSDP1: one unit's full tensors
+    at a time); no collective carries weights. ``shared_filesystem=False``: rank 0 alone reads
+    and the weights travel as with ``FromStateDict``.
 
     ``key_map`` maps checkpoint names to model names: a dict (names it lacks are kept),
     ``(regex, replacement)`` pairs applied in order, or a callable (None leaves an entry out).
@@ -199,7 +198,11 @@ class FromCheckpoint(Loader):
             return prepare_rank0(env, run, opener)
         local = LocalRun(env, CHECKPOINT_SPEC, self.nonfinite)
         found, error = local.open(opener, f"'{os.fspath(self.path)}'")
-        settings = _mapping_settings(local.source.tensors() if local.source else {}, found)
+        # What ranks compare after opening: where each checkpoint key goes, its shape and dtype.
+        settings = [
+            (f"key_map({key!r})", f"{found.mapped.get(key)!r} {list(meta.shape)} {meta.dtype}")
+            for key, meta in sorted((local.source.tensors() if local.source else {}).items())
+        ]
         with local.starting():
             agree(
                 "materialize (validate)",
@@ -210,14 +213,6 @@ class FromCheckpoint(Loader):
             )
         report_match(env, found)
         return local
-
-
-def _mapping_settings(tensors: Mapping[str, TensorMeta], found: Match) -> list[tuple[str, str]]:
-    """What ranks compare after opening: where each checkpoint key goes, its shape and dtype."""
-    return [
-        (f"key_map({key!r})", f"{found.mapped.get(key)!r} {list(meta.shape)} {meta.dtype}")
-        for key, meta in sorted(tensors.items())
-    ]
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointSource:
@@ -308,9 +303,7 @@ class LocalRun(LoadRun):
             name = next((n for n in entry.names if n in self.keys), None)
             if name is None:
                 continue  # strict=False and real: keeps its value
-            target = (
-                entry.tensor.detach() if not isinstance(entry.tensor, DTensor) else entry.tensor
-            )
+            target = entry.tensor if isinstance(entry.tensor, DTensor) else entry.tensor.detach()
             targets[self.keys[name]] = target
             loaded.append(name)
             local = local_tensor(target)

@@ -59,9 +59,6 @@ _FIX_SOURCE = (
 )
 
 
-# -- key maps, for loads (checkpoint key -> model name) and export (model name -> key) -------
-
-
 def check_key_map(owner: str, value: Any) -> None:
     """Refuse, in ``owner``'s words, a ``key_map`` that is not None, a dict, a callable or
     (regex, replacement) pairs."""
@@ -76,11 +73,8 @@ def check_key_map(owner: str, value: Any) -> None:
             "Pass e.g. {'lm_head.weight': 'output.weight'} or [(r'^model\\.', '')]",
         )
     for pair in value:
-        if not (
-            isinstance(pair, tuple | list)
-            and len(pair) == 2
-            and all(isinstance(x, str) for x in pair)
-        ):
+        strings = isinstance(pair, tuple | list) and all(isinstance(x, str) for x in pair)
+        if not strings or len(pair) != 2:
             raise config_error(
                 owner,
                 "key_map",
@@ -121,9 +115,9 @@ def key_mapper(key_map: KeyMap) -> Mapper:
 
 def describe_key_map(key_map: KeyMap) -> str:
     """``key_map`` as ranks compare it: a dict by its sorted items, a callable by its name."""
-    if isinstance(key_map, Mapping):
-        return describe_value(dict(sorted(key_map.items())))
-    return describe_value(key_map)
+    return describe_value(
+        dict(sorted(key_map.items())) if isinstance(key_map, Mapping) else key_map
+    )
 
 
 def map_name(mapper: Mapper, name: str, owner: str, given: str, wanted: str) -> str | None:
@@ -179,9 +173,6 @@ STATE_DICT_SPEC = LoaderSpec(
 )
 
 
-# -- a unit's states, by every name they go by -----------------------------------------------
-
-
 @frozen
 class Entry:
     """One storage of a unit with every name it goes by (tied parameters have several)."""
@@ -203,24 +194,15 @@ def unit_entries(
     for m in modules:
         prefix = qualified(unit.fqn, rel.get(id(m), ""))
         skip: set[str] = getattr(m, "_non_persistent_buffers_set", set())
-        named: list[tuple[str, torch.Tensor]] = [
-            (n, p)
-            for n, p in m.named_parameters(recurse=False, remove_duplicate=False)
-            if p is not None
-        ]
-        named += [
-            (n, b)
-            for n, b in m.named_buffers(recurse=False, remove_duplicate=False)
-            if b is not None and n not in skip
-        ]
+        params = m.named_parameters(recurse=False, remove_duplicate=False)
+        buffers = m.named_buffers(recurse=False, remove_duplicate=False)
+        named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in params if p is not None]
+        named += [(n, b) for n, b in buffers if b is not None and n not in skip]
         for name, t in named:
             full = clean_name(f"{prefix}.{name}" if prefix else name)
             by_id.setdefault(id(t), ([], t))[0].append(full)
     for names, t in by_id.values():
         yield Entry(tuple(dict.fromkeys(names)), t)
-
-
-# -- matching a source against the model ------------------------------------------------------
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -259,12 +241,11 @@ def match_source(
     ConfigurationError in ``spec``'s words names every problem. ``every_state``: missing keys
     are errors even when not ``strict``."""
     found = Match()
-    for key in sorted(tensors):
-        name = map_name(mapper, key, spec.name, "checkpoint key", "the model's name")
-        found.mapped[key] = None if name is None else clean_name(name)
     by_name: dict[str, str] = {}
     collisions: list[str] = []
-    for key, name in found.mapped.items():
+    for key in sorted(tensors):
+        name = map_name(mapper, key, spec.name, "checkpoint key", "the model's name")
+        found.mapped[key] = name = None if name is None else clean_name(name)
         if name is None:
             continue
         if name in by_name:
@@ -303,8 +284,10 @@ def match_source(
     problems: list[str] = []
     if collisions:
         problems.append(f"{len(collisions)} name collision(s) after key_map: {listed(collisions)}")
-    if found.missing and (strict or every_state or unfillable):
-        shown = found.missing if strict or every_state else unfillable
+    # Not strict (and every rank reading): only states left on meta are missing.
+    meta_only = not (strict or every_state)
+    shown = unfillable if meta_only else found.missing
+    if shown:
         problems.append(f"{len(shown)} missing key(s): {listed(shown)}")
     if found.unexpected and strict:
         problems.append(f"{len(found.unexpected)} unexpected key(s): {listed(found.unexpected)}")
@@ -318,7 +301,7 @@ def match_source(
         spec.name,
         spec.argument,
         f"{describe} does not match the model: {'; '.join(problems)}"
-        f"{_hint(found, matched, shapes, tensors, entries, strict, unfillable, every_state)}",
+        f"{_hint(found, matched, shapes, tensors, entries, meta_only and bool(unfillable))}",
         spec.mismatch_fix,
     )
 
@@ -329,9 +312,7 @@ def _hint(
     shapes: list[str],
     tensors: Mapping[str, TensorMeta],
     entries: list[Entry],
-    strict: bool,
-    unfillable: list[str],
-    every_state: bool,
+    meta_only: bool,
 ) -> str:
     if found.unexpected and any(k.startswith(("module.", "_orig_mod.")) for k in found.unexpected):
         return " (keys start with a wrapper prefix: strip 'module.' / '_orig_mod.')"
@@ -348,7 +329,7 @@ def _hint(
             f". {len(shapes)} of the {matched} states it shares with the model differ in shape: "
             "a checkpoint of another config of this model?"
         )
-    if not strict and unfillable and not every_state:
+    if meta_only:
         return " (strict=False leaves out only states that are already real, not on meta)"
     return ""
 
@@ -421,9 +402,6 @@ def report_match(env: Environment, found: Match) -> None:
             unexpected=found.unexpected[:8],
             unexpected_count=len(found.unexpected),
         )
-
-
-# -- a build's load, unit by unit --------------------------------------------------------------
 
 
 @define
@@ -630,9 +608,6 @@ class Rank0Run(LoadRun):
         return self._broadcast(entries, collective_device(env.agreement_group))
 
 
-# -- the loaders ------------------------------------------------------------------------------
-
-
 class Loader(BaseMaterializer):
     """A materializer that loads through the run its ``prepare`` returns."""
 
@@ -665,10 +640,9 @@ class FromStateDict(Loader):
     or a path rank 0 reads, in any format ``fsdp_builder.sources`` knows. Other ranks pass None
     and may hold the model on meta.
 
-    Rank 0 checks keys and shapes against every unit in ``prepare``, and its verdict reaches
-    every rank before any weight is written. Each unit is then broadcast from rank 0 in buckets
-    of ``bucket_bytes`` (with FSDP2, rank 0 scatters each rank's slices). Dtypes follow the
-    model; ignored states are broadcast whole.
+    Rank 0 checks keys and shapes in ``prepare``, its verdict reaching every rank before any
+    weight is written; then rank 0 broadcasts each unit in buckets of ``bucket_bytes`` (with
+    FSDP2, scatters each rank's slices). Dtypes follow the model; ignored states go whole.
 
     Raises:
         ConfigurationError: on every rank before any weight is written: rank 0 has no source, a

@@ -144,13 +144,10 @@ def _plan(
         for rename in renames:
             name = rename.apply(name)
         for rule, patterns in merges:
-            hit = next(
-                ((s, m) for s, p in enumerate(patterns) if (m := p.search(name)) is not None),
-                None,
-            )
-            if hit is None:
+            hits = [(s, m) for s, p in enumerate(patterns) if (m := p.search(name))]
+            if not hits:
                 continue
-            s, m = hit
+            s, m = hits[0]
             target = name[: m.start()] + rule.target + name[m.end() :]
             known, by_source = groups.setdefault(target, (rule, {}))
             if known is not rule:
