@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import attrs
 import structlog
 import torch
 import torch.distributed as dist
@@ -56,17 +57,6 @@ def progress(message: str, quiet: bool = False) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _show_warning(
-    message: Warning | str,
-    category: type[Warning],
-    filename: str,
-    lineno: int,
-    file: Any = None,
-    line: str | None = None,
-) -> None:
-    print(f"{category.__name__}: {message}", file=sys.stderr, flush=True)
-
-
 def quiet_demo_warnings(rank: int) -> None:
     """Keep the demo's output to warnings a user can act on: only rank 0's (the others repeat
     them), without FSDP2's view warning (the demo never writes its output in place) or FSDP1's
@@ -75,7 +65,9 @@ def quiet_demo_warnings(rank: int) -> None:
         warnings.simplefilter("ignore")
         return
     # One line per warning: where it was raised inside the ranks says nothing here.
-    warnings.showwarning = _show_warning
+    warnings.showwarning = lambda message, category, *_: print(
+        f"{category.__name__}: {message}", file=sys.stderr, flush=True
+    )
     warnings.filterwarnings("ignore", message=r".*returned a view tensor", category=UserWarning)
     warnings.filterwarnings(
         "ignore", message=r"The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning
@@ -85,102 +77,65 @@ def quiet_demo_warnings(rank: int) -> None:
 DEMO_SEED = 0
 
 
-def compile_backend(name: str, cuda: bool) -> str | None:
-    """``--compile``'s backend: ``default`` is inductor on CUDA, ``aot_eager`` on CPU (no C
-    compiler needed); other names pass through."""
-    if name != "default":
-        return name
-    return None if cuda else "aot_eager"
-
-
-def build_demo(
-    backend: str,
-    strategy: str,
-    activation_checkpointing: bool = False,
-    compile: str | None = None,
-) -> ShardingBuilder:
+def build_demo(args: argparse.Namespace) -> ShardingBuilder:
     """The demo's builder: world-size-invariant weights from meta; blocks optionally
     checkpointed and compiled, in torchtitan's order (checkpoint, compile, shard)."""
-    builder = builder_for(backend)
+    builder = builder_for(args.backend)
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    builder.device(device).wrap(Block).sharding(strategy)
+    builder.device(device).wrap(Block).sharding(args.strategy)
     builder.materialize(DeterministicInit(seed=DEMO_SEED))
-    if activation_checkpointing:
+    if args.activation_checkpointing:
         builder.activation_checkpointing(Block)
-    if compile is not None:
-        chosen = compile_backend(compile, cuda)
+    if args.compile is not None:
+        # "default": inductor on CUDA, aot_eager on CPU (no C compiler needed).
+        chosen = {"default": None if cuda else "aot_eager"}.get(args.compile, args.compile)
         builder.compile(per_unit=True, **({} if chosen is None else {"backend": chosen}))
-    if strategy == "hybrid":
-        world = dist.get_world_size()
-        per_node = local_node_size(world)
-        builder.groups(AutoHybridGroups(devices_per_node=per_node))
+    if args.strategy == "hybrid":
+        builder.groups(AutoHybridGroups(devices_per_node=local_node_size(dist.get_world_size())))
     return builder
 
 
-def demo_rank(
-    backend: str,
-    strategy: str,
-    steps: int,
-    verbose: bool,
-    quiet: bool = False,
-    activation_checkpointing: bool = False,
-    compile: str | None = None,
-) -> dict[str, Any]:
-    """One rank of the demo: build, train on a fixed batch, return the report and losses."""
-    configure_logging(verbose)
+def demo_rank(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of ``demo``: build, train on a fixed batch, return the report and losses."""
+    configure_logging(args.verbose)
     rank, world = dist.get_rank(), dist.get_world_size()
     quiet_demo_warnings(rank)
-    lead = rank == 0 and not quiet
+    lead = rank == 0 and not args.quiet
     cfg = DemoConfig()
     with torch.device("meta"):
         model = DemoTransformer(cfg)
     progress(
-        f"{world} rank(s) ready; building the sharded model ({backend}, {strategy})…", not lead
+        f"{world} rank(s) ready; building the sharded model ({args.backend}, {args.strategy})…",
+        not lead,
     )
-    builder = build_demo(backend, strategy, activation_checkpointing, compile)
+    builder = build_demo(args)
     sharded = builder.build(model)
-    if steps:
-        progress(f"training {steps} step(s) on a fixed batch…", not lead)
-    losses = train(sharded, cfg, steps, rank, world, fixed_batch=True)
+    if args.steps:
+        progress(f"training {args.steps} step(s) on a fixed batch…", not lead)
+    losses = train(sharded, cfg, args.steps, rank, world, fixed_batch=True)
     report = builder.report
     return {
         "text": report.format(),
         "world_size": world,
-        "backend": backend,
+        "backend": args.backend,
         "strategy": report.strategy,
-        "stages": [
-            {"name": s["name"], "seconds": s["seconds"], "peak_bytes": s["peak_bytes"]}
-            for s in report.stages()
-        ],
+        "stages": [{k: s[k] for k in ("name", "seconds", "peak_bytes")} for s in report.stages()],
         "units": len(builder.plan),
         "model_params": builder.plan.numel,
         "losses": losses,
-        "activation_checkpointing": activation_checkpointing,
-        "compile": compile,
+        "activation_checkpointing": args.activation_checkpointing,
+        "compile": args.compile,
     }
 
 
-def _under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    if _under_torchrun():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
-            out = demo_rank(
-                args.backend,
-                args.strategy,
-                args.steps,
-                args.verbose,
-                args.quiet,
-                args.activation_checkpointing,
-                args.compile,
-            )
+            out = demo_rank(args)
             # Every rank's losses, as when the demo starts the ranks itself.
             per_rank: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, out["losses"])
@@ -196,18 +151,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"starting {args.world_size} rank(s) on gloo (each imports torch: a few seconds)…",
             args.quiet,
         )
-        outs = run_ranks(
-            demo_rank,
-            args.world_size,
-            args.backend,
-            args.strategy,
-            args.steps,
-            args.verbose,
-            args.quiet,
-            args.activation_checkpointing,
-            args.compile,
-            timeout=args.timeout,
-        )
+        outs = run_ranks(demo_rank, args.world_size, args, timeout=args.timeout)
         out = outs[0]
         out["losses_per_rank"] = [o["losses"] for o in outs]
     if args.json:
@@ -244,6 +188,17 @@ def load_factory(spec: str) -> Any:
         raise SystemExit(f"{module_name!r} has no attribute {attr!r}") from None
 
 
+def wrap_classes(model: torch.nn.Module, names: list[str] | None) -> list[type[torch.nn.Module]]:
+    """The classes of ``model``'s modules named by ``--wrap``; exits naming one that none has."""
+    classes: list[type[torch.nn.Module]] = []
+    for name in names or []:
+        found = {type(m) for m in model.modules() if type(m).__name__ == name}
+        if not found:
+            raise SystemExit(f"--wrap {name}: no module of that class in the model")
+        classes.extend(found)
+    return classes
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from fsdp_builder.planning.ignored import IgnoredStates
     from fsdp_builder.planning.plan import plan_units
@@ -262,23 +217,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         return run_cli(args, load_factory)
     if is_config_path(args.factory):  # a transformers folder or config.json
-        try:
-            model = meta_model_from_config(args.factory)
-        except ConfigurationError as exc:
-            raise SystemExit(str(exc)) from exc
+        model = meta_model_from_config(args.factory)
     else:
-        factory = load_factory(args.factory)
         with torch.device("meta"):
-            model = factory()
+            model = load_factory(args.factory)()
     if not isinstance(model, torch.nn.Module):
         raise SystemExit(f"{args.factory} returned {type(model).__name__}, not an nn.Module")
-    classes: list[type[torch.nn.Module]] = []
-    for name in args.wrap or []:
-        matches = {type(m) for m in model.modules() if type(m).__name__ == name}
-        if not matches:
-            raise SystemExit(f"--wrap {name}: no module of that class in the model")
-        classes.extend(matches)
-    plan = plan_units(model, WrapPolicy(classes=tuple(classes)), IgnoredStates())
+    classes = tuple(wrap_classes(model, args.wrap))
+    plan = plan_units(model, WrapPolicy(classes=classes), IgnoredStates())
     world, per_node = args.world_size, args.devices_per_node
     training = training_estimate(
         plan,
@@ -290,47 +236,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         devices_per_node=per_node,
     )
     if args.json:
-        hybrid = hybrid_shard_size(world, per_node)
-        print(
-            json.dumps(
-                {
-                    "factory": args.factory,
-                    "world_size": world,
-                    "hybrid_shard_size": hybrid,
-                    "params": plan.numel,
-                    "bytes": plan.nbytes,
-                    "largest_unit_bytes": plan.largest_unit_bytes,
-                    "units": [
-                        {
-                            "name": u.label,
-                            "params": u.numel,
-                            "bytes": u.nbytes,
-                            "buffers": len(u.buffers),
-                        }
-                        for u in plan
-                    ],
-                    "build": [
-                        {
-                            "backend": e.backend,
-                            "strategy": e.strategy,
-                            "shard_size": e.shard_size,
-                            "after_build": e.after_build,
-                            "per_unit_peak": e.per_unit_peak,
-                            "shard_first_peak": e.shard_first_peak,
-                            "full_model_peak": e.full_model_peak,
-                        }
-                        for e in estimates(plan, world, per_node)
-                    ],
-                    "training": training.as_dict(),
-                }
-            )
-        )
-        return 0
-    print(plan.format())
-    print()
-    print(format_estimates(plan, world, per_node))
-    print()
-    print(format_training(training, world))
+        report = {
+            "factory": args.factory,
+            "world_size": world,
+            "hybrid_shard_size": hybrid_shard_size(world, per_node),
+            "params": plan.numel,
+            "bytes": plan.nbytes,
+            "largest_unit_bytes": plan.largest_unit_bytes,
+            "units": [
+                {"name": u.label, "params": u.numel, "bytes": u.nbytes, "buffers": len(u.buffers)}
+                for u in plan
+            ],
+            "build": [attrs.asdict(e) for e in estimates(plan, world, per_node)],
+            "training": training.as_dict(),
+        }
+        print(json.dumps(report))
+    else:
+        estimated = format_estimates(plan, world, per_node)
+        print(plan.format(), estimated, format_training(training, world), sep="\n\n")
     return 0
 
 
@@ -356,6 +279,11 @@ def cmd_bench(rest: list[str]) -> int:
     return int(harness.main(rest))
 
 
+def _add_layout(parser: argparse.ArgumentParser, backend_help: str, strategy_help: str) -> None:
+    parser.add_argument("--backend", choices=BACKENDS, default="fsdp1", help=backend_help)
+    parser.add_argument("--strategy", choices=STRATEGIES, default="full", help=strategy_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-builder",
@@ -379,18 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="ranks to start (default 2; ignored under torchrun, which sets the world)",
     )
-    demo.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="fsdp1",
-        help="fsdp1: FullyShardedDataParallel (FSDPBuilder); fsdp2: fully_shard "
+    _add_layout(
+        demo,
+        "fsdp1: FullyShardedDataParallel (FSDPBuilder); fsdp2: fully_shard "
         "(FullyShardBuilder). Default fsdp1",
-    )
-    demo.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default="full",
-        help="full: shard parameters, gradients and optimizer states; grad_op: keep parameters "
+        "full: shard parameters, gradients and optimizer states; grad_op: keep parameters "
         "gathered between forward and backward; hybrid: shard within a node of 2 ranks, "
         "replicate across nodes; none: replicate (NO_SHARD). Default full",
     )
@@ -455,17 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks per node, for hybrid sharding's shard groups (default: what "
         "AutoHybridGroups finds on this machine)",
     )
-    plan.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="fsdp1",
-        help="backend of the training estimate (default fsdp1)",
-    )
-    plan.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default="full",
-        help="sharding strategy of the training estimate (default full)",
+    _add_layout(
+        plan,
+        "backend of the training estimate (default fsdp1)",
+        "sharding strategy of the training estimate (default full)",
     )
     plan.add_argument(
         "--optimizer",

@@ -113,8 +113,7 @@ def train(
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        global_batch = batch(cfg, 0 if fixed_batch else step, per_rank * world_size)
-        tokens = global_batch[rank * per_rank : (rank + 1) * per_rank]
+        tokens = batch(cfg, 0 if fixed_batch else step, per_rank * world_size).split(per_rank)[rank]
         opt.zero_grad()
         loss = loss_fn(model, tokens, cfg.vocab)
         loss.backward()
@@ -139,8 +138,7 @@ def reference(
     for step in range(steps):
         tokens = batch(cfg, 0 if fixed_batch else step, per_rank * world_size)
         with torch.no_grad():
-            for r in range(world_size):
-                part = tokens[r * per_rank : (r + 1) * per_rank]
+            for r, part in enumerate(tokens.split(per_rank)):
                 per_slice[r].append(float(loss_fn(model, part, cfg.vocab)))
         opt.zero_grad()
         loss_fn(model, tokens, cfg.vocab).backward()

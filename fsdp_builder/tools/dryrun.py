@@ -21,6 +21,7 @@ the device (bandwidth, NCCL, allocator caching and fragmentation).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -38,13 +39,14 @@ import torch.distributed as dist
 from attrs import frozen
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_builder.builder import ShardingBuilder, builder_for
+from fsdp_builder.config import _STRATEGY_ALIASES
 from fsdp_builder.devices import ExplicitDevice
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.planning.ignored import clean_name
@@ -55,13 +57,8 @@ from fsdp_builder.sources.hf_safetensors import RECORDER
 # What a rank reports when its build needed a value that only other ranks would have sent.
 NOT_SIMULATED = "not simulated"
 
-_STRATEGY_NAMES = {
-    ShardingStrategy.FULL_SHARD: "full",
-    ShardingStrategy.SHARD_GRAD_OP: "grad_op",
-    ShardingStrategy.HYBRID_SHARD: "hybrid",
-    ShardingStrategy._HYBRID_SHARD_ZERO2: "hybrid",
-    ShardingStrategy.NO_SHARD: "none",
-}
+# ShardingStrategy -> its name on the command line (both hybrid strategies: "hybrid").
+_STRATEGY_NAMES = {s: name.removesuffix("_zero2") for name, s in _STRATEGY_ALIASES.items()}
 
 # In-place fills whose result a FakeTensor cannot hold anyway: answered without dispatch (the
 # block-seeded initializers call them once per 64 Ki elements).
@@ -73,6 +70,7 @@ _UNWRITTEN = frozenset(
     {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.new_empty}
     | {torch.ops.aten.new_empty_strided, torch.ops.aten.empty_like}
 )
+
 
 @frozen
 class Shard:
@@ -228,19 +226,14 @@ class _NoStorage(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _header(path: str, cache: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    found = cache.get(path)
-    if found is None:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            found = json.loads(f.read(size))
-        found["__base__"] = 8 + size
-        cache[path] = found
-    return found
+def _header(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header: dict[str, Any] = json.loads(f.read(size))
+    return header | {"__base__": 8 + size}
 
 
-def _read_of(path: Path, key: str, index: Index | None, cache: dict[str, dict[str, Any]]) -> Read:
-    header = _header(str(path), cache)
+def _read_of(path: Path, key: str, index: Index | None, header: dict[str, Any]) -> Read:
     entry = header[key]
     shape = tuple(entry["shape"])
     begin, end = (header["__base__"] + offset for offset in entry["data_offsets"])
@@ -261,8 +254,10 @@ def _read_of(path: Path, key: str, index: Index | None, cache: dict[str, dict[st
 def _recorded_reads(reads: list[Read]) -> Iterator[None]:
     """Safetensors sources opened in this context record each read (file, tensor, byte range
     from the file's header) instead of making it; sources elsewhere read as usual."""
-    cache: dict[str, dict[str, Any]] = {}
-    token = RECORDER.set(lambda path, key, index: reads.append(_read_of(path, key, index, cache)))
+    header = functools.cache(_header)  # each file's header read once
+    token = RECORDER.set(
+        lambda path, key, index: reads.append(_read_of(path, key, index, header(str(path))))
+    )
     try:
         yield
     finally:
@@ -416,16 +411,14 @@ def simulate_rank(
         if error is not None:
             return _failed(builder, model, backend, rank, seconds, error, reads)
         env = builder.environment
-        strategy = _STRATEGY_NAMES.get(env.strategy, "full")
-        shard_size = env.groups.world_size
         step_peak, step_note = _step_peak(built, step, mode) if step else (None, None)
         return RankRun(
             rank,
             backend,
             seconds,
             plan=env.plan,
-            strategy=strategy,
-            shard_size=shard_size,
+            strategy=_STRATEGY_NAMES.get(env.strategy, "full"),
+            shard_size=env.groups.world_size,
             shards=tuple(local_shards(built)),
             buffer_bytes=sum(u.buffer_bytes for u in env.plan),
             largest_unit_bytes=env.plan.largest_unit_bytes,
@@ -487,12 +480,6 @@ def simulate(
     Raises:
         ConfigurationError: ``world_size`` or ``ranks`` invalid, or a process group already
             initialized in this process.
-
-    Example:
-        ```python
-        run = simulate(lambda: FullyShardBuilder().wrap(Block), make_model, 1024, ranks=(0, 1023))
-        print(format_dry_run(run))
-        ```
     """
     chosen = _check_args(world_size, ranks)
     started = time.perf_counter()
@@ -557,13 +544,9 @@ def cli_builder(args: Any, model: nn.Module) -> Callable[[], ShardingBuilder]:
     node divide the world, node groups otherwise."""
     from fsdp_builder.groups import AutoHybridGroups
     from fsdp_builder.materializers.checkpoints import FromCheckpoint
+    from fsdp_builder.tools.cli import wrap_classes
 
-    classes: list[type[nn.Module]] = []
-    for name in args.wrap or []:
-        found = {type(m) for m in model.modules() if type(m).__name__ == name}
-        if not found:
-            raise SystemExit(f"--wrap {name}: no module of that class in the model")
-        classes.extend(found)
+    classes = wrap_classes(model, args.wrap)
 
     def make() -> ShardingBuilder:
         builder = builder_for(args.backend).sharding(args.strategy)
@@ -596,9 +579,7 @@ def run_cli(args: Any, load_factory: Callable[[str], Any]) -> int:
     model_factory: Callable[[], nn.Module]
     if is_config_path(spec):
         meta_model_from_config(spec)  # a bad config is named once, before any rank
-
-        def model_factory() -> nn.Module:
-            return meta_model_from_config(spec)
+        model_factory = functools.partial(meta_model_from_config, spec)
     else:
         model_factory = load_factory(spec)
     if args.builder:

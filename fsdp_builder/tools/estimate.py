@@ -78,8 +78,7 @@ def estimate(
     after = sum(kept)
     # While unit k is sharded the rank holds the shards of units before it, unit k in full and
     # the backend's working copies (``Backend.sharding_bytes``).
-    peak = 0
-    done = 0
+    peak = done = 0
     extras = [layout.sharding_bytes(u, shards) for u in plan]
     for unit, own, extra in zip(plan, kept, extras, strict=True):
         peak = max(peak, done + unit.nbytes + extra)
@@ -131,11 +130,7 @@ def format_estimates(plan: UnitPlan, world_size: int, devices_per_node: int | No
 # torch.optim's states per parameter, each of the parameter's dtype and shape (Adam's step
 # counters are scalars and not counted).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
-PARAM_DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = "not estimated (they depend on batch size, sequence length and checkpointing)"
 
 
@@ -182,8 +177,7 @@ def _compute_bytes(unit: Unit, dtype: torch.dtype | None) -> int:
     if dtype is None:
         return unit.param_bytes
     return sum(
-        p.numel * (dtype.itemsize if p.dtype.is_floating_point else p.dtype.itemsize)
-        for p in unit.params
+        p.numel * (dtype if p.dtype.is_floating_point else p.dtype).itemsize for p in unit.params
     )
 
 

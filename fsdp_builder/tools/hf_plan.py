@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ from torch import nn
 from fsdp_builder.errors import ConfigurationError, config_error
 
 CONFIG_NAME = "config.json"
-_WHERE = "fsdp-builder plan"
-_ARGUMENT = "FOLDER"
+
+
+def _refused(problem: str, fix: str) -> ConfigurationError:
+    return config_error("fsdp-builder plan", "FOLDER", problem, fix)
 
 
 def is_config_path(spec: str) -> bool:
@@ -30,18 +33,14 @@ def config_file(spec: str | os.PathLike[str]) -> Path:
     if path.is_dir():
         found = path / CONFIG_NAME
         if not found.is_file():
-            raise config_error(
-                _WHERE,
-                _ARGUMENT,
+            raise _refused(
                 f"the folder {str(path)!r} has no {CONFIG_NAME}",
                 "Pass a folder written by `save_pretrained` (or `config.save_pretrained`), or "
                 "the path of its config.json",
             )
         return found
     if not path.is_file():
-        raise config_error(
-            _WHERE,
-            _ARGUMENT,
+        raise _refused(
             f"{str(path)!r} does not exist",
             "Pass the folder that holds the model's config.json, or the file itself; for a "
             "Python model pass MODULE:FACTORY (e.g. mymodel:make)",
@@ -64,9 +63,7 @@ def meta_model_from_config(spec: str | os.PathLike[str]) -> nn.Module:
     try:
         import transformers
     except ImportError as exc:
-        raise config_error(
-            _WHERE,
-            _ARGUMENT,
+        raise _refused(
             f"planning {str(spec)!r} from its {CONFIG_NAME} needs transformers, which is not "
             "installed",
             "Install it (`pip install transformers`), or pass MODULE:FACTORY",
@@ -75,9 +72,7 @@ def meta_model_from_config(spec: str | os.PathLike[str]) -> nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers' and huggingface_hub's validators raise their own
-        raise config_error(
-            _WHERE,
-            _ARGUMENT,
+        raise _refused(
             f"{str(path)!r} is not a configuration transformers accepts "
             f"({type(exc).__name__}: {_one_line(exc)})",
             "Fix the value it names in the config.json (as `save_pretrained` writes it, with its "
@@ -88,9 +83,7 @@ def meta_model_from_config(spec: str | os.PathLike[str]) -> nn.Module:
         with torch.device("meta"):
             return cls(config)
     except Exception as exc:  # a value no validator caught, met by a layer's constructor
-        raise config_error(
-            _WHERE,
-            _ARGUMENT,
+        raise _refused(
             f"{cls.__name__} cannot be created from {str(path)!r} "
             f"({type(exc).__name__}: {_one_line(exc)})",
             "Fix the sizes in the config.json: they must be the model's real dimensions",
@@ -111,41 +104,33 @@ def check_sizes(path: Path) -> None:
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise config_error(
-            _WHERE,
-            _ARGUMENT,
+        raise _refused(
             f"{str(path)!r} is not a JSON file ({type(exc).__name__}: {_one_line(exc)})",
             "Pass the config.json that `save_pretrained` wrote",
         ) from exc
     if not isinstance(raw, dict):
-        raise config_error(
-            _WHERE,
-            _ARGUMENT,
+        raise _refused(
             f"{str(path)!r} holds a JSON {type(raw).__name__}, not an object of settings",
             "Pass the config.json that `save_pretrained` wrote",
         )
     for key, value in _sizes(raw, ""):
         values = value if isinstance(value, list) else [value]
         if not all(_may_be_size(v) for v in values):
-            raise config_error(
-                _WHERE,
-                _ARGUMENT,
+            raise _refused(
                 f"{str(path)!r} sets {key}={value!r}, which is not a size: sizes and counts "
                 "are whole numbers of 0 or more",
                 f"Set {key} in the config.json to the model's own value, a whole number",
             )
 
 
-def _sizes(settings: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
+def _sizes(settings: dict[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
     """The size-like settings, nested configs' included, with their dotted names."""
-    found: list[tuple[str, Any]] = []
     for key, value in settings.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            found.extend(_sizes(value, f"{name}."))
+            yield from _sizes(value, f"{name}.")
         elif _SIZE_KEY.search(str(key)):
-            found.append((name, value))
-    return found
+            yield name, value
 
 
 def _may_be_size(value: Any) -> bool:
@@ -159,9 +144,7 @@ def _model_class(transformers: Any, config: Any, path: Path) -> type[nn.Module]:
     if names:
         cls = getattr(transformers, names[0], None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise config_error(
-                _WHERE,
-                _ARGUMENT,
+            raise _refused(
                 f"{str(path)!r} names the architecture {names[0]!r}, which this transformers "
                 f"({getattr(transformers, '__version__', '?')}) does not have",
                 "Upgrade transformers, or remove `architectures` from the config to use "
@@ -173,10 +156,10 @@ def _model_class(transformers: Any, config: Any, path: Path) -> type[nn.Module]:
         if type(config) in mapping:
             found: type[nn.Module] = mapping[type(config)]
             return found
-    raise ConfigurationError(
-        f"`{_WHERE}` got an invalid `{_ARGUMENT}`: {str(path)!r} has no `architectures` and "
-        f"transformers has no model for its {type(config).__name__}. Add the model class to "
-        "the config's `architectures`"
+    raise _refused(
+        f"{str(path)!r} has no `architectures` and transformers has no model for its "
+        f"{type(config).__name__}",
+        "Add the model class to the config's `architectures`",
     )
 
 

@@ -55,18 +55,13 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    limit = timedelta(seconds=timeout)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore(
-            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
-        )
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=limit)
         dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
+            backend, store=store, rank=rank, world_size=world_size, timeout=limit
         )
         value = fn(*args)
         results.put((rank, True, _encode(value)))
@@ -114,11 +109,10 @@ def run_ranks(
         wait_for_workers=False,
         timeout=timedelta(seconds=timeout),
     )
-    port = store.port
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, timeout, fn, args, results),
+            args=(rank, world_size, store.port, backend, timeout, fn, args, results),
             daemon=True,
         )
         for rank in range(world_size)
