@@ -46,7 +46,7 @@ from fsdp_builder.runtime.collectives import (
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.tree import allocate_empty, module_names, qualified, unit_modules
 from fsdp_builder.sources import CheckpointSource, MissingPath, SourceError, TensorMeta, open_source
-from fsdp_builder.sources.base import listed, read_into
+from fsdp_builder.sources.base import listed, reader
 from fsdp_builder.sources.derived import derive
 from fsdp_builder.sources.model_rules import checkpoint_rules
 
@@ -471,10 +471,9 @@ class LoadRun:
         """The tail of a unit's load: the NaN/inf verdict over ``bad()`` (agreed unless every
         rank holds the same values, every rank taking part, also one whose read failed), the
         first error, then the computed buffers."""
-        failed = any(e is not None for e in errors)
         verdict = nonfinite_verdict(
             self.nonfinite,
-            [] if failed else bad(),
+            [] if any(e is not None for e in errors) else bad(),
             loader=self.spec.name,
             unit=unit.label,
             source="rank 0's source" if self.source is None else self.source.describe,
@@ -518,7 +517,7 @@ class Rank0Run(LoadRun):
         env = self.env
         if env.shards_first:
             return self._scatter(unit)
-        source = self.source
+        read = None if self.source is None else reader(self.source)
         modules = list(unit.modules)
         device = collective_device(env.agreement_group)
         fresh = meta_ignored(modules, env.ignored)
@@ -526,12 +525,12 @@ class Rank0Run(LoadRun):
         allocate_empty(modules, device)
         entries = list(unit_entries(unit, env.ignored))
         error: BaseException | None = None
-        if source is not None:
+        if read is not None:
             try:
                 with torch.no_grad():
                     for entry in entries:
                         name = next(n for n in entry.names if n in self.keys)
-                        read_into(source, self.keys[name], None, entry.tensor.detach())
+                        read(self.keys[name], None, entry.tensor.detach())
             except Exception as exc:  # the other ranks are about to wait for this unit
                 error = self.unreadable(unit, exc, "copy")
         agree("materialize (load)", error, unit=unit.label, group=env.agreement_group)

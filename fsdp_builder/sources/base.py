@@ -90,12 +90,6 @@ def reader(source: CheckpointSource) -> Callable[[str, Index | None, torch.Tenso
     return copied
 
 
-def read_into(source: CheckpointSource, key: str, index: Index | None, out: torch.Tensor) -> None:
-    """``out.copy_(source.read(key, index))``, without the copy where the source reads into a
-    destination itself (:class:`ReadsInto`)."""
-    reader(source)(key, index, out)
-
-
 @runtime_checkable
 class FillsTargets(Protocol):
     """A source that writes many tensors at once more cheaply than one read each (DCP)."""
@@ -193,7 +187,6 @@ __all__ = [
     "TensorMeta",
     "checked_source",
     "listed",
-    "read_into",
     "reader",
     "rows",
 ]

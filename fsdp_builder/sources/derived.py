@@ -18,7 +18,7 @@ from fsdp_builder.sources.base import (
     SourceError,
     TensorMeta,
     listed,
-    read_into,
+    reader,
 )
 
 
@@ -275,7 +275,7 @@ class DerivedSource:
         if key in self._merged:
             out.copy_(self.read(key, index))
         else:
-            read_into(self.source, self._plain[key], index, out)
+            reader(self.source)(self._plain[key], index, out)
 
     def close(self) -> None:
         self.source.close()
