@@ -26,8 +26,8 @@ import torch.distributed as dist
 from fsdp_builder import AutoHybridGroups, DeterministicInit, ShardingBuilder
 from fsdp_builder.builder import builder_for
 from fsdp_builder.errors import ConfigurationError
+from fsdp_builder.tools import estimate
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
-from fsdp_builder.tools.estimate import BACKENDS, OPTIMIZER_STATES, PARAM_DTYPES, local_node_size
 
 STRATEGIES = ("full", "grad_op", "hybrid", "none")
 EPILOG = (
@@ -92,7 +92,8 @@ def build_demo(args: argparse.Namespace) -> ShardingBuilder:
         chosen = {"default": None if cuda else "aot_eager"}.get(args.compile, args.compile)
         builder.compile(per_unit=True, **({} if chosen is None else {"backend": chosen}))
     if args.strategy == "hybrid":
-        builder.groups(AutoHybridGroups(devices_per_node=local_node_size(dist.get_world_size())))
+        per_node = estimate.local_node_size(dist.get_world_size())
+        builder.groups(AutoHybridGroups(devices_per_node=per_node))
     return builder
 
 
@@ -203,13 +204,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fsdp_builder.planning.ignored import IgnoredStates
     from fsdp_builder.planning.plan import plan_units
     from fsdp_builder.planning.wrap import WrapPolicy
-    from fsdp_builder.tools.estimate import (
-        estimates,
-        format_estimates,
-        format_training,
-        hybrid_shard_size,
-        training_estimate,
-    )
     from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
 
     if args.simulate is not None:
@@ -226,7 +220,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     classes = tuple(wrap_classes(model, args.wrap))
     plan = plan_units(model, WrapPolicy(classes=classes), IgnoredStates())
     world, per_node = args.world_size, args.devices_per_node
-    training = training_estimate(
+    training = estimate.training_estimate(
         plan,
         world,
         strategy=args.strategy,
@@ -239,7 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         report = {
             "factory": args.factory,
             "world_size": world,
-            "hybrid_shard_size": hybrid_shard_size(world, per_node),
+            "hybrid_shard_size": estimate.hybrid_shard_size(world, per_node),
             "params": plan.numel,
             "bytes": plan.nbytes,
             "largest_unit_bytes": plan.largest_unit_bytes,
@@ -247,13 +241,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 {"name": u.label, "params": u.numel, "bytes": u.nbytes, "buffers": len(u.buffers)}
                 for u in plan
             ],
-            "build": [attrs.asdict(e) for e in estimates(plan, world, per_node)],
+            "build": [attrs.asdict(e) for e in estimate.estimates(plan, world, per_node)],
             "training": training.as_dict(),
         }
         print(json.dumps(report))
     else:
-        estimated = format_estimates(plan, world, per_node)
-        print(plan.format(), estimated, format_training(training, world), sep="\n\n")
+        estimates = estimate.format_estimates(plan, world, per_node)
+        print(plan.format(), estimates, estimate.format_training(training, world), sep="\n\n")
     return 0
 
 
@@ -280,7 +274,7 @@ def cmd_bench(rest: list[str]) -> int:
 
 
 def _add_layout(parser: argparse.ArgumentParser, backend_help: str, strategy_help: str) -> None:
-    parser.add_argument("--backend", choices=BACKENDS, default="fsdp1", help=backend_help)
+    parser.add_argument("--backend", choices=estimate.BACKENDS, default="fsdp1", help=backend_help)
     parser.add_argument("--strategy", choices=STRATEGIES, default="full", help=strategy_help)
 
 
@@ -383,14 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--optimizer",
-        choices=tuple(OPTIMIZER_STATES),
+        choices=tuple(estimate.OPTIMIZER_STATES),
         default="adamw",
         help="optimizer of the training estimate: adamw/adam keep 2 states per parameter, "
         "sgd-momentum 1, sgd and none 0 (default adamw)",
     )
     plan.add_argument(
         "--param-dtype",
-        choices=tuple(PARAM_DTYPES),
+        choices=tuple(estimate.PARAM_DTYPES),
         help="mixed-precision compute dtype, as .mixed_precision(param_dtype=...): adds the "
         "low-precision copies gathered for compute (default: no mixed precision)",
     )

@@ -1,21 +1,7 @@
 """A dry run of the real build at the job's world size, one simulated rank at a time, in one
-process and without the memory of the model.
-
-:func:`simulate` starts torch's fake process group (collectives return at once, any world size,
-any rank), makes the model on the meta device and runs the builder's own ``build(model)``, so a
-configuration the real job would refuse is refused with the same error.
-
-- **Peers.** An all-gather returns this rank's contribution for every rank, as in a correct job
-  where every rank runs the same script; an exchange of values that differ between ranks (the
-  grid check of hybrid FSDP2 process groups) is reported as :data:`NOT_SIMULATED`.
-- **Storage.** Floating-point tensors the build makes are ``FakeTensor``s (shape, dtype, no
-  memory); random draws do nothing and reading a value gives 0, so value checks pass.
-- **Checkpoint reads** of safetensors files are recorded from the files' headers, not made.
-
-Exact for the simulated build: the local shards, the reads, and ``build_peak``, the most bytes
-of tensor storage alive at once from their first write (the pages the real build touches).
-With ``step``, torch's ``FSDPMemTracker`` gives a training step's peak (FSDP2 only). Unknown:
-the device (bandwidth, NCCL, allocator caching and fragmentation).
+process and without the memory of the model: the builder's own ``build(model)`` on torch's fake
+process group, with ``FakeTensor`` storage and safetensors reads recorded from the files'
+headers. What it checks and what it cannot: docs/before_you_launch.md.
 """
 
 from __future__ import annotations

@@ -159,14 +159,8 @@ class TrainingEstimate:
 
     @property
     def total(self) -> int:
-        return (
-            self.params
-            + self.buffers
-            + self.gradients
-            + self.optimizer_states
-            + self.gathered_params
-            + self.gathered_gradients
-        )
+        held = (self.params, self.buffers, self.gradients, self.optimizer_states)
+        return sum(held) + self.gathered_params + self.gathered_gradients
 
     def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "total": self.total, "activations": ACTIVATIONS}
