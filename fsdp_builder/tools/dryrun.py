@@ -337,14 +337,9 @@ def on_cpu(builder: ShardingBuilder) -> ShardingBuilder:
 
 
 def _failed(
-    builder: ShardingBuilder,
-    model: nn.Module,
-    backend: str,
-    rank: int,
-    seconds: float,
-    error: BaseException,
-    reads: list[Read],
+    run: RankRun, builder: ShardingBuilder, model: nn.Module, error: BaseException
 ) -> RankRun:
+    """``run`` with the build's ``error``, and the unit plan when planning did not fail."""
     plan: UnitPlan | None
     try:
         plan = builder.plan_for(model)
@@ -359,7 +354,7 @@ def _failed(
             "shard group, which a fake process group cannot answer; pass a DeviceMesh to "
             ".groups(...) to simulate a hybrid FSDP2 build"
         )
-    return RankRun(rank, backend, seconds, kind, text, plan=plan, reads=tuple(reads))
+    return attrs.evolve(run, error_type=kind, error=text, plan=plan)
 
 
 def simulate_rank(
@@ -395,7 +390,8 @@ def simulate_rank(
         seconds = time.perf_counter() - started
         backend = builder._backend().name
         if error is not None:
-            return _failed(builder, model, backend, rank, seconds, error, reads)
+            run = RankRun(rank, backend, seconds, reads=tuple(reads))
+            return _failed(run, builder, model, error)
         env = builder.environment
         step_peak, step_note = _step_peak(built, step, mode) if step else (None, None)
         return RankRun(
