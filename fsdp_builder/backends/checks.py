@@ -29,8 +29,7 @@ def unit_parameters(plan: UnitPlan) -> Iterator[tuple[Unit, str, nn.Parameter]]:
     """Each unit's own parameters (as the plan assigns them), with their clean names."""
     by_name: dict[str, nn.Parameter] = {}
     for name, found in plan.root.module.named_parameters(remove_duplicate=False):
-        if found is not None:
-            by_name.setdefault(clean_name(name), found)
+        by_name.setdefault(clean_name(name), found)
     for unit in plan:
         for info in unit.params:
             param = by_name.get(info.name)

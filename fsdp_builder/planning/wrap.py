@@ -349,7 +349,7 @@ def checkpoint_unit(
     return module
 
 
-def _check_predicate_arity(fn: Callable[..., Any], where: str = "ShardingBuilder.wrap") -> None:
+def _check_predicate_arity(fn: Callable[..., Any]) -> None:
     """A predicate is called as ``fn(module, fqn)``: refuse one that cannot take those two
     positional arguments (a signature that cannot be read is accepted)."""
     try:
@@ -360,9 +360,7 @@ def _check_predicate_arity(fn: Callable[..., Any], where: str = "ShardingBuilder
         signature.bind(nn.Module(), "")
     except TypeError as exc:
         name = getattr(fn, "__name__", type(fn).__name__)
-        raise config_error(
-            where,
-            "policy",
+        raise _wrap_error(
             f"the predicate {name}{signature} cannot be called as {name}(module, fqn) ({exc})",
             "Pass a callable taking two arguments, the module and its fully-qualified name: "
             "e.g. `lambda module, fqn: isinstance(module, Block)`.",
