@@ -28,14 +28,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _encode(value: Any) -> bytes:
-    # torch.save keeps tensors self-contained; the queue's default would share storage with a
-    # process that is about to exit.
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
 def _worker(
     rank: int,
     world_size: int,
@@ -63,8 +55,11 @@ def _worker(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=limit
         )
-        value = fn(*args)
-        results.put((rank, True, _encode(value)))
+        # torch.save keeps tensors self-contained; the queue's default would share storage with
+        # a process that is about to exit.
+        buf = io.BytesIO()
+        torch.save(fn(*args), buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
