@@ -376,8 +376,7 @@ def simulate_rank(
             with torch.device("meta") if on_meta else contextlib.nullcontext():
                 model = model_factory()
         except Exception as exc:
-            seconds = time.perf_counter() - started
-            return RankRun(rank, "?", seconds, type(exc).__name__, str(exc))
+            return RankRun(rank, "?", time.perf_counter() - started, type(exc).__name__, str(exc))
         error: BaseException | None = None
         with warnings.catch_warnings():
             # The NaN checks and page accounting touch the FakeTensors' (absent) data.
