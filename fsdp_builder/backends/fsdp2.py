@@ -159,9 +159,7 @@ def mixed_precision_policy(
         )
     cast = policy.cast_root_forward_inputs if is_root else policy.cast_forward_inputs
     return MixedPrecisionPolicy(
-        param_dtype=policy.param_dtype,
-        reduce_dtype=policy.reduce_dtype,
-        cast_forward_inputs=cast,
+        param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, cast_forward_inputs=cast
     )
 
 

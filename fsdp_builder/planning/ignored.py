@@ -206,13 +206,11 @@ def resolve_ignored(
             f"The root module ({type(root).__name__}) is ignored: nothing of the model will be "
             "sharded. Ignore its children instead if that was not the intent."
         )
-    for wrapped in wrapped_states:
-        ignored_modules.update(getattr(wrapped, "_ignored_modules", ()))
+    ignored_modules.update(m for w in wrapped_states for m in getattr(w, "_ignored_modules", ()))
 
     ignored_params = {p for m in ignored_modules for p in m.parameters() if not _is_flattened(p)}
     ignored_params.update(p for p in params if not _is_flattened(p))
-    for wrapped in wrapped_states:
-        ignored_params.update(getattr(wrapped, "_ignored_params", ()))
+    ignored_params.update(p for w in wrapped_states for p in getattr(w, "_ignored_params", ()))
 
     ignored_buffers = {id(b) for m in ignored_modules for b in m.buffers()}
     buffer_names = (
@@ -220,8 +218,7 @@ def resolve_ignored(
         if ignored_buffers
         else set()
     )
-    for wrapped in wrapped_states:
-        buffer_names.update(getattr(wrapped, "_ignored_buffer_names", ()))
+    buffer_names.update(n for w in wrapped_states for n in getattr(w, "_ignored_buffer_names", ()))
     return IgnoredStates(
         frozenset(ignored_modules), frozenset(ignored_params), frozenset(buffer_names)
     )

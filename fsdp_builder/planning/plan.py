@@ -189,8 +189,6 @@ def plan_units(
     if named is None:
         named = list(model.named_modules())
     ties = declared_ties(model, ignored, named)
-    if not ties:
-        return _plan_units(model, wrap, ignored, named)
     with held(ties):
         plan = _plan_units(model, wrap, ignored, named)
     return UnitPlan(plan.units, ties)

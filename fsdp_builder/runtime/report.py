@@ -81,15 +81,8 @@ class BuildReport:
         return sum(r.seconds for r in self.records)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "strategy": self.strategy,
-            "device": self.device,
-            "stages": self.stages(),
-            "units": [attrs.asdict(r) for r in self.records],
-        }
+        fields = attrs.asdict(self, recurse=False, filter=lambda a, _: a.name != "records")
+        return {**fields, "stages": self.stages(), "units": [attrs.asdict(r) for r in self.records]}
 
     def format(self) -> str:
         mib = 1024 * 1024
