@@ -104,9 +104,8 @@ def check_fsdp2_only_options(options: ShardingOptions) -> None:
 
 def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]:
     """The checked ``FullyShardedDataParallel`` arguments this unit overrides."""
-    overrides = called_overrides(unit, options, _WHERE)
     checked: dict[str, Any] = {}
-    for name, value in overrides.items():
+    for name, value in called_overrides(unit, options, _WHERE).items():
         if name in _BUILD_WIDE:
             raise build_wide_error(_WHERE, name, unit.label, _BUILD_WIDE[name])
         if name not in _PER_UNIT:

@@ -96,12 +96,7 @@ def declared_ties(
             ):
                 continue
             found[(id(owner), name)] = DeclaredTie(
-                target=base + str(target),
-                source_name=base + str(source),
-                owner=owner,
-                name=name,
-                untied=untied,
-                source=shared,
+                base + str(target), base + str(source), owner, name, untied, shared
             )
     return tuple(found.values())
 

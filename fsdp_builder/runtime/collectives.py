@@ -44,9 +44,7 @@ class GroupTimeouts:
             for device_type in getattr(pg, "_device_types", []):
                 try:
                     backend = pg._get_backend(torch.device(device_type))
-                    previous = backend.options._timeout
-                    if id(backend) not in self.saved:
-                        self.saved[id(backend)] = (backend, previous)
+                    self.saved.setdefault(id(backend), (backend, backend.options._timeout))
                     backend._set_default_timeout(self.bound)
                 except (AttributeError, RuntimeError):  # this backend cannot change it
                     continue
@@ -328,8 +326,7 @@ def _broadcast_buffer(
     shard_ranks = dist.get_process_group_ranks(groups.shard_group)
     if full is not None and env.rank == src:
         buffer.copy_(full.detach().to(device=buffer.device, dtype=buffer.dtype))
-    in_src_row = src in shard_ranks
-    if in_src_row and groups.shard_group.size() > 1:
+    if src in shard_ranks and groups.shard_group.size() > 1:
         _broadcast_into(buffer, groups.shard_group, shard_ranks.index(src))
     if groups.replicate_group is not None and groups.replicate_group.size() > 1:
         replicate_ranks = dist.get_process_group_ranks(groups.replicate_group)

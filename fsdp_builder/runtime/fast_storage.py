@@ -66,10 +66,9 @@ def prefault(tensor: torch.Tensor) -> None:
     if "no_madvise" in AB_SWITCHES or _MADVISE.works is False or tensor.device.type != "cpu":
         return
     storage = tensor.untyped_storage()
-    nbytes = storage.nbytes()
     start = storage.data_ptr()
     first = -(-start // _PAGE) * _PAGE
-    end = (start + nbytes) // _PAGE * _PAGE
+    end = (start + storage.nbytes()) // _PAGE * _PAGE
     if end > first:
         _MADVISE.populate(first, end - first)
 
