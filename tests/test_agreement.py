@@ -13,7 +13,7 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.distributed as dist
-from isolated import Results, Spawns, run_each, values
+from isolated import START_METHOD, Results, Spawns, run_each, values
 from models import meta_demo
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -239,7 +239,8 @@ def hang_on_rank1() -> None:
 
 def test_launcher_turns_a_hang_into_an_error() -> None:
     # The launcher itself is the subject here, so this test starts its ranks with run_ranks
-    # directly: the harness in ``isolated`` relies on the very deadline this test checks.
+    # directly: the harness in ``isolated`` relies on the very deadline this test checks. It
+    # keeps the launcher's default start method (spawn); the other launcher tests fork.
     with pytest.raises(RankFailure, match=r"did not finish within 15s|raised"):
         run_ranks(hang_on_rank1, 2, timeout=15)
 
@@ -258,7 +259,9 @@ def exit_on_rank1_while_rank0_blocks() -> None:
 
 def test_launcher_kills_the_ranks_a_dead_rank_left_waiting() -> None:
     with pytest.raises(RankFailure) as raised:
-        run_ranks(exit_on_rank1_while_rank0_blocks, 2, timeout=120, grace=1)
+        run_ranks(
+            exit_on_rank1_while_rank0_blocks, 2, timeout=120, grace=1, start_method=START_METHOD
+        )
     message = str(raised.value)
     assert "rank 1 exited with code 3 before reporting a result" in message
     assert "rank 0 was still running after rank(s) 1 died, and was killed" in message
@@ -268,7 +271,7 @@ def test_launcher_says_which_rank_died_and_how() -> None:
     # A rank that exits without reporting ends the run before the deadline, and the error says
     # which rank ended how, not that every rank ran out of time.
     with pytest.raises(RankFailure) as raised:
-        run_ranks(exit_on_rank1, 2, timeout=120, grace=1)
+        run_ranks(exit_on_rank1, 2, timeout=120, grace=1, start_method=START_METHOD)
     message = str(raised.value)
     assert "rank 1 exited with code 3 before reporting a result" in message
     # Rank 0 either saw its peer's connection close and raised, or was killed while waiting.

@@ -31,6 +31,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from isolated import START_METHOD
 from torch import nn
 
 import fsdp_builder.export as export
@@ -462,7 +463,15 @@ def test_a_peer_that_dies_during_the_export_gives_the_survivor_the_library_error
 
     folder, report = tmp_path / "export", tmp_path / "rank0.json"
     with pytest.raises(RankFailure, match="rank 1 exited with code 1"):
-        run_ranks(dies_mid_export, 2, str(folder), str(report), timeout=120, grace=60)
+        run_ranks(
+            dies_mid_export,
+            2,
+            str(folder),
+            str(report),
+            timeout=120,
+            grace=60,
+            start_method=START_METHOD,
+        )
     assert report.exists(), "rank 0 did not finish after rank 1 died"
     outcome = json.loads(report.read_text())
     assert outcome["type"] == "ExportError", outcome

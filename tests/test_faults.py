@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from attrs import frozen
-from isolated import Results, Spawns, run_each, values
+from isolated import START_METHOD, Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.fsdp import (
     FullyShardedDataParallel,
@@ -1179,7 +1179,14 @@ def test_a_rank_that_dies_mid_build_stops_the_survivors_with_the_cause(tmp_path:
     with pytest.raises(RankFailure, match="rank 2"):
         # The survivors get the time they need to raise and write what they saw, however
         # loaded the machine: the launcher would otherwise kill them soon after rank 2 died.
-        run_ranks(dying_ranks, 3, str(tmp_path), timeout=GROUP_TIMEOUT, grace=GROUP_TIMEOUT)
+        run_ranks(
+            dying_ranks,
+            3,
+            str(tmp_path),
+            timeout=GROUP_TIMEOUT,
+            grace=GROUP_TIMEOUT,
+            start_method=START_METHOD,
+        )
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)}
     for rank, result in results.items():
         check_result(
@@ -1201,7 +1208,7 @@ def test_a_rank_slower_than_the_timeout_stops_the_others_within_the_bound() -> N
     would succeed, so the error itself shows the bound ended the wait, with no clock read."""
     # Its own spawn, started with run_ranks: rank 1 is late on purpose, and inside the shared
     # spawn the harness's stall handling (``isolated``) would tear the group down under it.
-    results = run_ranks(slow_ranks, 2, timeout=GROUP_TIMEOUT)
+    results = run_ranks(slow_ranks, 2, timeout=GROUP_TIMEOUT, start_method=START_METHOD)
     check_result(
         results[0],
         CommunicationError,
