@@ -1,7 +1,5 @@
 """Backends: the PyTorch engine that shards one unit, and everything the library knows about it.
-
-Code outside this package asks the backend object; it never compares backend names.
-"""
+Code outside this package asks the backend object; it never compares backend names."""
 
 from __future__ import annotations
 

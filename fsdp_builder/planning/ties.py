@@ -1,9 +1,7 @@
-"""Ties a transformers model declares (``all_tied_weights_keys``) but holds as two meta tensors.
-
-Accelerate's ``init_empty_weights`` gives every parameter a new meta tensor, so ``tie_weights``
-has nothing to tie by identity. The plan treats each pair as one state; the build ties it
-(``UnitPlan.tie_declared``) only once ranks agreed, so a refused build leaves the model as given.
-"""
+"""Ties a transformers model declares (``all_tied_weights_keys``) but holds as two meta tensors
+(Accelerate's ``init_empty_weights`` makes every parameter anew). The plan treats each pair as
+one state; the build ties it (``UnitPlan.tie_declared``) only once ranks agreed, so a refused
+build leaves the model as given."""
 
 from __future__ import annotations
 

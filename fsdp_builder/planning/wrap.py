@@ -109,6 +109,9 @@ class WrapPolicy:
             "partial(transformer_auto_wrap_policy, ...)).",
         )
 
+    def is_default(self) -> bool:
+        return self == WrapPolicy()
+
     def select(
         self,
         root: nn.Module,
@@ -117,7 +120,7 @@ class WrapPolicy:
     ) -> set[nn.Module]:
         """The modules of ``root`` (root excluded) that this policy makes units. Raises when
         module classes are given and the model has none of them."""
-        if self.no_split or self == WrapPolicy():
+        if self.no_split or self.is_default():
             named = list(root.named_modules()) if named is None else named
             declared = no_split_class_names(root, named)
             if self.no_split or declared:
