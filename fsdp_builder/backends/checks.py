@@ -114,7 +114,6 @@ def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
     """What ``fully_shard`` refuses: scalar (0-dim) and non-contiguous parameters."""
     where = "FullyShardBuilder"
     scalars: list[str] = []
-    strided: list[str] = []
     odd: set[str] = set()
     for unit in plan:
         for info in unit.params:
@@ -123,12 +122,11 @@ def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
             elif not info.contiguous:
                 odd.add(info.name)
     # The strides a message shows are read from the tensors only when one is refused.
-    for unit, name, param in unit_parameters(plan) if odd else ():
-        if name in odd:
-            strided.append(
-                f"'{name}' (shape {list(param.shape)}, stride {list(param.stride())}, "
-                f"unit '{unit.label}')"
-            )
+    strided = [
+        f"'{name}' (shape {list(param.shape)}, stride {list(param.stride())}, unit '{unit.label}')"
+        for unit, name, param in (unit_parameters(plan) if odd else ())
+        if name in odd
+    ]
     if scalars:
         raise ConfigurationError(
             f"`{where}.build`: fully_shard shards parameters along dim 0 and refuses scalar "
