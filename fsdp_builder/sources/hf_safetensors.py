@@ -4,8 +4,13 @@ own ``safe_open`` / ``get_slice``: every dtype it reads, only the rows asked for
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
+import mmap
 import os
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from pathlib import Path, PurePath
@@ -20,17 +25,84 @@ from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed, ro
 
 log = get_logger(__name__)
 
-# safe_open maps its file and its slices view the mapping: its touched pages count as the
-# process's memory until it goes. After this many bytes read, a source unmaps the files read
-# from (they reopen at their next read), so a rank's mapped pages stay near this bound instead of
-# its whole share of the checkpoint; as fast (benchmarks/results/safetensors_api.md).
+# safe_open maps its file (privately, never written) and its slices view the mapping: the pages
+# a read touches count as the process's memory until they are dropped. Where the mapping can be
+# told (Linux, /proc/self/maps), a source copies a read in runs of rows of at most _RUN_BYTES and
+# drops the mapping's pages with madvise(MADV_DONTNEED) after each: the page cache keeps the
+# data, and unwritten pages of a private file mapping fault back in from it. Elsewhere it unmaps
+# the files read from after _MAPPED_BYTES read (they reopen at their next read; a smaller budget
+# is slower). Either way a rank's mapped pages stay near that bound instead of its whole share of
+# the checkpoint (benchmarks/results/file_pages.md).
 _MAPPED_BYTES = 16 << 20
+_RUN_BYTES = 2 << 20
+_MADV_DONTNEED = 4
+_HUGE = 2 << 20
+_PAGE = mmap.PAGESIZE
 
 # Sources opened while a recorder is set (a dry run's, ``fsdp_builder.tools.dryrun``) hand it
 # each read (file, key, index) and make none; the read returns an uninitialized tensor.
 RECORDER: ContextVar[Callable[[Path, str, Index | None], None] | None] = ContextVar(
     "safetensors_recorder", default=None
 )
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's ``madvise`` on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    call.restype = ctypes.c_int
+    return call
+
+
+def _file_mapping(path: Path, address: int) -> tuple[int, int] | None:
+    """The address range of the mapping of the file ``path`` that holds ``address``: the run of
+    /proc/self/maps entries naming that file (its device and inode, or its resolved path) around
+    it. None where there is none, or no such listing."""
+    try:
+        stat = os.stat(path)
+        with open("/proc/self/maps") as maps:
+            entries = maps.read().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}"
+    real = os.path.realpath(path)
+    run: tuple[int, int] | None = None
+    for entry in entries:
+        fields = entry.split(maxsplit=5)
+        start, end = (int(bound, 16) for bound in fields[0].split("-"))
+        ours = (
+            len(fields) == 6
+            and fields[4] != "0"
+            and ((fields[3], fields[4]) == (device, str(stat.st_ino)) or fields[5] == real)
+        )
+        if ours and run is not None and run[1] == start:
+            run = (run[0], end)
+            continue
+        if run is not None and run[0] <= address < run[1]:
+            return run
+        run = (start, end) if ours else None
+    return run if run is not None and run[0] <= address < run[1] else None
+
+
+def _touched(piece: torch.Tensor, span: tuple[int, int], last: bool) -> tuple[int, int] | None:
+    """The address and length of the pages a copy of ``piece`` (a view into ``span``) touched,
+    widened to whole huge pages before it, and after it if ``last`` (a read's last run; the next
+    run's drop takes those after an earlier run): the kernel maps pages around a fault too, up to a
+    huge page of a large folio. None for an empty one."""
+    if not piece.numel():
+        return None
+    extent = sum((n - 1) * stride for n, stride in zip(piece.shape, piece.stride(), strict=True))
+    start = piece.data_ptr()
+    end = start + (extent + 1) * piece.element_size()
+    align = _HUGE if last else _PAGE
+    first, end = max(span[0], start // _HUGE * _HUGE), min(span[1], -(-end // align) * align)
+    return (first, end - first) if end > first else None
 
 
 class _File:
@@ -40,6 +112,10 @@ class _File:
         self.path = path
         self._handle: Any = safe_open(str(path), framework="pt")
         self.slices: dict[str, Any] = {}
+        # The address range of the handle's mapping, looked for at its first read (None: not
+        # found, the budgeted unmap applies); the source's lock guards both.
+        self.span: tuple[int, int] | None = None
+        self.searched = False
         # Keys of a dtype safetensors reads whole but does not slice (packed FP4): their rows
         # are taken from the whole tensor, itself a view of the mapping.
         self.whole: set[str] = set()
@@ -52,7 +128,19 @@ class _File:
 
     def unmap(self) -> None:
         """Drop the file's mapping (its next read opens it again): the slices hold it too."""
-        self.slices, self._handle = {}, None
+        self.slices, self._handle, self.span, self.searched = {}, None, None, False
+
+    def mapped(self, part: torch.Tensor) -> tuple[int, int] | None:
+        """The range of this file's mapping, where ``part`` (read from it) lies wholly in it."""
+        storage = part.untyped_storage()
+        start = storage.data_ptr()
+        if not self.searched and start:
+            self.searched = True
+            self.span = _file_mapping(self.path, start) if _madvise() is not None else None
+        span = self.span
+        if span is None or not span[0] <= start <= start + storage.nbytes() <= span[1]:
+            return None
+        return span
 
     def piece(self, key: str) -> Any:
         piece = self.slices.get(key)
@@ -111,6 +199,7 @@ class SafetensorsSource:
         self._files: list[_File] = []
         self._read = 0  # bytes read since the files in `_mapped` were last unmapped
         self._mapped: dict[Path, _File] = {}
+        self._lock = threading.Lock()
         absent: list[str] = []
         try:
             for path, keys in files.items():
@@ -149,9 +238,8 @@ class SafetensorsSource:
             return part[index or ()].new_empty(part[index or ()].shape, device="cpu")
         part = file.part(key, index)
         # A tensor of its own: the part is a view of the file's mapping.
-        out = part.clone(memory_format=torch.contiguous_format)
-        del part
-        self._count(file, out.nbytes)
+        out = torch.empty(part.shape, dtype=part.dtype)
+        self._copy(file, part, out)
         return out
 
     def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
@@ -163,18 +251,38 @@ class SafetensorsSource:
         if part.shape != out.shape:
             where = f"'{key}'[{rows(index)}]" if index else f"'{key}'"
             raise ValueError(f"{where} is {list(part.shape)}, the destination {list(out.shape)}")
-        out.copy_(part)
-        nbytes = part.nbytes
-        del part
-        self._count(file, nbytes)
+        self._copy(file, part, out)
+
+    def _copy(self, file: _File, part: torch.Tensor, out: torch.Tensor) -> None:
+        """``out.copy_(part)``, then the pages it touched in ``file``'s mapping dropped: after each
+        run of rows where the mapping is known, else by the budgeted unmap."""
+        with self._lock:
+            span = file.mapped(part)
+        if span is None:
+            out.copy_(part)
+            nbytes = part.nbytes
+            del part
+            return self._count(file, nbytes)
+        runs: list[Any] = [...]
+        if part.dim() and part.numel():
+            step = max(1, _RUN_BYTES * len(part) // part.nbytes)
+            runs = [slice(first, first + step) for first in range(0, len(part), step)]
+        for run in runs:
+            piece = part[run]
+            out[run].copy_(piece)
+            drop = _touched(piece, span, run is runs[-1])
+            with self._lock:  # `part` holds the mapping: `span` is still the file's
+                if file.span == span and drop and _madvise()(*drop, _MADV_DONTNEED):
+                    file.span = None  # refused: the budgeted unmap from now on
 
     def _count(self, file: _File, nbytes: int) -> None:
-        self._mapped[file.path] = file
-        self._read += nbytes
-        if self._read >= _MAPPED_BYTES:
-            for mapped in self._mapped.values():
-                mapped.unmap()
-            self._mapped, self._read = {}, 0
+        with self._lock:
+            self._mapped[file.path] = file
+            self._read += nbytes
+            if self._read >= _MAPPED_BYTES:
+                for mapped in self._mapped.values():
+                    mapped.unmap()
+                self._mapped, self._read = {}, 0
 
     def close(self) -> None:
         self._files, self._where, self._mapped = [], {}, {}
