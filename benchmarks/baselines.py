@@ -99,6 +99,30 @@ def fsdp2_load_bcast(job: Job) -> Outcome:
     return Outcome(module=model, comm_bytes=_nbytes(_shapes(job)))
 
 
+def fsdp2_load_distribute(job: Job) -> Outcome:
+    """FSDP2 on meta, then every parameter from rank 0's full state dict through torch's
+    ``distribute_tensor(..., src_data_rank=0)`` (one scatter per tensor), copied into the local
+    shard; buffers broadcast. The plain-torch form of the builder's load from rank 0."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model = _fully_shard_meta(job)
+    full = job.source if job.rank == 0 else None
+    moved = 0
+    with torch.no_grad():
+        for name, state in [*model.named_parameters(), *model.named_buffers()]:
+            # Other ranks pass a tensor of the full shape: distribute_tensor reads only rank 0's.
+            src = full[name] if full is not None else torch.empty(state.shape, dtype=state.dtype)
+            if isinstance(state, DTensor):
+                part = distribute_tensor(src, state.device_mesh, state.placements, src_data_rank=0)
+                state.to_local().copy_(part.to_local())
+                moved += state.to_local().numel() * state.element_size()
+            else:
+                state.copy_(src)
+                dist.broadcast(state, src=0)
+                moved += state.numel() * state.element_size()
+    return Outcome(module=model, comm_bytes=moved)
+
+
 def fsdp2_file_bcast(job: Job) -> Outcome:
     """What Accelerate and Lightning do with a safetensors checkpoint: rank 0 reads it with
     ``safetensors.torch.load_file``, then ``set_model_state_dict(broadcast_from_rank0=True)``
@@ -265,6 +289,15 @@ BASELINES: tuple[Recipe, ...] = (
         "load",
         fsdp2_load_bcast,
         "FSDP2 + set_model_state_dict(broadcast_from_rank0=True)",
+        needs_source=True,
+        deterministic=True,
+    ),
+    Recipe(
+        "fsdp2_load_distribute",
+        "baseline",
+        "load",
+        fsdp2_load_distribute,
+        "FSDP2 + distribute_tensor(src_data_rank=0) per parameter from rank 0's state dict",
         needs_source=True,
         deterministic=True,
     ),
