@@ -65,8 +65,8 @@ def test_prefault_leaves_nothing_to_fault_when_written(populate_works: None) -> 
 
 
 def test_small_or_refused_tensors_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below ``PREFAULT_MIN_BYTES`` nothing is asked; a refused first call turns the calls off for
-    the process, and tensors still work."""
+    """Below ``PREFAULT_MIN_BYTES`` nothing is asked; a kernel that refuses the probe (one page
+    of the process's own) turns the calls off for the process, and tensors still work."""
     calls: list[tuple[int, int]] = []
 
     def refuse(address: int, length: int, advice: int) -> int:
@@ -80,12 +80,31 @@ def test_small_or_refused_tensors_are_left_alone(monkeypatch: pytest.MonkeyPatch
     prefault(big)
     prefault(big)
     assert len(calls) == 1 and pages._MADVISE.works is False
-    start = big.data_ptr()
     address, length = calls[0]
-    assert start <= address < start + PAGE and address % PAGE == 0
-    assert address + length <= start + BIG and length % PAGE == 0
+    assert address % PAGE == 0 and length == PAGE
+    assert not big.data_ptr() <= address < big.data_ptr() + BIG  # the probe, not the tensor
     big.fill_(2.0)
     assert float(big.sum()) == 2.0 * big.numel()
+
+
+def test_one_refused_tensor_leaves_the_calls_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe passes, the kernel then refuses one tensor's range (as for a read-only file
+    mapping): later tensors are still asked for, each by its own page-aligned range."""
+    calls: list[tuple[int, int]] = []
+
+    def probe_only(address: int, length: int, advice: int) -> int:
+        calls.append((address, length))
+        return 0 if len(calls) == 1 else -1
+
+    monkeypatch.setattr(pages, "_MADVISE", pages._Madvise(call=probe_only))
+    first, second = torch.empty(BIG // 4), torch.empty(BIG // 4)
+    prefault(first)
+    prefault(second)
+    assert pages._MADVISE.works is True and len(calls) == 3
+    for tensor, (address, length) in zip((first, second), calls[1:], strict=True):
+        start = tensor.data_ptr()
+        assert start <= address < start + PAGE and address % PAGE == 0
+        assert address + length <= start + BIG and length % PAGE == 0
 
 
 def test_allocation_faults_in_fresh_states(populate_works: None) -> None:

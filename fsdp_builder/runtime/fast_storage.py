@@ -33,8 +33,9 @@ _PAGE = mmap.PAGESIZE
 
 @attrs.define
 class _Madvise:
-    """The process's ``madvise``, looked up once; the first call settles ``works``, so a system
-    that refuses it pays one failed call per process."""
+    """The process's ``madvise``, looked up once; a probe on a page of its own heap settles
+    ``works``, so a kernel without the advice pays one failed call per process, and one tensor
+    the kernel refuses (a read-only file mapping, say) does not turn it off for the others."""
 
     call: Any = None
     works: bool | None = None if sys.platform.startswith("linux") else False
@@ -49,9 +50,13 @@ class _Madvise:
             call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             call.restype = ctypes.c_int
             self.call = call
-        done = self.call(address, length, MADV_POPULATE_WRITE) == 0
         if self.works is None:
-            self.works = done
+            probe = ctypes.create_string_buffer(2 * _PAGE)
+            page = -(-ctypes.addressof(probe) // _PAGE) * _PAGE
+            self.works = self.call(page, _PAGE, MADV_POPULATE_WRITE) == 0
+            if not self.works:
+                return
+        self.call(address, length, MADV_POPULATE_WRITE)
 
 
 _MADVISE = _Madvise()
