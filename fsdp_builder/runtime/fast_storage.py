@@ -9,6 +9,7 @@ storage in full right after, so this commits nothing the build would not.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -31,6 +32,20 @@ PREFAULT_MIN_BYTES = 1 << 20
 _PAGE = mmap.PAGESIZE
 
 
+@functools.cache
+def libc_madvise() -> Any:
+    """libc's ``madvise`` (address, length, advice) -> 0 or -1, on Linux; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    call.restype = ctypes.c_int
+    return call
+
+
 @attrs.define
 class _Madvise:
     """The process's ``madvise``, looked up once; a probe on a page of its own heap settles
@@ -42,14 +57,10 @@ class _Madvise:
 
     def populate(self, address: int, length: int) -> None:
         if self.call is None:
-            try:
-                call = ctypes.CDLL(None, use_errno=True).madvise
-            except (OSError, AttributeError):
+            self.call = libc_madvise()
+            if self.call is None:
                 self.works = False
                 return
-            call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            call.restype = ctypes.c_int
-            self.call = call
         if self.works is None:
             probe = ctypes.create_string_buffer(2 * _PAGE)
             page = -(-ctypes.addressof(probe) // _PAGE) * _PAGE

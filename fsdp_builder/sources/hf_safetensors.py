@@ -4,12 +4,9 @@ own ``safe_open`` / ``get_slice``: every dtype it reads, only the rows asked for
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -21,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from fsdp_builder.common.logs import get_logger
+from fsdp_builder.runtime.fast_storage import libc_madvise as _madvise
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed, rows
 
 log = get_logger(__name__)
@@ -44,20 +42,6 @@ _PAGE = mmap.PAGESIZE
 RECORDER: ContextVar[Callable[[Path, str, Index | None], None] | None] = ContextVar(
     "safetensors_recorder", default=None
 )
-
-
-@functools.cache
-def _madvise() -> Any:
-    """libc's ``madvise`` on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    call.restype = ctypes.c_int
-    return call
 
 
 def _file_mapping(path: Path, address: int) -> tuple[int, int] | None:
