@@ -65,29 +65,6 @@ def _require(where: str, value: Any, protocol: type, fix: str) -> None:
         )
 
 
-def _as_group_factory(value: Any) -> GroupFactory:
-    if isinstance(value, DeviceMesh):
-        return MeshGroups(value)
-    if isinstance(value, dist.ProcessGroup):
-        return GivenGroup(value)
-    if isinstance(value, tuple):
-        if len(value) != 2:
-            raise config_error(
-                "ShardingBuilder.groups",
-                "groups",
-                f"a tuple of {len(value)} items was given",
-                "Pass (shard_group, replicate_group) for hybrid sharding.",
-            )
-        return HybridGroups(*value)
-    _require(
-        "groups",
-        value,
-        GroupFactory,
-        "Pass a GroupFactory, a ProcessGroup, a DeviceMesh or a (shard, replicate) tuple.",
-    )
-    return value
-
-
 class ShardingBuilder:
     """Fluent configuration shared by every backend; subclasses choose the backend.
 
@@ -149,7 +126,26 @@ class ShardingBuilder:
             FullyShardBuilder().groups(init_device_mesh("cuda", (2, 8))).sharding("hybrid")
             ```
         """
-        return self._set("groups", _as_group_factory(factory))
+        if isinstance(factory, DeviceMesh):
+            factory = MeshGroups(factory)
+        elif isinstance(factory, dist.ProcessGroup):
+            factory = GivenGroup(factory)
+        elif isinstance(factory, tuple):
+            if len(factory) != 2:
+                raise config_error(
+                    "ShardingBuilder.groups",
+                    "groups",
+                    f"a tuple of {len(factory)} items was given",
+                    "Pass (shard_group, replicate_group) for hybrid sharding.",
+                )
+            factory = HybridGroups(*factory)
+        _require(
+            "groups",
+            factory,
+            GroupFactory,
+            "Pass a GroupFactory, a ProcessGroup, a DeviceMesh or a (shard, replicate) tuple.",
+        )
+        return self._set("groups", factory)
 
     def materialize(self: B, materializer: Materializer) -> B:
         """How meta states become real (default: ``StreamInit()``; FSDPBuilder:

@@ -6,7 +6,6 @@ Hybrid layouts follow FSDP: shard inside a node (mesh dim 1), replicate across n
 from __future__ import annotations
 
 import os
-from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -299,21 +298,11 @@ class HybridGroups(BaseGroupFactory):
         return ProcessGroups(shard_group=self.shard_group, replicate_group=self.replicate_group)
 
 
-def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mesh`` was sliced from (``mesh`` itself when it is not a slice)."""
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    if not callable(get_root):  # torch 2.7 keeps the roots in the module's mesh resources
-        resources = getattr(torch.distributed.device_mesh, "_mesh_resources", None)
-        get_root = partial(resources.get_root_mesh, mesh) if resources is not None else None
-    root = get_root() if callable(get_root) else None
-    return root if isinstance(root, DeviceMesh) else mesh
-
-
 def describe_mesh(mesh: DeviceMesh) -> str:
     """Which dims a mesh uses, and of what, for messages (``dims ('dp',) (2,) of ...``)."""
     names = mesh.mesh_dim_names
     shape = tuple(mesh.shape)
-    root = root_mesh(mesh)
+    root = mesh._get_root_mesh()
     own = f"dims {names} {shape}" if names else f"a {mesh.ndim}-D mesh {shape}"
     if root is mesh:
         return own
@@ -322,7 +311,7 @@ def describe_mesh(mesh: DeviceMesh) -> str:
 
 def other_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     """The root mesh's dims that ``mesh`` does not use (e.g. ``('tp',)``)."""
-    root = root_mesh(mesh)
+    root = mesh._get_root_mesh()
     if root is mesh or not root.mesh_dim_names:
         return ()
     mine = set(mesh.mesh_dim_names or ())
@@ -366,7 +355,7 @@ def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None
             "Pass a 1-D mesh (e.g. mesh['dp']), or use .sharding('hybrid') with a 2-D mesh.",
         )
     world = dist.get_world_size()
-    root = root_mesh(mesh)
+    root = mesh._get_root_mesh()
     if root is mesh and mesh.size() != world:
         raise config_error(
             where,
@@ -388,7 +377,7 @@ def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None
 def check_placed_on_other_dims(mesh: DeviceMesh | None, model: nn.Module, where: str) -> None:
     """A data-parallel slice that does not span the world needs parameters already placed on
     the other dims, else the ranks along them would each train their own copy. Local."""
-    if mesh is None or root_mesh(mesh) is mesh or mesh.size() == dist.get_world_size():
+    if mesh is None or mesh._get_root_mesh() is mesh or mesh.size() == dist.get_world_size():
         return
     # By dim names, not by mesh identity: torch may hand out a cached slice of an equal
     # earlier mesh as ``mesh["tp"]``, so a parameter's mesh need not share FSDP's root object.

@@ -139,8 +139,19 @@ class _Build:
         started = time.perf_counter()
         configured = self.configure(model)
         configured.plan.tie_declared()  # every rank agreed: the model may change from here
-        env = self.environment(configured, *self.create_groups(configured))
-        groups = env.groups
+        options, groups = self.create_groups(configured)
+        env = Environment(
+            rank=self.rank,
+            world_size=dist.get_world_size(),
+            groups=groups,
+            device=configured.device,
+            options=options,
+            ignored=configured.ignored,
+            plan=configured.plan,
+            agreement_group=self.agreement.group,
+            shards_first=self.shards_first,
+            values_from_rank0=overwrites(self.synchronizer),
+        )
         self.bound.add(groups.shard_group, groups.replicate_group)
         if groups.mesh is not None:
             self.bound.add(*(groups.mesh.get_group(d) for d in range(groups.mesh.ndim)))
@@ -173,22 +184,22 @@ class _Build:
 
     def settings(self) -> list[tuple[str, str]]:
         """The whole configuration as ranks compare it."""
-        cfg = self.config
-        items: dict[str, Any] = {"backend": self.backend.name}
-        items.update(attrs.asdict(cfg, recurse=False, filter=lambda a, _: a.name != "options"))
-        items.update(
-            device=self.resolver,
-            groups=self.factory,
-            materializer=self.materializer,
-            synchronizer=self.synchronizer,
-        )
-        items.update(attrs.asdict(cfg.options, recurse=False))
-        # Process-wide registries decide values too; named by the call that fills each, so a
-        # difference names the call to make on every rank.
         from fsdp_builder.materializers.conventions import _REGISTERED, _SUBTREE_RULES
         from fsdp_builder.sources.model_rules import registered_rules
         from fsdp_builder.sources.registry import registered_formats
 
+        cfg = self.config
+        items: dict[str, Any] = {
+            "backend": self.backend.name,
+            **attrs.asdict(cfg, recurse=False, filter=lambda a, _: a.name != "options"),
+            "device": self.resolver,
+            "groups": self.factory,
+            "materializer": self.materializer,
+            "synchronizer": self.synchronizer,
+            **attrs.asdict(cfg.options, recurse=False),
+        }
+        # Process-wide registries decide values too; named by the call that fills each, so a
+        # difference names the call to make on every rank.
         items.update(
             register_initializer=dict(_REGISTERED),
             register_subtree_rule=dict(_SUBTREE_RULES),
@@ -244,12 +255,9 @@ class _Build:
             if isinstance(role, ChecksContext):
                 role.check_context(context)
         check_materializer(self.materializer, context)
-        # Last: each role's own refusal says more than how two of them combine.
-        self.check_composition()
-
-    def check_composition(self) -> None:
-        """A synchronizer works per unit, which a materializer writing the whole model after
-        the last unit cannot serve."""
+        # Last: each role's own refusal says more than how two of them combine. A synchronizer
+        # works per unit, which a materializer writing the whole model after the last unit
+        # cannot serve.
         if getattr(self.materializer, "needs_shard_first", False) and not isinstance(
             self.synchronizer, NoSync
         ):
@@ -300,22 +308,6 @@ class _Build:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return not flag.item()
 
-    def environment(
-        self, configured: _Configured, options: ShardingOptions, groups: Any
-    ) -> Environment:
-        return Environment(
-            rank=self.rank,
-            world_size=dist.get_world_size(),
-            groups=groups,
-            device=configured.device,
-            options=options,
-            ignored=configured.ignored,
-            plan=configured.plan,
-            agreement_group=self.agreement.group,
-            shards_first=self.shards_first,
-            values_from_rank0=overwrites(self.synchronizer),
-        )
-
     def prepare(self, env: Environment) -> _Runs:
         """Each strategy's run, under one agreement. Both prepares run even when the first
         fails (a prepare may communicate); a started run is closed if the other failed."""
@@ -333,7 +325,7 @@ class _Build:
         if errors:
             for run in runs:
                 run.close()
-        self.agreement.now("prepare", lambda: _raise_first(errors))
+        self.agreement.agree("prepare", errors[0] if errors else None)
         return _Runs(*runs)
 
     def shard_units(
@@ -347,7 +339,10 @@ class _Build:
             result = self.build_unit(unit, env, runs, report)
             if result is not unit.module:
                 if slots is None:
-                    slots = _parent_slots(model)
+                    slots = {}
+                    for parent in model.modules():
+                        for name, child in parent.named_children():
+                            slots.setdefault(id(child), []).append((parent, name))
                 for parent, name in slots.get(id(unit.module), []):
                     setattr(parent, name, result)
         return result
@@ -364,9 +359,13 @@ class _Build:
                 m.bytes = runs.materializer.materialize(unit)
             with report.measure("move", unit.label, env.device, logger) as m:
                 m.bytes = move_unit_states(unit.modules, env.ignored, env.device)
-                check_compute_device(
-                    _own_params(unit, env.ignored), env.device, unit.label, env.rank
+                params = (
+                    p
+                    for m in unit.modules
+                    for p in m._parameters.values()
+                    if p is not None and not env.ignored.ignores(p)
                 )
+                check_compute_device(params, env.device, unit.label, env.rank)
 
         def synchronize() -> None:
             with report.measure("synchronize", unit.label, env.device, logger) as m:
@@ -393,15 +392,6 @@ class _Build:
         return sharded[0] if sharded else unit.module
 
 
-def _own_params(unit: Unit, ignored: IgnoredStates) -> list[nn.Parameter]:
-    return [
-        p
-        for m in unit.modules
-        for p in m._parameters.values()
-        if p is not None and not ignored.ignores(p)
-    ]
-
-
 def _checked_run(strategy: object, run: Any, run_type: type) -> Any:
     if not isinstance(run, run_type):
         raise ConfigurationError(
@@ -410,19 +400,6 @@ def _checked_run(strategy: object, run: Any, run_type: type) -> Any:
             "Base* classes' prepare returns one that calls your per-unit method)."
         )
     return run
-
-
-def _raise_first(errors: list[BaseException]) -> None:
-    if errors:
-        raise errors[0]
-
-
-def _parent_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            slots.setdefault(id(child), []).append((parent, name))
-    return slots
 
 
 def _check_no_meta(model: nn.Module) -> None:
