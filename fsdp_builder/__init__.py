@@ -9,29 +9,13 @@ code written against earlier releases. Module paths that moved keep working with
 """
 
 from fsdp_builder import moved as _moved
-from fsdp_builder.builder import (
-    BuilderConfig as BuilderConfig,
-)
-from fsdp_builder.builder import (
-    FSDPBuilder,
-    FullyShardBuilder,
-)
-from fsdp_builder.builder import (
-    ShardingBuilder as ShardingBuilder,
-)
+from fsdp_builder.builder import BuilderConfig as BuilderConfig
+from fsdp_builder.builder import FSDPBuilder, FullyShardBuilder
+from fsdp_builder.builder import ShardingBuilder as ShardingBuilder
 from fsdp_builder.config import ShardingOptions as ShardingOptions
-from fsdp_builder.devices import (
-    BaseDeviceResolver,
-    CPUDevice,
-    DeviceResolver,
-    LocalRankDevice,
-)
-from fsdp_builder.devices import (
-    ExplicitDevice as ExplicitDevice,
-)
-from fsdp_builder.devices import (
-    InferredDevice as InferredDevice,
-)
+from fsdp_builder.devices import BaseDeviceResolver, CPUDevice, DeviceResolver, LocalRankDevice
+from fsdp_builder.devices import ExplicitDevice as ExplicitDevice
+from fsdp_builder.devices import InferredDevice as InferredDevice
 from fsdp_builder.errors import (
     CommunicationError,
     ConfigurationError,
@@ -50,15 +34,9 @@ from fsdp_builder.groups import (
     HybridGroups,
     MeshGroups,
 )
-from fsdp_builder.groups import (
-    DefaultGroups as DefaultGroups,
-)
-from fsdp_builder.groups import (
-    GivenGroup as GivenGroup,
-)
-from fsdp_builder.groups import (
-    ProcessGroups as ProcessGroups,
-)
+from fsdp_builder.groups import DefaultGroups as DefaultGroups
+from fsdp_builder.groups import GivenGroup as GivenGroup
+from fsdp_builder.groups import ProcessGroups as ProcessGroups
 from fsdp_builder.materializers.checkpoints import FromCheckpoint
 from fsdp_builder.materializers.conventions import register_initializer, register_subtree_rule
 from fsdp_builder.materializers.initializers import (
@@ -73,12 +51,8 @@ from fsdp_builder.materializers.initializers import (
 from fsdp_builder.materializers.loading import FromStateDict
 from fsdp_builder.materializers.sharded import InitWeights, ShardFirstReset
 from fsdp_builder.materializers.streams import StreamInit
-from fsdp_builder.planning.ignored import (
-    IgnoredStates as IgnoredStates,
-)
-from fsdp_builder.planning.ignored import (
-    resolve_ignored as resolve_ignored,
-)
+from fsdp_builder.planning.ignored import IgnoredStates as IgnoredStates
+from fsdp_builder.planning.ignored import resolve_ignored as resolve_ignored
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.planning.plan import UnitPlan as UnitPlan
 from fsdp_builder.planning.plan import plan_units as plan_units
@@ -87,22 +61,11 @@ from fsdp_builder.planning.wrap import WrapPolicy as WrapPolicy
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.report import BuildReport as BuildReport
 from fsdp_builder.runtime.report import StageRecord as StageRecord
-from fsdp_builder.sources import (
-    CheckpointSource as CheckpointSource,
-)
-from fsdp_builder.sources import (
-    MergeExperts as MergeExperts,
-)
-from fsdp_builder.sources import (
-    Rename as Rename,
-)
-from fsdp_builder.sources import (
-    TensorMeta as TensorMeta,
-)
-from fsdp_builder.sources import (
-    register_checkpoint_rules,
-    register_format,
-)
+from fsdp_builder.sources import CheckpointSource as CheckpointSource
+from fsdp_builder.sources import MergeExperts as MergeExperts
+from fsdp_builder.sources import Rename as Rename
+from fsdp_builder.sources import TensorMeta as TensorMeta
+from fsdp_builder.sources import register_checkpoint_rules, register_format
 from fsdp_builder.synchronizers import (
     BaseSynchronizer,
     BroadcastFromRank0,

@@ -49,7 +49,17 @@ def warn_moved(old: str, new: str, stacklevel: int = 3) -> None:
     )
 
 
-class _Forwarding(importlib.abc.Loader):
+class _Forwarder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds each old path of :data:`MOVED` and loads it as a module forwarding to the new."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        return importlib.machinery.ModuleSpec(fullname, self) if fullname in MOVED else None
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         new = MOVED[spec.name]
         target = importlib.import_module(new)
@@ -65,19 +75,7 @@ class _Forwarding(importlib.abc.Loader):
         return None
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None,
-        target: types.ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in MOVED:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, _Forwarding())
-
-
 def install() -> None:
     """Put the finder on ``sys.meta_path`` once (importing the package calls it)."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.append(_Finder())
+    if not any(isinstance(f, _Forwarder) for f in sys.meta_path):
+        sys.meta_path.append(_Forwarder())

@@ -18,13 +18,7 @@ class DeclaredHooks:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        known = {
-            name
-            for base in cls.__mro__[1:]
-            if base is not object
-            for name in vars(base)
-            if not name.startswith("_")
-        }
+        known = {n for base in cls.__mro__[1:] for n in vars(base) if not n.startswith("_")}
         for name in vars(cls):
             if name.startswith("_") or name in known:
                 continue

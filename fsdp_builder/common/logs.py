@@ -35,8 +35,9 @@ def build_logger(name: str, **values: Any) -> Any:
 
 
 class LibraryLogger:
-    """A module-level logger that picks the route of :func:`build_logger` at every call, so
-    that an application configuring structlog or logging after the import is still obeyed."""
+    """A module's logger (``log = get_logger(__name__)``): it takes the route of
+    :func:`build_logger` at every call, never structlog's unconfigured default, so that an
+    application configuring structlog or logging after the import is still obeyed."""
 
     __slots__ = ("_name", "_values")
 
@@ -59,10 +60,7 @@ class LibraryLogger:
     error = functools.partialmethod(_emit, "error", logging.ERROR)
 
 
-def get_logger(name: str) -> LibraryLogger:
-    """The logger for module ``name`` (``log = get_logger(__name__)``): its events take the
-    library's route, never structlog's unconfigured default."""
-    return LibraryLogger(name)
+get_logger = LibraryLogger
 
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
