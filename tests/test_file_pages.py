@@ -169,7 +169,12 @@ def test_a_read_of_its_own_dtype_touches_no_page_of_the_mapping(
     if libc is None:
         pytest.skip("no libc madvise")
     drops: list[int] = []
-    monkeypatch.setattr(hf, "_madvise", lambda: lambda *args: drops.append(args[1]) or 0)
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        drops.append(length)
+        return int(libc(address, length, advice))
+
+    monkeypatch.setattr(hf, "_madvise", lambda: madvise)
     preads: list[int] = []
     real_pread = hf._File.pread
 
