@@ -10,17 +10,13 @@ import attrs
 import torch
 from attrs import frozen
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-
-    _SHARDED: tuple[type, ...] = (FullyShardedDataParallel, FSDPModule)
-except ImportError:  # torch without FSDP2
-    _SHARDED = (FullyShardedDataParallel,)
+from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import ConfigurationError, config_error
+
+_SHARDED = (FullyShardedDataParallel, FSDPModule)
 
 # Where FSDP1, checkpoint_wrapper and torch.compile's OptimizedModule hold the wrapped module.
 WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -54,19 +50,10 @@ def unsharded_class(module: nn.Module) -> type[nn.Module]:
 
 def is_replicated(module: nn.Module) -> bool:
     """True under torch's composable ``replicate`` (DDP), whose subtree FSDP ignores."""
-    if _REGISTRY_KEY is None:  # a torch without composable APIs has no replicated modules
-        return False
     # Where torch's contract keeps it (``_get_registry`` reads it with getattr, which for a
     # module without one goes through Module.__getattr__ and raises: asked of every module).
     registry = module.__dict__.get(_REGISTRY_KEY)
     return registry is not None and "replicate" in registry
-
-
-_REGISTRY_KEY: str | None
-try:
-    from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
-except ImportError:
-    _REGISTRY_KEY = None
 
 
 def _is_flattened(param: nn.Parameter) -> bool:

@@ -12,16 +12,14 @@ import attrs
 from attrs import frozen
 from torch import nn
 
-from fsdp_builder.planning.ignored import IgnoredStates, NamedModules, clean_name
+from fsdp_builder.planning.ignored import IgnoredStates, NamedModules
 
 
 @frozen(eq=False)
 class DeclaredTie:
-    """One declared pair to tie: the slot ``name`` of ``owner`` (named ``target``) is to hold
-    ``source``'s parameter (named ``source_name``); ``untied`` is the parameter it holds now."""
+    """One declared pair to tie: the slot ``name`` of ``owner`` is to hold ``source``;
+    ``untied`` is the parameter it holds now."""
 
-    target: str
-    source_name: str
     owner: nn.Module = attrs.field(repr=False)
     name: str
     untied: nn.Parameter = attrs.field(repr=False)
@@ -33,33 +31,19 @@ class DeclaredTie:
         setattr(self.owner, self.name, self.source)
 
 
-def _declares_ties(module: nn.Module) -> dict[str, str] | None:
-    # On the class first: a missing attribute on a module instance costs an exception.
-    if not callable(getattr(type(module), "tie_weights", None)):
-        return None
-    keys = module.__dict__.get("all_tied_weights_keys")
-    return keys if isinstance(keys, dict) and keys else None
-
-
-def _path_modules(root: nn.Module, path: str) -> list[nn.Module] | None:
-    """The modules from ``root`` down to the one at ``path`` (``root`` included), or None."""
-    found = [root]
-    for part in path.split(".") if path else ():
-        child = found[-1]._modules.get(part)
-        if child is None:
-            return None
-        found.append(child)
-    return found
-
-
 def _parameter_at(
     root: nn.Module, name: str, ignored: IgnoredStates
 ) -> tuple[nn.Module, str, nn.Parameter] | None:
     """The module, local name and parameter at ``name`` below ``root``; None when it is not a
     parameter, or it or a module on its path is ignored."""
     path, _, local = name.rpartition(".")
-    modules = _path_modules(root, path)
-    if modules is None or any(m in ignored.modules for m in modules):
+    modules = [root]
+    for part in path.split(".") if path else ():
+        child = modules[-1]._modules.get(part)
+        if child is None:
+            return None
+        modules.append(child)
+    if any(m in ignored.modules for m in modules):
         return None
     param = modules[-1]._parameters.get(local)
     if not isinstance(param, nn.Parameter) or ignored.ignores(param):
@@ -73,11 +57,13 @@ def declared_ties(
     """Declared pairs whose target is a separate meta parameter (no values to lose) of the
     source's shape and dtype, neither side ignored. Local and pure."""
     found: dict[tuple[int, str], DeclaredTie] = {}
-    for prefix, module in named if named is not None else model.named_modules():
-        keys = _declares_ties(module)
-        if keys is None:
+    for _, module in named if named is not None else model.named_modules():
+        keys = module.__dict__.get("all_tied_weights_keys")
+        if not keys or not isinstance(keys, dict):
             continue
-        base = f"{clean_name(prefix)}." if prefix else ""
+        # On the class: a missing attribute on a module instance costs an exception.
+        if not callable(getattr(type(module), "tie_weights", None)):
+            continue
         for target, source in keys.items():
             at_target = _parameter_at(module, str(target), ignored)
             at_source = _parameter_at(module, str(source), ignored)
@@ -93,9 +79,7 @@ def declared_ties(
                 or (id(owner), name) in found
             ):
                 continue
-            found[(id(owner), name)] = DeclaredTie(
-                base + str(target), base + str(source), owner, name, untied, shared
-            )
+            found[(id(owner), name)] = DeclaredTie(owner, name, untied, shared)
     return tuple(found.values())
 
 
