@@ -25,18 +25,6 @@ def _listed(items: list[str]) -> str:
     return shown + (f" ... ({len(items)} in all)" if len(items) > _SHOWN else "")
 
 
-def unit_parameters(plan: UnitPlan) -> Iterator[tuple[Unit, str, nn.Parameter]]:
-    """Each unit's own parameters (as the plan assigns them), with their clean names."""
-    by_name: dict[str, nn.Parameter] = {}
-    for name, found in plan.root.module.named_parameters(remove_duplicate=False):
-        by_name.setdefault(clean_name(name), found)
-    for unit in plan:
-        for info in unit.params:
-            param = by_name.get(info.name)
-            if param is not None:
-                yield unit, info.name, param
-
-
 def check_root_not_wrapped(plan: UnitPlan, builder: str) -> None:
     """Refuse a model already sharded at its root (sharded children keep their units)."""
     root = plan.root.module
@@ -114,18 +102,21 @@ def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
     """What ``fully_shard`` refuses: scalar (0-dim) and non-contiguous parameters."""
     where = "FullyShardBuilder"
     scalars: list[str] = []
-    odd: set[str] = set()
+    odd: dict[str, Unit] = {}
     for unit in plan:
         for info in unit.params:
             if not info.shape:
                 scalars.append(f"'{info.name}' (unit '{unit.label}')")
             elif not info.contiguous:
-                odd.add(info.name)
+                odd[info.name] = unit
     # The strides a message shows are read from the tensors only when one is refused.
+    by_name: dict[str, nn.Parameter] = {}
+    for name, param in plan.root.module.named_parameters(remove_duplicate=False) if odd else ():
+        by_name.setdefault(clean_name(name), param)
     strided = [
-        f"'{name}' (shape {list(param.shape)}, stride {list(param.stride())}, unit '{unit.label}')"
-        for unit, name, param in (unit_parameters(plan) if odd else ())
-        if name in odd
+        f"'{name}' (shape {list(p.shape)}, stride {list(p.stride())}, unit '{unit.label}')"
+        for name, unit in odd.items()
+        if (p := by_name.get(name)) is not None
     ]
     if scalars:
         raise ConfigurationError(
@@ -247,5 +238,4 @@ __all__ = [
     "check_fsdp2_plan",
     "check_per_unit",
     "check_root_not_wrapped",
-    "unit_parameters",
 ]

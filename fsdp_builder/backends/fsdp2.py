@@ -166,9 +166,11 @@ def mixed_precision_policy(
 def check_offload(options: ShardingOptions) -> None:
     """Refuse pinned host memory without an accelerator."""
     offload = options.cpu_offload
-    if isinstance(offload, CPUOffloadPolicy) and offload.pin_memory:
-        if torch.accelerator.is_available():
-            return
+    if (
+        isinstance(offload, CPUOffloadPolicy)
+        and offload.pin_memory
+        and not torch.accelerator.is_available()
+    ):
         raise config_error(
             f"{_WHERE}.cpu_offload",
             "pin_memory",
@@ -214,17 +216,6 @@ def ignored_params_kwargs(
     return {"ignored_params": mine}
 
 
-def _check_mesh(mesh: DeviceMesh, groups: ProcessGroups, strategy: ShardingStrategy) -> None:
-    check_mesh(mesh, strategy, f"{_WHERE}.groups")
-    if mesh.size() != groups.data_parallel_size:
-        raise config_error(
-            f"{_WHERE}.groups",
-            "mesh",
-            f"the mesh spans {mesh.size()} ranks but its groups span {groups.data_parallel_size}",
-            "Return the mesh's own groups from the group factory.",
-        )
-
-
 def _hybrid_layout(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> torch.Tensor:
     """The global ranks as a (replicate, shard) grid. Collective over the replicate group."""
     rows: list[list[int] | None] = [None] * replicate.size()
@@ -242,12 +233,6 @@ def _hybrid_layout(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> to
     return layout
 
 
-def _singleton_group() -> dist.ProcessGroup:
-    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    assert group is not None
-    return group
-
-
 def _named_mesh(
     groups: list[dist.ProcessGroup], device_type: str, layout: torch.Tensor
 ) -> DeviceMesh:
@@ -258,7 +243,15 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
     """The mesh ``fully_shard`` runs on for these groups and strategy."""
     strategy, mesh = options.strategy, groups.mesh
     if mesh is not None:
-        _check_mesh(mesh, groups, strategy)
+        check_mesh(mesh, strategy, f"{_WHERE}.groups")
+        if mesh.size() != groups.data_parallel_size:
+            raise config_error(
+                f"{_WHERE}.groups",
+                "mesh",
+                f"the mesh spans {mesh.size()} ranks but its groups span "
+                f"{groups.data_parallel_size}",
+                "Return the mesh's own groups from the group factory.",
+            )
     if strategy == ShardingStrategy.NO_SHARD:
         over = groups.shard_group if mesh is None else mesh.get_group(0)
         if over.size() == 1:
@@ -269,7 +262,9 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
             return DeviceMesh.from_group(over, device_type)
         # A replicate-only layout: shard dimension of size one, every rank keeps whole tensors.
         layout = torch.tensor(dist.get_process_group_ranks(over), dtype=torch.int).view(-1, 1)
-        return _named_mesh([over, _singleton_group()], device_type, layout)
+        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        assert alone is not None
+        return _named_mesh([over, alone], device_type, layout)
     if mesh is not None:
         if mesh.device_type != device_type:
             raise config_error(
@@ -307,13 +302,10 @@ _FSDP1_NAMES = {
 
 def _check_override(name: str, value: Any, label: str) -> None:
     where = f"{_WHERE}.per_unit"
+    expected = {"mp_policy": MixedPrecisionPolicy, "offload_policy": OffloadPolicy}.get(name)
     if name == "reshard_after_forward":
         check_reshard_after_forward(value, "per_unit")
-        return
-    if name == "offload_policy" and isinstance(value, OffloadPolicy):
-        check_offload(ShardingOptions(cpu_offload=value))
-    expected = {"mp_policy": MixedPrecisionPolicy, "offload_policy": OffloadPolicy}.get(name)
-    if expected is not None:
+    elif expected is not None:
         if not isinstance(value, expected):
             raise config_error(
                 where,
@@ -321,26 +313,25 @@ def _check_override(name: str, value: Any, label: str) -> None:
                 f"expected {expected.__name__} for unit '{label}', got {type(value).__name__}",
                 f"Pass a torch.distributed.fsdp.{expected.__name__}.",
             )
-        return
-    if name == "shard_placement_fn":
+        if isinstance(value, OffloadPolicy):
+            check_offload(ShardingOptions(cpu_offload=value))
+    elif name == "shard_placement_fn":
         if value is not None and not callable(value):
             raise config_error(
                 where, name, f"expected a callable for unit '{label}'", "Pass a function or None."
             )
-        return
-    if name in ("mesh", "ignored_params"):
+    elif name in ("mesh", "ignored_params"):
         fix = "groups(...)" if name == "mesh" else "ignore(...)"
         raise build_wide_error(_WHERE, name, label, fix)
-    hint = _FSDP1_NAMES.get(name)
-    close = difflib.get_close_matches(name, _PER_UNIT_NAMES, n=1)
-    if hint is None and close:
-        hint = f"'{close[0]}'"
-    raise config_error(
-        where,
-        name,
-        f"'{name}' is not an argument fully_shard takes per unit (unit '{label}')",
-        f"Use {hint}." if hint else f"Use one of {', '.join(_PER_UNIT_NAMES)}.",
-    )
+    else:
+        close = difflib.get_close_matches(name, _PER_UNIT_NAMES, n=1)
+        hint = _FSDP1_NAMES.get(name) or (f"'{close[0]}'" if close else None)
+        raise config_error(
+            where,
+            name,
+            f"'{name}' is not an argument fully_shard takes per unit (unit '{label}')",
+            f"Use {hint}." if hint else f"Use one of {', '.join(_PER_UNIT_NAMES)}.",
+        )
 
 
 def unit_fully_shard_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]:
@@ -401,8 +392,6 @@ class FullyShardBackend:
         check_fully_shard(options.strategy, context.device, context.ignored.params)
         check_root_not_wrapped(context.plan, _WHERE)
         check_fsdp2_plan(context.plan, options)
-        if context.ignored.params and not supports_ignored_params():
-            ignored_params_kwargs(context.model, context.ignored.params)  # raises, naming why
         # The shard group spans the world or a divisor of it: a size that does not divide the
         # world cannot divide the group (the exact group is checked once it exists).
         size, world = context.world_size, "the world size"
