@@ -329,8 +329,17 @@ def _broadcast_buffer(
     if src in shard_ranks and groups.shard_group.size() > 1:
         _broadcast_into(buffer, groups.shard_group, shard_ranks.index(src))
     if groups.replicate_group is not None and groups.replicate_group.size() > 1:
+        mesh = groups.mesh
+        if mesh is None:
+            raise MaterializationError(
+                "scatter_unit_state needs the build's device mesh (FullyShardBuilder sets it)."
+            )
+        layout = mesh.mesh if mesh.ndim == 2 else mesh.mesh.view(1, -1)
+        row = next((r for r in layout.tolist() if src in r), None)
+        if row is None:
+            raise MaterializationError(f"Rank {src} is not in the build's mesh {layout.tolist()}.")
         replicate_ranks = dist.get_process_group_ranks(groups.replicate_group)
-        sources = [r for r in replicate_ranks if r in _src_row(env, src)]
+        sources = [r for r in replicate_ranks if r in row]
         if len(sources) != 1:
             raise MaterializationError(
                 f"Cannot find the member of replicate group {replicate_ranks} that shares a "
@@ -338,20 +347,6 @@ def _broadcast_buffer(
             )
         _broadcast_into(buffer, groups.replicate_group, replicate_ranks.index(sources[0]))
     return buffer.numel() * buffer.element_size() if env.rank != src else 0
-
-
-def _src_row(env: Environment, src: int) -> list[int]:
-    """The global ranks of ``src``'s shard group, from the build's mesh."""
-    mesh = env.groups.mesh
-    if mesh is None:
-        raise MaterializationError(
-            "scatter_unit_state needs the build's device mesh (FullyShardBuilder sets it)."
-        )
-    layout = mesh.mesh if mesh.ndim == 2 else mesh.mesh.view(1, -1)
-    for row in layout.tolist():
-        if src in row:
-            return [int(r) for r in row]
-    raise MaterializationError(f"Rank {src} is not in the build's mesh {layout.tolist()}.")
 
 
 def scatter_unit_state(

@@ -56,11 +56,7 @@ def direct_states(module: nn.Module) -> list[torch.Tensor]:
 
 def has_states(module: nn.Module) -> bool:
     """Whether ``module`` registers a parameter or buffer itself."""
-    for states in (module._parameters, module._buffers):
-        for t in states.values():
-            if t is not None:
-                return True
-    return False
+    return any(t is not None for d in (module._parameters, module._buffers) for t in d.values())
 
 
 def has_meta_states(module: nn.Module) -> bool:
@@ -189,12 +185,8 @@ def allocate_unit(
         return allocate_empty(modules, device)
     if "plain_to_empty" in AB_SWITCHES:
         return _to_empty_unit(root, modules, device)
-    if not has_direct_api(params):
-        # A torch whose FSDP2 names these differently.
-        allocated = allocate_empty(modules, device)
-        settle_fsdp2_shards(root)
-        return allocated
-    allocated = give_fsdp2_shards(params, device, specs)
+    # Without the direct API (a torch whose FSDP2 names these differently) all goes to to_empty.
+    allocated = give_fsdp2_shards(params, device, specs) if has_direct_api(params) else 0
     if any(t.is_meta for m in modules for t in direct_states(m)):
         # Buffers and unmanaged parameters; to_empty may also replace FSDP2 parameters (shards
         # offloaded to the CPU), so FSDP2 is pointed at what it holds now.
