@@ -42,37 +42,6 @@ class BaseDeviceResolver(DeclaredHooks):
         raise NotImplementedError
 
 
-def _with_index(device: torch.device, rank: int) -> torch.device:
-    """``cuda:<index>`` needs CUDA and a GPU of that index; plain ``cuda`` is the current one."""
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise config_error(
-            "ExplicitDevice",
-            "device",
-            f"'{device}' was asked for but CUDA is not available on this machine",
-            "Use ExplicitDevice('cpu') (or CPUDevice(), LocalRankDevice()) with the gloo "
-            "backend, or run on a GPU machine.",
-        )
-    if device.index is None:
-        current = torch.cuda.current_device()
-        warn_user(
-            f"Device 'cuda' on rank {rank} has no explicit index; using the current device "
-            f"cuda:{current}. Call torch.cuda.set_device() first or pass 'cuda:<index>'."
-        )
-        return torch.device("cuda", current)
-    count = torch.cuda.device_count()
-    if device.index >= count:
-        raise config_error(
-            "ExplicitDevice",
-            "device",
-            f"'{device}' was asked for but this machine has {count} GPU(s) "
-            f"(cuda:0 to cuda:{count - 1})",
-            "Pass an index below the GPU count, or use LocalRankDevice() under torchrun.",
-        )
-    return device
-
-
 def _convert_device(value: int | str | torch.device) -> torch.device:
     try:
         if isinstance(value, bool):
@@ -105,7 +74,35 @@ class ExplicitDevice(BaseDeviceResolver):
 
     @override
     def resolve(self, module: nn.Module, params: Iterable[nn.Parameter], rank: int) -> torch.device:
-        return _with_index(self.device, rank)
+        """``cuda:<index>`` needs CUDA and a GPU of that index; ``cuda`` is the current one."""
+        device = self.device
+        if device.type != "cuda":
+            return device
+        if not torch.cuda.is_available():
+            raise config_error(
+                "ExplicitDevice",
+                "device",
+                f"'{device}' was asked for but CUDA is not available on this machine",
+                "Use ExplicitDevice('cpu') (or CPUDevice(), LocalRankDevice()) with the gloo "
+                "backend, or run on a GPU machine.",
+            )
+        if device.index is None:
+            current = torch.cuda.current_device()
+            warn_user(
+                f"Device 'cuda' on rank {rank} has no explicit index; using the current device "
+                f"cuda:{current}. Call torch.cuda.set_device() first or pass 'cuda:<index>'."
+            )
+            return torch.device("cuda", current)
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise config_error(
+                "ExplicitDevice",
+                "device",
+                f"'{device}' was asked for but this machine has {count} GPU(s) "
+                f"(cuda:0 to cuda:{count - 1})",
+                "Pass an index below the GPU count, or use LocalRankDevice() under torchrun.",
+            )
+        return device
 
 
 @frozen

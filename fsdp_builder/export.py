@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from attrs import frozen
+from attrs import define, frozen
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -48,12 +48,12 @@ class HFExport:
     peak_bytes: int
 
 
+@define
 class _Tally:
     """Bytes of the tensors rank 0 holds, released when the tensors are garbage-collected."""
 
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
+    live: int = 0
+    peak: int = 0
 
     def hold(self, tensor: torch.Tensor) -> torch.Tensor:
         self.extra(_nbytes(tensor))
@@ -382,7 +382,10 @@ def _export(
         try:
             files = writer.finish()
             assert writer.staging is not None
-            _save_config(model, writer.staging / "new")
+            # A transformers model's config.json, so that from_pretrained(folder) loads it.
+            save = getattr(getattr(model, "config", None), "save_pretrained", None)
+            if callable(save):
+                save(writer.staging / "new")
             writer.commit()
         except (Exception, CheckpointException) as exc:
             writer.error = exc
@@ -463,13 +466,6 @@ def _portable(error: BaseException) -> BaseException:
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
     return error
-
-
-def _save_config(model: nn.Module, folder: Path) -> None:
-    """A transformers model's ``config.json``, so that ``from_pretrained(folder)`` loads it."""
-    save = getattr(getattr(model, "config", None), "save_pretrained", None)
-    if callable(save):
-        save(folder)
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "HFExport", "save_hf_checkpoint"]
