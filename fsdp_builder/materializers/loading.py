@@ -64,10 +64,9 @@ def check_key_map(owner: str, value: Any) -> None:
     (regex, replacement) pairs."""
     if value is None or callable(value) or isinstance(value, Mapping):
         return
+    error = partial(config_error, owner, "key_map")
     if not isinstance(value, Sequence) or isinstance(value, str):
-        raise config_error(
-            owner,
-            "key_map",
+        raise error(
             "expected a dict, (regex, replacement) pairs or a callable, got "
             f"{type(value).__name__}",
             "Pass e.g. {'lm_head.weight': 'output.weight'} or [(r'^model\\.', '')]",
@@ -75,18 +74,14 @@ def check_key_map(owner: str, value: Any) -> None:
     for pair in value:
         strings = isinstance(pair, tuple | list) and all(isinstance(x, str) for x in pair)
         if not strings or len(pair) != 2:
-            raise config_error(
-                owner,
-                "key_map",
+            raise error(
                 f"expected (regex, replacement) pairs of strings, got {pair!r}",
                 "Pass e.g. [(r'^model\\.', '')]",
             )
         try:
             re.compile(pair[0])
         except re.error as exc:
-            raise config_error(
-                owner, "key_map", f"{pair[0]!r} is not a regex ({exc})", "Fix it"
-            ) from exc
+            raise error(f"{pair[0]!r} is not a regex ({exc})", "Fix it") from exc
 
 
 def _identity(name: str) -> str:
@@ -123,19 +118,16 @@ def describe_key_map(key_map: KeyMap) -> str:
 def map_name(mapper: Mapper, name: str, owner: str, given: str, wanted: str) -> str | None:
     """``mapper(name)``; one that raises or returns neither a str nor None is refused as
     ``owner``'s ``key_map`` (``given``: what ``name`` is; ``wanted``: what it should return)."""
+    error = partial(config_error, owner, "key_map")
     try:
         mapped = mapper(name)
     except Exception as exc:
-        raise config_error(
-            owner,
-            "key_map",
+        raise error(
             f"raised {type(exc).__name__}: {exc} for the {given} '{name}'",
             f"Make it return {wanted} for every {given} (or None to leave the entry out)",
         ) from exc
     if mapped is not None and not isinstance(mapped, str):
-        raise config_error(
-            owner,
-            "key_map",
+        raise error(
             f"returned {mapped!r} ({type(mapped).__name__}) for the {given} '{name}'",
             f"Make it return {wanted} as a string, or None to leave the entry out",
         )
@@ -157,9 +149,6 @@ class LoaderSpec:
 
     def error(self, problem: str, fix: str | None = None) -> ConfigurationError:
         return config_error(self.name, self.argument, problem, fix or self.fix)
-
-    def missing(self, error: MissingPath) -> ConfigurationError:
-        return config_error(self.name, self.argument, error.problem, self.missing_fix)
 
 
 STATE_DICT_SPEC = LoaderSpec(
@@ -196,11 +185,8 @@ def unit_entries(
         skip: set[str] = getattr(m, "_non_persistent_buffers_set", set())
         params = m.named_parameters(recurse=False, remove_duplicate=False)
         buffers = m.named_buffers(recurse=False, remove_duplicate=False)
-        named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in params if p is not None]
-        named += [(n, b) for n, b in buffers if b is not None and n not in skip]
-        for name, t in named:
-            full = clean_name(f"{prefix}.{name}" if prefix else name)
-            by_id.setdefault(id(t), ([], t))[0].append(full)
+        for name, t in [*params, *((n, b) for n, b in buffers if n not in skip)]:
+            by_id.setdefault(id(t), ([], t))[0].append(clean_name(qualified(prefix, name)))
     for names, t in by_id.values():
         yield Entry(tuple(dict.fromkeys(names)), t)
 
@@ -254,7 +240,6 @@ def match_source(
     shapes: list[str] = []
     dtypes: list[str] = []
     unfillable: list[str] = []
-    matched = 0
     for entry in entries:
         present = [n for n in entry.names if n in by_name]
         if not present:
@@ -262,7 +247,6 @@ def match_source(
             if entry.tensor.is_meta:
                 unfillable.append(entry.names[0])
             continue
-        matched += 1
         key = by_name[present[0]]
         got, want = tensors[key], entry.tensor
         if got.shape != tuple(want.shape):
@@ -281,34 +265,32 @@ def match_source(
             found.keys[n] = key
     known = {clean_name(k) for k in model.state_dict(keep_vars=True)}
     found.unexpected = sorted(by_name[n] for n in set(by_name) - known)
-    problems: list[str] = []
-    if collisions:
-        problems.append(f"{len(collisions)} name collision(s) after key_map: {listed(collisions)}")
     # Not strict (and every rank reading): only states left on meta are missing.
     meta_only = not (strict or every_state)
-    shown = unfillable if meta_only else found.missing
-    if shown:
-        problems.append(f"{len(shown)} missing key(s): {listed(shown)}")
-    if found.unexpected and strict:
-        problems.append(f"{len(found.unexpected)} unexpected key(s): {listed(found.unexpected)}")
-    if shapes:
-        problems.append(f"{len(shapes)} wrong shape(s): {listed(shapes, sep='; ')}")
-    if dtypes:
-        problems.append(f"{len(dtypes)} integer/float mismatch(es): {listed(dtypes, sep='; ')}")
+    problems = [
+        f"{len(items)} {what}: {listed(items, sep=sep)}"
+        for items, what, sep in (
+            (collisions, "name collision(s) after key_map", ", "),
+            (unfillable if meta_only else found.missing, "missing key(s)", ", "),
+            (found.unexpected if strict else [], "unexpected key(s)", ", "),
+            (shapes, "wrong shape(s)", "; "),
+            (dtypes, "integer/float mismatch(es)", "; "),
+        )
+        if items
+    ]
     if not problems:
         return found
     raise config_error(
         spec.name,
         spec.argument,
         f"{describe} does not match the model: {'; '.join(problems)}"
-        f"{_hint(found, matched, shapes, tensors, entries, meta_only and bool(unfillable))}",
+        f"{_hint(found, shapes, tensors, entries, meta_only and bool(unfillable))}",
         spec.mismatch_fix,
     )
 
 
 def _hint(
     found: Match,
-    matched: int,
     shapes: list[str],
     tensors: Mapping[str, TensorMeta],
     entries: list[Entry],
@@ -316,7 +298,8 @@ def _hint(
 ) -> str:
     if found.unexpected and any(k.startswith(("module.", "_orig_mod.")) for k in found.unexpected):
         return " (keys start with a wrapper prefix: strip 'module.' / '_orig_mod.')"
-    total = matched + len(found.missing)
+    total = len(entries)
+    matched = total - len(found.missing)
     if matched * 2 < total:
         names = [n for e in entries for n in e.names]
         return (
@@ -341,7 +324,7 @@ def open_as(
     try:
         return open_source(source)
     except MissingPath as exc:
-        raise spec.missing(exc) from exc
+        raise spec.error(exc.problem, spec.missing_fix) from exc
     except SourceError as exc:
         raise spec.error(exc.problem, exc.fix) from exc
     except ConfigurationError:

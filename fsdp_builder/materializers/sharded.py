@@ -69,24 +69,13 @@ def shard_index(env: Environment) -> int:
 
 def local_bytes(module: nn.Module) -> int:
     """Bytes of this rank's storage under ``module`` (DTensors' local shards), once per storage."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
+    sizes: dict[tuple[str, int], int] = {}  # by storage (an empty one, at address 0, holds none)
     for t in [*module.parameters(), *module.buffers()]:
         local = local_tensor(t)
-        if local.is_meta:
-            continue
-        storage = local.untyped_storage()
-        key = (str(local.device), storage.data_ptr())
-        if key in seen and storage.data_ptr() != 0:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
-
-
-def _owned_bytes(modules: list[nn.Module]) -> int:
-    owned = [local_tensor(t) for m in modules for t in direct_states(m)]
-    return sum(t.numel() * t.element_size() for t in owned)
+        if not local.is_meta:
+            storage = local.untyped_storage()
+            sizes[(str(local.device), storage.data_ptr())] = storage.nbytes()
+    return sum(sizes.values())
 
 
 def fork_devices(device: torch.device) -> list[torch.device]:
@@ -115,15 +104,12 @@ class ShardFirstInit(Protocol):
         self, unit: Unit, modules: list[nn.Module], names: dict[int, str]
     ) -> AbstractContextManager[object]:
         """Entered around one unit's initializers, storage already given."""
-        ...
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         """Give ``module`` (now with local storage) its values."""
-        ...
 
     def close(self) -> None:
         """Put back whatever the scopes kept; called after success or failure."""
-        ...
 
 
 def run_seeded(
@@ -197,7 +183,8 @@ class ShardFirstRun:
                     unit.module, unit.fqn, modules, init, self.who, self.fix, names=names
                 )
         fill_buffers(modules, self.computed, env.device)
-        return _owned_bytes(modules)
+        owned = [local_tensor(t) for m in modules for t in direct_states(m)]
+        return sum(t.numel() * t.element_size() for t in owned)
 
     def close(self) -> None:
         self.computed = {}
@@ -272,13 +259,9 @@ class _InitWeightsRun:
                 for t in direct_states(m)
                 if not t.is_meta
             ]
-            with (
-                torch.no_grad(),
-                torch.random.fork_rng(devices=fork_devices(env.device)),
-            ):
-                seed_generators(
-                    shard_seed(self.base_seed, shard_index(env), self.method), env.device
-                )
+            seed = shard_seed(self.base_seed, shard_index(env), self.method)
+            with torch.no_grad(), torch.random.fork_rng(devices=fork_devices(env.device)):
+                seed_generators(seed, env.device)
                 init(**kwargs)
                 for t, value in kept:
                     t.copy_(value)

@@ -55,16 +55,13 @@ class CheckpointSource(Protocol):
 
     def tensors(self) -> Mapping[str, TensorMeta]:
         """Every tensor the source holds, by its name in the checkpoint; no values are read."""
-        ...
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         """The tensor ``key`` (a key of :meth:`tensors`), or only ``tensor[index]``, on the CPU
         in the stored dtype."""
-        ...
 
     def close(self) -> None:
         """Release files and mappings; no read follows."""
-        ...
 
 
 @runtime_checkable
@@ -75,7 +72,6 @@ class ReadsInto(Protocol):
     def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
         """Write ``tensor[index]`` (the whole tensor for None) into ``out``, a tensor of that
         shape on any device, of any dtype (values convert to it)."""
-        ...
 
 
 def reader(source: CheckpointSource) -> Callable[[str, Index | None, torch.Tensor], None]:
@@ -97,7 +93,6 @@ class FillsTargets(Protocol):
     def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
         """Write each checkpoint entry into its target: a tensor or a DTensor, whose local part
         only is written; dtypes convert to the target's."""
-        ...
 
 
 class _Checked:
