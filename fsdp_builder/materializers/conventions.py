@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
+from functools import partial
 from typing import Any
 
 import attrs
@@ -278,37 +279,39 @@ def _library_then_torch(module: nn.Module, library_init: ModuleInitializer) -> N
             t._is_hf_initialized = False  # type: ignore[attr-defined]  # re-initialized now
     versions = {n: _version(t) for n, t in _direct(module)}
     library_init(module)
-    left = _unwritten(module, versions)
     settled = SETTLED_BY_CALLER.get()
-    if settled and left:
-        left = [n for n in left if id(getattr(module, n)) not in settled]
+    left = [n for n in _unwritten(module, versions) if id(getattr(module, n)) not in settled]
     if not left:
         return
     fallback = torch_initializer(module)
     if fallback is None:
-        owner = getattr(library_init, "__self__", None)
-        raise MaterializationError(
-            f"{type(owner).__name__ if owner is not None else 'The model'}._init_weights does not "
-            f"set {', '.join(left)} of {type(module).__name__}, which has no reset_parameters(). "
-            f"Register one: `register_initializer({type(module).__name__}, fn)`, or load the "
-            "values with FromCheckpoint(...)."
-        )
+        raise library_gap_error(library_init, module, left)
     fallback()
     library_init(module)
 
 
-def _stand_in(param: torch.Tensor) -> nn.Parameter:
-    """A meta parameter like ``param``: writes to it cost nothing."""
-    fresh = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
-    return nn.Parameter(fresh, requires_grad=param.requires_grad)
+def library_gap_error(
+    library: ModuleInitializer, module: nn.Module, left: list[str], where: str = "", more: int = 0
+) -> MaterializationError:
+    """The error for states ``left`` that ``library`` leaves unwritten and nothing else writes."""
+    owner = getattr(library, "__self__", None)
+    kind = type(module).__name__
+    return MaterializationError(
+        f"{type(owner).__name__ if owner is not None else 'The model'}._init_weights does not "
+        f"set {', '.join(left)} of {kind}{where}, which has no reset_parameters()"
+        + (f" (nor do {more} more modules' states)" if more else "")
+        + f". Register one: `register_initializer({kind}, fn)`, or load the values with "
+        "FromCheckpoint(...)."
+    )
 
 
 def _untied_while(slots: tuple[tuple[nn.Module, str], ...], init: Callable[[], Any]) -> None:
-    """``init()`` with each tie target slot holding a stand-in; the tie is restored after."""
+    """``init()`` with each tie target slot holding a meta stand-in; the tie is restored after."""
     held = [(owner, name, owner._parameters[name]) for owner, name in slots]
     for owner, name, param in held:
         if param is not None:
-            owner._parameters[name] = _stand_in(param)
+            fresh = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
+            owner._parameters[name] = nn.Parameter(fresh, requires_grad=param.requires_grad)
     try:
         init()
     finally:
@@ -319,7 +322,12 @@ def _untied_while(slots: tuple[tuple[nn.Module, str], ...], init: Callable[[], A
 def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable[[], Any] | None:
     """The initializer of ``module`` by its model's convention, or None. A module owning only
     tie targets is skipped; other initializers reaching a tie target write a stand-in."""
-    init = _convention(module, lineage)
+    library = lineage.library_init
+    init: Callable[[], Any] | None
+    if library is not None and _registered(module) is None:
+        init = partial(_library_then_torch, module, library)
+    else:
+        init = torch_initializer(module)
     slots = lineage.tied_below.get(id(module)) if lineage.tied else None
     if init is None or not slots:
         return init
@@ -327,11 +335,4 @@ def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable
     own = [n for n, t in module._parameters.items() if t is not None and (id(module), n) in tied]
     if own and len(own) == len(_direct(module)):
         return lambda: None
-    return lambda: _untied_while(slots, init)
-
-
-def _convention(module: nn.Module, lineage: Lineage) -> Callable[[], Any] | None:
-    library = lineage.library_init
-    if library is not None and _registered(module) is None:
-        return lambda: _library_then_torch(module, library)
-    return torch_initializer(module)
+    return partial(_untied_while, slots, init)

@@ -38,6 +38,7 @@ from fsdp_builder.materializers.conventions import (
     _unwritten,
     _version,
     initializer_of,
+    library_gap_error,
     lineages,
     torch_initializer,
     unit_lineages,
@@ -69,23 +70,6 @@ from fsdp_builder.runtime.tree import (
 _REFERENCE = BackendCapabilities(
     "reference", "materialize_model", supports_shard_first=True, shard_communicates=False
 )
-
-
-def warn_unreached_subtrees(plan: UnitPlan, who: str) -> None:
-    """Warn for each registered parent whose subtree holds units of its own, naming them."""
-    for fqn, module in plan.root.module.named_modules():
-        if not any(isinstance(module, cls) for cls in _SUBTREE_RULES):
-            continue
-        below = {id(m) for m in module.modules() if m is not module}
-        units = [u.label for u in plan if id(u.module) in below]
-        if units:
-            warn_user(
-                f"`{who}` does not apply the subtree initializer of '{clean_name(fqn) or '<root>'}'"
-                f" to the units below it ({', '.join(units[:8])}{' ...' if len(units) > 8 else ''})"
-                ": they keep their own modules' initialization. Use ResetParameters() or "
-                "DeterministicInit(seed), which apply it, or initialize those units the way the "
-                "parent would in your function."
-            )
 
 
 def seed_generators(seed: int, device: torch.device) -> None:
@@ -181,9 +165,8 @@ def initialize_modules(
     names: dict[int, str] | None = None,
     parents_first: bool = False,
 ) -> None:
-    """Call ``init(module, fqn)`` over ``modules`` (breadth-first), by default in reverse: a
-    parent's initializer may set its children's values (MultiheadAttention's out_proj.bias) and
-    must win, as at construction. Failures are re-raised naming the module, ``who`` and ``fix``."""
+    """``init(module, fqn)`` over breadth-first ``modules``, children first unless ``parents_first``
+    (a parent may set its children's values and must win, as at construction)."""
     if names is None:
         names = module_names(root)
     with torch.no_grad():
@@ -330,50 +313,40 @@ class BaseMaterializer(DeclaredHooks):
 def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) -> list[str]:
     """Named modules with states to initialize and no initializer; raises if a library
     initializer leaves a state unwritten."""
-    # One walk of the model, so a module shared by two units is named once.
     model = plan.root.module
     found = lineages(model)
     refused: list[nn.Module] = []
     gaps: list[tuple[nn.Module, list[str], ModuleInitializer]] = []
-    for m in unit_modules(model, ignored.modules):
+    for m in unit_modules(model, ignored.modules):  # one walk: a shared module is named once
         if not (has_meta_states(m) if meta_only else has_states(m)):
             continue
         lineage = found.get(id(m), NO_LINEAGE)
-        if initializer_of(m, lineage) is not None:
-            left = _library_gaps(m, lineage, ignored)
-            if left and lineage.library_init is not None:
-                gaps.append((m, left, lineage.library_init))
-            continue
-        if not _only_nonpersistent_buffers(m):  # those are computed for the build
-            refused.append(m)
+        if initializer_of(m, lineage) is None:
+            if not _only_nonpersistent_buffers(m):  # those are computed for the build
+                refused.append(m)
+        elif lineage.library_init is not None and (left := _library_gaps(m, lineage, ignored)):
+            gaps.append((m, left, lineage.library_init))
     if not refused and not gaps:
         return []
     names = module_names(model)  # only to name what is refused
+
+    def name(m: nn.Module) -> str:
+        return clean_name(names.get(id(m), "")) or "<root>"
+
     if not refused:
         m, left, library = gaps[0]
-        owner = getattr(library, "__self__", None)
-        kind = type(m).__name__
-        raise MaterializationError(
-            f"{type(owner).__name__ if owner is not None else 'The model'}._init_weights does not "
-            f"set {', '.join(left)} of {kind} ('{clean_name(names.get(id(m), '')) or '<root>'}'), "
-            f"which has no reset_parameters()"
-            + (f" (nor do {len(gaps) - 1} more modules' states)" if len(gaps) > 1 else "")
-            + f". Register one: `register_initializer({kind}, fn)`, or load the values with "
-            "FromCheckpoint(...)."
-        )
-    return [f"{clean_name(names.get(id(m), '')) or '<root>'} ({type(m).__name__})" for m in refused]
+        raise library_gap_error(library, m, left, f" ('{name(m)}')", len(gaps) - 1)
+    return [f"{name(m)} ({type(m).__name__})" for m in refused]
 
 
 def _library_gaps(module: nn.Module, lineage: Lineage, ignored: IgnoredStates) -> list[str]:
     """Direct states that the library's ``_init_weights`` leaves unwritten and nothing else
-    writes, found in configure by running it on a stand-in (the model does not change); one
-    that cannot run there is left to the build."""
+    writes, run on a stand-in (the model does not change); one that fails is left to the build."""
     library = lineage.library_init
     if library is None or _registered(module) is not None or torch_initializer(module):
         return []
     states = _direct(module)
-    tied = [n for n, _ in states if (id(module), n) in lineage.tied]
-    if not states or len(tied) == len(states):  # a tied-only module is not initialized at all
+    if all((id(module), n) in lineage.tied for n, _ in states):  # tied-only: not initialized
         return []
     settled = {id(p) for p in ignored.params}  # ignored parameters keep their own values
     if sum(t.numel() for _, t in states) > _PROBE_ELEMENTS:
@@ -395,8 +368,7 @@ _PROBE_ELEMENTS = 1 << 22
 
 
 def _stand_in(module: nn.Module, memo: dict[int, Any], device: str = "cpu") -> nn.Module:
-    """A copy of ``module``'s subtree with new states (its own on ``device``, children's on
-    meta; sharing kept); everything else is the module's own."""
+    """A shallow copy of ``module``'s subtree, fresh states: its own on ``device``, others meta."""
     if id(module) in memo:
         return cast(nn.Module, memo[id(module)])
     probe = copy.copy(module)
@@ -537,7 +509,22 @@ class InitFn(BaseMaterializer):
 
     @override
     def check_context(self, context: ConfigureContext) -> None:
-        warn_unreached_subtrees(context.plan, "InitFn")
+        """Warn for each registered parent whose subtree holds units of its own, naming them."""
+        plan = context.plan
+        for fqn, module in plan.root.module.named_modules():
+            if not any(isinstance(module, cls) for cls in _SUBTREE_RULES):
+                continue
+            below = {id(m) for m in module.modules() if m is not module}
+            units = [u.label for u in plan if id(u.module) in below]
+            if units:
+                warn_user(
+                    f"`InitFn` does not apply the subtree initializer of "
+                    f"'{clean_name(fqn) or '<root>'}' to the units below it "
+                    f"({', '.join(units[:8])}{' ...' if len(units) > 8 else ''}): they keep their "
+                    "own modules' initialization. Use ResetParameters() or DeterministicInit(seed)"
+                    ", which apply it, or initialize those units the way the parent would in your "
+                    "function."
+                )
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
@@ -602,12 +589,10 @@ class InitFn(BaseMaterializer):
             for m, n, _ in pending
             if judge_unwritten and writes.unwritten(getattr(m, n), given[(id(m), n)])
         ]
-        if left or unwritten:
-            problems = []
-            if left:
-                problems.append(f"still on the meta device: {', '.join(left[:8])}")
-            if unwritten:
-                problems.append(f"given storage but never written: {', '.join(unwritten[:8])}")
+        problems = [f"still on the meta device: {', '.join(left[:8])}"] if left else []
+        if unwritten:
+            problems.append(f"given storage but never written: {', '.join(unwritten[:8])}")
+        if problems:
             fix = (
                 "With InitFn(fn, allocate=True), fn must write every parameter and buffer of "
                 "the module it is given."
