@@ -58,10 +58,6 @@ log = get_logger(__name__)
 BLOCK = 1 << 16
 
 
-def _block_seed(key: int, block: int) -> int:
-    return digest63(f"{key}/{block}")
-
-
 def _draw_flat(
     key: int,
     out: torch.Tensor,
@@ -78,7 +74,7 @@ def _draw_flat(
     for block in range(start // BLOCK, (stop - 1) // BLOCK + 1):
         first, last = block * BLOCK, min((block + 1) * BLOCK, total)
         lo, hi = max(first, start), min(last, stop)
-        generator.manual_seed(_block_seed(key, block))
+        generator.manual_seed(digest63(f"{key}/{block}"))
         if (lo, hi) == (first, last):
             # A tensor that is one whole block (a small one) is drawn as it is, not sliced.
             draw(out if (lo, hi) == (start, stop) else out[lo - start : hi - start], generator)
@@ -118,28 +114,22 @@ class _Streams:
         self.draws: dict[str, int] = {}
         self.generators: dict[torch.device, torch.Generator] = {}
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        if device not in self.generators:
-            self.generators[device] = torch.Generator(device=device)
-        return self.generators[device]
-
-    def key(self, tensor: torch.Tensor) -> int:
-        name = self.names[id(tensor)]
-        draw = self.draws.get(name, 0)
-        self.draws[name] = draw + 1
-        return digest63(f"{self.seed}/{name}/{draw}")
-
     def draw(self, tensor: torch.Tensor, draw: _Draw) -> torch.Tensor:
         """Write this rank's part of ``tensor`` from its next key; ``draw(out, g)`` fills 1-D
         ``out`` in place. Layouts other than whole rows draw the covering run and keep theirs."""
-        key = self.key(tensor)
+        name = self.names[id(tensor)]
+        count = self.draws.get(name, 0)
+        self.draws[name] = count + 1
+        key = digest63(f"{self.seed}/{name}/{count}")
         local = local_tensor(tensor)
         if not local.numel():
             return tensor
         total = tensor.numel()
         with _unwatched():
             span = _flat_span(tensor)
-            generator = self.generator(local.device)
+            generator = self.generators.get(local.device)
+            if generator is None:
+                generator = self.generators[local.device] = torch.Generator(device=local.device)
             if span is not None and local.is_contiguous():
                 _draw_flat(key, local.view(-1), span, total, draw, generator)
                 return tensor
@@ -190,19 +180,6 @@ class _unwatched:
 
 
 _Answer = Callable[[_Streams, Any, torch.Tensor, Any, Any], Any]
-
-
-def _kaiming_std(tensor: torch.Tensor, a: float, mode: str, nonlinearity: str) -> float:
-    """``kaiming_uniform_``'s standard deviation from the full shape, as torch computes it."""
-    if mode.lower() not in ("fan_in", "fan_out"):
-        raise ValueError(f"Mode {mode} not supported, please use one of fan_in, fan_out")
-    shape = tuple(tensor.shape)
-    if len(shape) < 2:
-        raise ValueError(
-            "Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"
-        )
-    fan = shape[1 if mode.lower() == "fan_in" else 0] * math.prod(shape[2:])
-    return nn.init.calculate_gain(nonlinearity, a) / math.sqrt(fan)  # type: ignore[arg-type]
 
 
 def _truncated(mean: float, std: float, a: float, b: float) -> _Draw:
@@ -261,7 +238,9 @@ def _kaiming_uniform(streams: _Streams, func: Any, tensor: torch.Tensor, rest: A
     )
     if 0 in tensor.shape:
         return None  # torch's own warns and returns
-    bound = math.sqrt(3.0) * _kaiming_std(tensor, a, mode, nonlinearity)
+    # torch's own computation, from the full shape (a DTensor's).
+    gain = nn.init.calculate_gain(nonlinearity, a)
+    bound = math.sqrt(3.0) * gain / math.sqrt(nn.init._calculate_correct_fan(tensor, mode))
     return streams.draw(tensor, lambda out, g: out.uniform_(-bound, bound, generator=g))
 
 
@@ -303,7 +282,7 @@ _ANSWERS: dict[Any, _Answer] = {
 
 
 class _StreamMode(TorchFunctionMode):
-    """Answers the initializers of tensors ``streams`` names from their stream."""
+    """On this thread, answers the initializers of tensors ``streams`` names from their stream."""
 
     def __init__(self, streams: _Streams) -> None:
         super().__init__()
@@ -324,29 +303,18 @@ class _StreamMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def streamed_init(streams: _Streams) -> TorchFunctionMode:
-    """A context in which, on this thread, the tensors ``streams`` names draw from it."""
-    return _StreamMode(streams)
+streamed_init = _StreamMode
 
 
 # The same on a shard as on the full tensor. Any other op on a DTensor (a draw, a row view, a
 # copy, a reduction) could depend on the world size or run a collective.
 _aten = torch.ops.aten
 ELEMENTWISE_ON_SHARDS = frozenset(
-    {
-        _aten.fill_.Scalar,
-        _aten.zero_.default,
-        _aten.mul_.Scalar,
-        _aten.div_.Scalar,
-        _aten.add_.Scalar,
-        _aten.sub_.Scalar,
-        _aten.clamp_.default,
-        _aten.clamp_min_.default,
-        _aten.clamp_max_.default,
-        _aten.neg_.default,
-        _aten.detach.default,
-        _aten.alias.default,
-    }
+    [getattr(_aten, op).Scalar for op in ("fill_", "mul_", "div_", "add_", "sub_")]
+    + [
+        getattr(_aten, op).default
+        for op in ("zero_", "clamp_", "clamp_min_", "clamp_max_", "neg_", "detach", "alias")
+    ]
 )
 
 
