@@ -98,7 +98,7 @@ def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
             )
 
 
-def check_fsdp2_plan(plan: UnitPlan, options: ShardingOptions) -> None:
+def check_fsdp2_plan(plan: UnitPlan) -> None:
     """What ``fully_shard`` refuses: scalar (0-dim) and non-contiguous parameters."""
     where = "FullyShardBuilder"
     scalars: list[str] = []

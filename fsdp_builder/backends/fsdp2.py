@@ -391,7 +391,7 @@ class FullyShardBackend:
         options = context.options
         check_fully_shard(options.strategy, context.device, context.ignored.params)
         check_root_not_wrapped(context.plan, _WHERE)
-        check_fsdp2_plan(context.plan, options)
+        check_fsdp2_plan(context.plan)
         # The shard group spans the world or a divisor of it: a size that does not divide the
         # world cannot divide the group (the exact group is checked once it exists).
         size, world = context.world_size, "the world size"
