@@ -742,9 +742,8 @@ class DeferredInit(BaseMaterializer):
     def materialize(self, unit: Unit, env: Environment) -> int:
         from torchdistx import deferred_init, fake
 
-        modules = list(unit.modules)
-        owned = {id(m) for m in modules}
-        fakes = [t for m in modules for t in direct_states(m) if fake.is_fake(t)]
+        owned = {id(m) for m in unit.modules}
+        fakes = [t for m in unit.modules for t in direct_states(m) if fake.is_fake(t)]
         if not fakes:
             return 0
         deferred_init.materialize_module(unit.module, check_fn=lambda m: id(m) in owned)

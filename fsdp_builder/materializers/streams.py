@@ -105,14 +105,14 @@ def global_indices(tensor: torch.Tensor) -> torch.Tensor:
 _Draw = Callable[[torch.Tensor, torch.Generator], object]
 
 
+@define
 class _Streams:
     """A build's streams, keyed per (name, draw count): a second write gets fresh bits."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.names: dict[int, str] = {}
-        self.draws: dict[str, int] = {}
-        self.generators: dict[torch.device, torch.Generator] = {}
+    seed: int
+    names: dict[int, str] = attrs.field(factory=dict)
+    draws: dict[str, int] = attrs.field(factory=dict)
+    generators: dict[torch.device, torch.Generator] = attrs.field(factory=dict)
 
     def draw(self, tensor: torch.Tensor, draw: _Draw) -> torch.Tensor:
         """Write this rank's part of ``tensor`` from its next key; ``draw(out, g)`` fills 1-D
@@ -392,8 +392,7 @@ class _StreamedInit:
             held.__exit__(None, None, None)
 
     def _seeded(self, done: list[_Done]) -> str | None:
-        """Run ``done``'s initializers, seeded by name, under a ``_ShardWatch``; the first
-        operation it stopped, or None."""
+        """Run ``done``'s initializers seeded by name; the first op ``_ShardWatch`` stopped."""
         watch = _ShardWatch()
         with contextlib.suppress(_ShardOp), watch:
             for d in done:
