@@ -1,2 +1,2 @@
-"""Tools around the library: the command line, the demo, memory estimates, the local launcher
-and the export of a sharded model to Hugging Face files."""
+"""Tools around the library: the command line, the demo, memory estimates, the dry run and the
+local launcher."""

@@ -29,8 +29,8 @@ from fsdp_builder.builder import builder_for
 from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.tools import estimate
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
+from fsdp_builder.tools.estimate import STRATEGIES
 
-STRATEGIES = ("full", "grad_op", "hybrid", "none")
 EPILOG = (
     "Under torchrun the demo uses torchrun's ranks instead of starting its own: "
     "`torchrun --nproc-per-node 2 -m fsdp_builder demo`."
@@ -59,9 +59,8 @@ def progress(message: str, quiet: bool = False) -> None:
 
 
 def quiet_demo_warnings(rank: int) -> None:
-    """Keep the demo's output to warnings a user can act on: only rank 0's (the others repeat
-    them), without FSDP2's view warning (the demo never writes its output in place) or FSDP1's
-    repeat of the builder's NO_SHARD deprecation."""
+    """Only rank 0's warnings (the others repeat them), without FSDP2's view warning (the demo
+    never writes its output in place) or FSDP1's repeat of the builder's NO_SHARD deprecation."""
     if rank != 0:
         warnings.simplefilter("ignore")
         return
@@ -227,13 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_units(model, WrapPolicy(classes=classes), IgnoredStates())
     world, per_node = args.world_size, args.devices_per_node
     training = estimate.training_estimate(
-        plan,
-        world,
-        strategy=args.strategy,
-        backend=args.backend,
-        optimizer=args.optimizer,
-        param_dtype=args.param_dtype,
-        devices_per_node=per_node,
+        plan, world, args.strategy, args.backend, args.optimizer, args.param_dtype, per_node
     )
     if args.json:
         report = {
@@ -258,8 +251,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(rest: list[str]) -> int:
-    """Run ``benchmarks/harness.py`` of the checkout in the current directory, after checking
-    its extras."""
+    """Run the current directory's ``benchmarks/harness.py`` once its extras are installed."""
     cwd = Path.cwd()
     if not (cwd / "benchmarks" / "harness.py").is_file():
         raise SystemExit(

@@ -63,10 +63,9 @@ def make_model(
     cfg: DemoConfig | None = None, seed: int = 0, device: str = "cpu"
 ) -> DemoTransformer:
     """The demo model, seeded so every rank (and the reference) builds the same weights."""
-    cfg = cfg or DemoConfig()
     torch.manual_seed(seed)
     with torch.device(device):
-        return DemoTransformer(cfg)
+        return DemoTransformer(cfg or DemoConfig())
 
 
 def demo_model() -> DemoTransformer:

@@ -253,8 +253,7 @@ def _recorded_reads(reads: list[Read]) -> Iterator[None]:
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int, local_world_size: int | None = None) -> Iterator[None]:
     """torch's fake process group as the default group, for one simulated ``rank``; with
-    ``local_world_size``, the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``...) say so while it lasts."""
+    ``local_world_size``, torchrun's variables (``RANK``, ``LOCAL_RANK``...) set while it lasts."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -340,9 +339,8 @@ def _failed(
     run: RankRun, builder: ShardingBuilder, model: nn.Module, error: BaseException
 ) -> RankRun:
     """``run`` with the build's ``error``, and the unit plan when planning did not fail."""
-    plan: UnitPlan | None
     try:
-        plan = builder.plan_for(model)
+        plan: UnitPlan | None = builder.plan_for(model)
     except Exception:  # the plan is what failed: the error says why
         plan = None
     text = str(error)
@@ -450,13 +448,12 @@ def simulate(
     """Run the real ``builder_factory().build(model_factory())`` as each of ``ranks`` of a world
     of ``world_size``, on torch's fake process group and without storage for model states.
 
-    ``builder_factory`` is called once per rank with the fake group initialized (so it may
-    create groups or a DeviceMesh, as the job's script does); ``model_factory`` under
-    ``torch.device("meta")`` unless ``on_meta`` is False. ``local_world_size``: ranks per node,
-    set in the environment as torchrun sets it (what ``AutoHybridGroups()`` and
-    ``LocalRankDevice`` read); None leaves the environment as it is. ``step``: a function of
-    the built model returning a loss (called on FakeTensors) for the training step's peak. A
-    rank whose build raises reports the error instead of results; nothing is raised for it.
+    ``builder_factory`` is called once per rank with the fake group initialized (it may create
+    groups or a DeviceMesh); ``model_factory`` under ``torch.device("meta")`` unless ``on_meta``
+    is False. ``local_world_size``: ranks per node, set in the environment as torchrun sets it;
+    None leaves the environment as it is. ``step``: a function of the built model returning a
+    loss (called on FakeTensors) for the training step's peak. A rank whose build raises
+    reports the error instead of results; nothing is raised for it.
 
     Raises:
         ConfigurationError: ``world_size`` or ``ranks`` invalid, or a process group already
@@ -464,12 +461,8 @@ def simulate(
     """
     chosen = _check_args(world_size, ranks)
     started = time.perf_counter()
-    runs = tuple(
-        simulate_rank(
-            builder_factory, model_factory, world_size, r, on_meta, local_world_size, step
-        )
-        for r in chosen
-    )
+    one = functools.partial(simulate_rank, builder_factory, model_factory, world_size)
+    runs = tuple(one(r, on_meta, local_world_size, step) for r in chosen)
     return DryRun(world_size, runs[0].backend, runs, time.perf_counter() - started)
 
 
@@ -519,10 +512,8 @@ def format_dry_run(run: DryRun, shards: int = 0) -> str:
 
 
 def cli_builder(args: Any, model: nn.Module) -> Callable[[], ShardingBuilder]:
-    """The builder ``fsdp-builder plan --simulate`` runs when no ``--builder`` is given: the
-    backend, strategy, wrap classes (by name, found in ``model``) and checkpoint of the
-    command line; hybrid sharding over a (nodes, devices per node) mesh where the devices per
-    node divide the world, node groups otherwise."""
+    """The builder of ``fsdp-builder plan --simulate`` without ``--builder``: the command line's
+    backend, strategy, wrap classes (found in ``model``) and checkpoint."""
     from fsdp_builder.groups import AutoHybridGroups
     from fsdp_builder.materializers.checkpoints import FromCheckpoint
     from fsdp_builder.tools.cli import wrap_classes
@@ -572,10 +563,7 @@ def run_cli(args: Any, load_factory: Callable[[str], Any]) -> int:
         run = simulate(builder_factory, model_factory, args.simulate, args.rank or (0,))
     except ConfigurationError as exc:
         raise SystemExit(str(exc)) from exc
-    if args.json:
-        print(json.dumps(as_dict(run)))
-    else:
-        print(format_dry_run(run, shards=8))
+    print(json.dumps(as_dict(run)) if args.json else format_dry_run(run, shards=8))
     return 0 if all(r.ok for r in run.runs) else 1
 
 

@@ -23,6 +23,7 @@ from fsdp_builder.planning.plan import Unit, UnitPlan
 
 BACKENDS = tuple(REGISTERED)
 STRATEGIES = ("full", "grad_op", "hybrid", "none")
+MIB = 1024 * 1024
 
 
 def local_node_size(world_size: int) -> int:
@@ -83,7 +84,6 @@ def estimate(
     for unit, own, extra in zip(plan, kept, extras, strict=True):
         peak = max(peak, done + unit.nbytes + extra)
         done += own
-    full_peak = plan.nbytes + max(extras, default=0)
     return Estimate(
         backend=backend,
         strategy=strategy,
@@ -91,7 +91,7 @@ def estimate(
         after_build=after,
         per_unit_peak=peak,
         shard_first_peak=after if layout.supports_shard_first else None,
-        full_model_peak=max(full_peak, peak),
+        full_model_peak=max(plan.nbytes + max(extras, default=0), peak),
     )
 
 
@@ -106,7 +106,6 @@ def estimates(
 
 
 def format_estimates(plan: UnitPlan, world_size: int, devices_per_node: int | None = None) -> str:
-    mib = 1024 * 1024
     hybrid = hybrid_shard_size(world_size, devices_per_node)
     lines = [
         f"estimated per-rank memory at world size {world_size} (MiB); hybrid: shard groups of "
@@ -115,13 +114,13 @@ def format_estimates(plan: UnitPlan, world_size: int, devices_per_node: int | No
         f"{'peak per-unit':>14} {'peak shard-first':>17} {'peak full model':>16}",
     ]
     for e in estimates(plan, world_size, devices_per_node):
-        first = "-" if e.shard_first_peak is None else f"{e.shard_first_peak / mib:.2f}"
+        first = "-" if e.shard_first_peak is None else f"{e.shard_first_peak / MIB:.2f}"
         lines.append(
-            f"  {e.backend:<8} {e.strategy:<9} {e.shard_size:>6} {e.after_build / mib:>12.2f} "
-            f"{e.per_unit_peak / mib:>14.2f} {first:>17} {e.full_model_peak / mib:>16.2f}"
+            f"  {e.backend:<8} {e.strategy:<9} {e.shard_size:>6} {e.after_build / MIB:>12.2f} "
+            f"{e.per_unit_peak / MIB:>14.2f} {first:>17} {e.full_model_peak / MIB:>16.2f}"
         )
     lines.append(
-        f"largest unit: {plan.largest_unit_bytes / mib:.2f} MiB; model: {plan.nbytes / mib:.2f} "
+        f"largest unit: {plan.largest_unit_bytes / MIB:.2f} MiB; model: {plan.nbytes / MIB:.2f} "
         "MiB. Peaks count states only (no allocator slack or communication buffers)."
     )
     return "\n".join(lines)
@@ -226,7 +225,6 @@ def training_estimate(
 
 
 def format_training(e: TrainingEstimate, world_size: int) -> str:
-    mib = 1024 * 1024
     dtype = e.param_dtype or "none"
     gathered = "every unit (grad_op)" if e.strategy == "grad_op" else "root + 2 largest units"
     rows = [
@@ -244,7 +242,7 @@ def format_training(e: TrainingEstimate, world_size: int) -> str:
         f"training memory per rank: {e.backend} {e.strategy} at world size {world_size} "
         f"(shards of {e.shard_size}), optimizer {e.optimizer}, param dtype {dtype} (MiB):"
     ]
-    lines += [f"  {label:<66} {n / mib:>12,.2f}" for label, n in rows]
-    lines.append(f"  {'total':<66} {e.total / mib:>12,.2f}")
+    lines += [f"  {label:<66} {n / MIB:>12,.2f}" for label, n in rows]
+    lines.append(f"  {'total':<66} {e.total / MIB:>12,.2f}")
     lines.append(f"  activations: {ACTIVATIONS}")
     return "\n".join(lines)

@@ -152,10 +152,8 @@ def _model_class(transformers: Any, config: Any, path: Path) -> type[nn.Module]:
             )
         return cls
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
-        mapping = auto._model_mapping
-        if type(config) in mapping:
-            found: type[nn.Module] = mapping[type(config)]
-            return found
+        if type(config) in auto._model_mapping:
+            return auto._model_mapping[type(config)]
     raise _refused(
         f"{str(path)!r} has no `architectures` and transformers has no model for its "
         f"{type(config).__name__}",

@@ -95,14 +95,10 @@ def run_ranks(
     without reporting. Raises RankFailure naming every rank's story."""
     ctx: Any = mp.get_context(start_method)  # every context has Process and Queue
     results = ctx.Queue()
+    limit = timedelta(seconds=timeout)
     # The parent keeps the store's OS-chosen port bound, so no other process can take it.
     store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout),
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=limit
     )
     procs = [
         ctx.Process(
