@@ -4,7 +4,6 @@ the ``.metadata`` pickle is read admitting only DCP's metadata classes (no code 
 
 from __future__ import annotations
 
-import functools
 import pickle
 import warnings
 from collections.abc import Mapping
@@ -12,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
@@ -57,9 +59,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
                 return value
         elif module == _METADATA_MODULE:
-            from torch.distributed.checkpoint import metadata
-
-            value = getattr(metadata, name, None)
+            value = getattr(dcp_metadata, name, None)
             # Its own classes only: not what it imports (``Any``, ``Enum``...).
             if isinstance(value, type) and value.__module__ == _METADATA_MODULE:
                 return value
@@ -73,35 +73,27 @@ def read_metadata(folder: Path) -> Any:
         return _MetadataUnpickler(file).load()
 
 
-@functools.cache
-def _reader_class() -> type:
-    """``FileSystemReader`` with its metadata read by ``read_metadata``; built on first use."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+class _SafeReader(FileSystemReader):
+    """``FileSystemReader`` with its metadata read by ``read_metadata``."""
 
-    class SafeMetadataReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            # What FileSystemReader.read_metadata does after its pickle.load.
-            metadata = read_metadata(Path(self.path))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeMetadataReader
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        # What FileSystemReader.read_metadata does after its pickle.load.
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 class DCPSource:
     """A DCP folder: its metadata when opened, values per request."""
 
     def __init__(self, folder: Path) -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         require(DCP_NO_DIST, "FromCheckpoint", "path")
         self.describe = f"the DCP folder '{folder}'"
         self.folder = folder
         try:
-            metadata = _reader_class()(str(folder)).read_metadata()
+            metadata = _SafeReader(str(folder)).read_metadata()
         except RefusedGlobal as exc:
             raise SourceError(
                 f"{self.describe} has a .metadata ('{folder / '.metadata'}') that refers to "
@@ -123,7 +115,7 @@ class DCPSource:
         self._meta = {
             key: TensorMeta(tuple(item.size), item.properties.dtype)
             for key, item in metadata.state_dict_metadata.items()
-            if isinstance(item, TensorStorageMetadata)
+            if isinstance(item, dcp_metadata.TensorStorageMetadata)
         }
 
     def _check_data_files(self, metadata: object) -> None:
@@ -162,8 +154,6 @@ class DCPSource:
 
     def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
         """One ``dcp.load`` of the targets (DTensors: their local chunks only)."""
-        import torch.distributed.checkpoint as dcp
-
         if not targets:
             return
         # DCP copies into same-dtype targets only: read into staging of the checkpoint's dtype
@@ -192,7 +182,7 @@ class DCPSource:
             with torch.no_grad(), warnings.catch_warnings():
                 # Reading without collectives is the point, not a fallback to warn about.
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.load(request, storage_reader=_reader_class()(str(self.folder)), no_dist=True)
+                dcp.load(request, storage_reader=_SafeReader(str(self.folder)), no_dist=True)
         except _READ_ERRORS as exc:
             raise MaterializationError(
                 f"{self.describe} could not be read: {type(exc).__name__}: {exc}"

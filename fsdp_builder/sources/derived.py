@@ -84,10 +84,8 @@ class MergeExperts:
         out = []
         for source in self.sources:
             before, after = (re.escape(part) for part in source.split("*"))
-            pattern = f"{before}(\\d+){after}"
-            if re.search(r"\w$", source):
-                pattern += r"(?!\w)"
-            out.append(re.compile(pattern))
+            boundary = r"(?!\w)" if re.search(r"\w$", source) else ""
+            out.append(re.compile(f"{before}(\\d+){after}{boundary}"))
         return out
 
 
@@ -219,10 +217,7 @@ class DerivedSource:
     built from the parts a read asks for. Closing it closes the source."""
 
     def __init__(
-        self,
-        source: CheckpointSource,
-        plain: dict[str, str],
-        merged: dict[str, _Merged],
+        self, source: CheckpointSource, plain: dict[str, str], merged: dict[str, _Merged]
     ) -> None:
         self.describe = source.describe
         self.source = source

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
 
@@ -17,8 +18,6 @@ def _names(keys: list[str]) -> str:
 
 def check_state_dict(value: Any, what: str) -> Mapping[str, torch.Tensor]:
     """``value`` as a state dict whose values can be read, or a SourceError saying why not."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(value, Mapping):
         raise SourceError(f"{what} is not a state dict (it holds a {type(value).__name__})")
     bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]

@@ -5,6 +5,7 @@ where this library can express it, else the built-in Mixtral and Qwen-MoE rules.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from fsdp_builder.common.logs import get_logger
@@ -63,22 +64,17 @@ def register_checkpoint_rules(model_type: str, rules: Iterable[Rule]) -> None:
             "Pass the model's config.model_type",
         )
     fix = "Pass a list such as [Rename(r'\\.moe\\.', '.mlp.')] (an empty list turns derivation off)"
+    rules_error = partial(config_error, "register_checkpoint_rules", "rules", fix=fix)
     if isinstance(rules, str | bytes | Rename | MergeExperts) or not isinstance(rules, Iterable):
-        raise config_error(
-            "register_checkpoint_rules",
-            "rules",
+        raise rules_error(
             f"expected a sequence of Rename and MergeExperts rules, got {type(rules).__name__} "
-            f"{rules!r}",
-            fix,
+            f"{rules!r}"
         )
     items = tuple(rules)  # taken once: a generator would be empty the second time
     bad = [r for r in items if not isinstance(r, Rename | MergeExperts)]
     if bad:
-        raise config_error(
-            "register_checkpoint_rules",
-            "rules",
-            f"expected Rename and MergeExperts rules, got {type(bad[0]).__name__} {bad[0]!r}",
-            fix,
+        raise rules_error(
+            f"expected Rename and MergeExperts rules, got {type(bad[0]).__name__} {bad[0]!r}"
         )
     _USER[model_type] = items
     log.debug("checkpoint_rules_registered", model_type=model_type, rules=len(items))

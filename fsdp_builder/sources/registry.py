@@ -69,9 +69,7 @@ _USER: list[Format] = []
 
 
 def register_format(
-    name: str,
-    detect: Callable[[Path], bool],
-    open: Callable[[Path], CheckpointSource],
+    name: str, detect: Callable[[Path], bool], open: Callable[[Path], CheckpointSource]
 ) -> None:
     """Make ``FromCheckpoint`` and ``FromStateDict`` read a format of your own.
 
