@@ -238,9 +238,17 @@ def _kaiming_uniform(streams: _Streams, func: Any, tensor: torch.Tensor, rest: A
     )
     if 0 in tensor.shape:
         return None  # torch's own warns and returns
-    # torch's own computation, from the full shape (a DTensor's).
+    # torch's computation from the full shape (a DTensor's), with public parts only.
+    if mode.lower() not in ("fan_in", "fan_out"):
+        raise ValueError(f"Mode {mode} not supported, please use one of fan_in, fan_out")
+    shape = tuple(tensor.shape)
+    if len(shape) < 2:
+        raise ValueError(
+            "Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"
+        )
+    fan = shape[1 if mode.lower() == "fan_in" else 0] * math.prod(shape[2:])
     gain = nn.init.calculate_gain(nonlinearity, a)
-    bound = math.sqrt(3.0) * gain / math.sqrt(nn.init._calculate_correct_fan(tensor, mode))
+    bound = math.sqrt(3.0) * gain / math.sqrt(fan)
     return streams.draw(tensor, lambda out, g: out.uniform_(-bound, bound, generator=g))
 
 
