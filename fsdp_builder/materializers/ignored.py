@@ -207,10 +207,7 @@ def constructor_values(model: nn.Module, slots: Sequence[Slot]) -> list[torch.Te
             )
             continue
         if id(library) not in built:
-            inside = {
-                id(m): clean_name(n) for n, m in library.named_modules(remove_duplicate=False)
-            }
-            built[id(library)] = (inside, _construct(library))
+            built[id(library)] = _construct(library)
         inside, copy_of = built[id(library)]
         if isinstance(copy_of, Exception):
             refused.append(
@@ -241,15 +238,17 @@ def constructor_values(model: nn.Module, slots: Sequence[Slot]) -> list[torch.Te
     return values
 
 
-def _construct(library: nn.Module) -> nn.Module | Exception:
-    """``Model(config)`` of ``library``'s class under ``_ConstantsOnly``."""
+def _construct(library: nn.Module) -> tuple[dict[int, str], nn.Module | Exception]:
+    """``library``'s module names by id, and ``Model(config)`` of its class under
+    ``_ConstantsOnly`` (or what that raised)."""
+    inside = {id(m): clean_name(n) for n, m in library.named_modules(remove_duplicate=False)}
     config = copy.deepcopy(vars(library).get("config"))
     try:
         with torch.no_grad(), warnings.catch_warnings(), _ConstantsOnly():
             warnings.simplefilter("ignore")
-            return unsharded_class(library)(config)
+            return inside, unsharded_class(library)(config)
     except Exception as exc:
-        return exc
+        return inside, exc
 
 
 __all__ = [
