@@ -221,12 +221,11 @@ def _tied_outside(named: NamedModules, chosen: set[nn.Module]) -> dict[nn.Module
     """The modules of ``chosen`` holding a parameter also registered outside them, by name."""
     registrations = _registrations(m for _, m in named)
     names = {m: n for n, m in named}
-    out: dict[nn.Module, str] = {}
-    for module in chosen:
-        inside = _registrations(module.modules())
-        if any(registrations[i] > n for i, n in inside.items()):
-            out[module] = names.get(module, "?")
-    return out
+    return {
+        module: names.get(module, "?")
+        for module in chosen
+        if any(registrations[i] > n for i, n in _registrations(module.modules()).items())
+    }
 
 
 def _registrations(modules: Iterable[nn.Module]) -> Counter[int]:

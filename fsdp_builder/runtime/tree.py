@@ -45,13 +45,8 @@ def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, s
 def direct_states(module: nn.Module) -> list[torch.Tensor]:
     """The states ``module`` registers itself, each once. Read from its own dicts:
     ``parameters(recurse=False)`` builds a generator chain per call, several per module."""
-    seen: set[int] = set()
-    found: list[torch.Tensor] = []
-    for t in (*module._parameters.values(), *module._buffers.values()):
-        if t is not None and id(t) not in seen:
-            seen.add(id(t))
-            found.append(t)
-    return found
+    states = (*module._parameters.values(), *module._buffers.values())
+    return list({id(t): t for t in states if t is not None}.values())
 
 
 def has_states(module: nn.Module) -> bool:
