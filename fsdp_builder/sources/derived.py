@@ -177,18 +177,15 @@ def _plan(
                 f"holds '{rule.sources[next(iter(by_source))]}' tensors for '{target}' but no "
                 f"{listed([repr(a) for a in absent])} ones to merge with them"
             )
-        numbers = [sorted(by_source[s]) for s in range(len(rule.sources))]
-        count = max(n[-1] for n in numbers) + 1
-        for s, found in enumerate(numbers):
-            lacking = sorted(set(range(count)) - set(found))
+        count = max(max(experts) for experts in by_source.values()) + 1
+        for s, experts in sorted(by_source.items()):
+            lacking = sorted(set(range(count)) - set(experts))
             if lacking:
                 raise SourceError(
                     f"holds experts up to {count - 1} of '{target}' but lacks the "
                     f"'{rule.sources[s]}' tensors of expert(s) {listed([str(e) for e in lacking])}"
                 )
-        parts = tuple(
-            tuple(by_source[s][e] for e in range(count)) for s in range(len(rule.sources))
-        )
+        parts = tuple(tuple(by_source[s][e] for e in range(count)) for s in sorted(by_source))
         metas = []
         for keys in parts:
             first = tensors[keys[0]]

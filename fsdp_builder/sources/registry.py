@@ -155,8 +155,7 @@ def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> Checkpoin
 
 
 def _user_call(fmt: Format, step: str, path: Path) -> Any:
-    """``fmt.detect(path)`` or ``fmt.open(path)`` of a registered format; what it raises is
-    reported naming the format and the step."""
+    """A registered format's ``detect`` or ``open`` of ``path``; its errors name both."""
     detect = step == "detect"
     try:
         return (fmt.detect if detect else fmt.open)(path)
