@@ -470,9 +470,7 @@ class LoadRun:
 
 
 def prepare_rank0(
-    env: Environment,
-    run: Rank0Run,
-    open_on_rank0: Callable[[], tuple[CheckpointSource, Match]],
+    env: Environment, run: Rank0Run, open_on_rank0: Callable[[], tuple[CheckpointSource, Match]]
 ) -> Rank0Run:
     """Rank 0 opens and matches its source; its verdict reaches every rank, which raises it
     alike. Collective."""
@@ -539,8 +537,7 @@ class Rank0Run(LoadRun):
                 for entry in unit_entries(unit, self.env.ignored):
                     present = [n for n in entry.names if n in self.keys]
                     if present:
-                        tensor = source.read(self.keys[present[0]])
-                        state.update(dict.fromkeys(present, tensor))
+                        state.update(dict.fromkeys(present, source.read(self.keys[present[0]])))
             except Exception as exc:
                 error = self.unreadable(unit, exc)
         scatter_error: MaterializationError | None = None
