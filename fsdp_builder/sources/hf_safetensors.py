@@ -25,22 +25,17 @@ log = get_logger(__name__)
 
 # safe_open maps its file (privately, never written) and its slices view the mapping: the pages
 # a read touches count as the process's memory until they are dropped. Where the mapping can be
-# told (Linux, /proc/self/maps), a slice's address in it is its offset in the file: a contiguous
-# slice read into a contiguous CPU tensor of its dtype (a rank's rows, the usual read) is read
-# from the file with preadv, which touches no page of the mapping and takes no fault per page
-# (benchmarks/results/reader_ab.md). Any other read is copied in runs of rows of at most
-# _RUN_BYTES, the mapping's pages dropped with madvise(MADV_DONTNEED) after each: the page cache
-# keeps the data, and unwritten pages of a private file mapping fault back in from it. Elsewhere
-# a source unmaps the files read from after _MAPPED_BYTES read (they reopen at their next read; a
-# smaller budget is slower). Either way a rank's mapped pages stay near that bound instead of its
-# whole share of the checkpoint (benchmarks/results/file_pages.md).
+# told (Linux, /proc/self/maps), a source copies a read in runs of rows of at most _RUN_BYTES and
+# drops the mapping's pages with madvise(MADV_DONTNEED) after each: the page cache keeps the
+# data, and unwritten pages of a private file mapping fault back in from it. Elsewhere it unmaps
+# the files read from after _MAPPED_BYTES read (they reopen at their next read; a smaller budget
+# is slower). Either way a rank's mapped pages stay near that bound instead of its whole share of
+# the checkpoint (benchmarks/results/file_pages.md).
 _MAPPED_BYTES = 16 << 20
 _RUN_BYTES = 2 << 20
 _MADV_DONTNEED = 4
 _HUGE = 2 << 20
 _PAGE = mmap.PAGESIZE
-# One preadv moves at most about 2 GiB on Linux: larger reads are split.
-_MAX_READ = 1 << 30
 
 # Sources opened while a recorder is set (a dry run's, ``fsdp_builder.tools.dryrun``) hand it
 # each read (file, key, index) and make none; the read returns an uninitialized tensor.
@@ -52,8 +47,7 @@ RECORDER: ContextVar[Callable[[Path, str, Index | None], None] | None] = Context
 def _file_mapping(path: Path, address: int) -> tuple[int, int] | None:
     """The address range of the mapping of the file ``path`` that holds ``address``: the run of
     /proc/self/maps entries naming that file (its device and inode, or its resolved path) around
-    it, mapping it from its first byte on, so an address less the range's start is an offset in
-    the file. None where there is none, or no such listing."""
+    it. None where there is none, or no such listing."""
     try:
         stat = os.stat(path)
         with open("/proc/self/maps") as maps:
@@ -71,13 +65,12 @@ def _file_mapping(path: Path, address: int) -> tuple[int, int] | None:
             and fields[4] != "0"
             and ((fields[3], fields[4]) == (device, str(stat.st_ino)) or fields[5] == real)
         )
-        offset = int(fields[2], 16) if ours else -1
-        if ours and run is not None and run[1] == start and offset == start - run[0]:
+        if ours and run is not None and run[1] == start:
             run = (run[0], end)
             continue
         if run is not None and run[0] <= address < run[1]:
             return run
-        run = (start, end) if ours and offset == 0 else None
+        run = (start, end) if ours else None
     return run if run is not None and run[0] <= address < run[1] else None
 
 
@@ -110,31 +103,12 @@ class _File:
         # Keys of a dtype safetensors reads whole but does not slice (packed FP4): their rows
         # are taken from the whole tensor, itself a view of the mapping.
         self.whole: set[str] = set()
-        self._fd: int | None = None
 
     @property
     def handle(self) -> Any:
         if self._handle is None:
             self._handle = safe_open(str(self.path), framework="pt")
         return self._handle
-
-    def pread(self, offset: int, out: torch.Tensor) -> None:
-        """Fill the contiguous CPU tensor ``out`` with the file's bytes from ``offset`` on."""
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        buffer = out.detach().reshape(-1).view(torch.uint8).numpy().data
-        done = 0
-        while done < len(buffer):
-            got = os.preadv(self._fd, [buffer[done : done + _MAX_READ]], offset + done)
-            if got <= 0:
-                raise OSError(f"'{self.path}' ends {len(buffer) - done} byte(s) before the read")
-            done += got
-
-    def close(self) -> None:
-        self.unmap()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
     def unmap(self) -> None:
         """Drop the file's mapping (its next read opens it again): the slices hold it too."""
@@ -268,8 +242,6 @@ class SafetensorsSource:
         run of rows where the mapping is known, else by the budgeted unmap."""
         with self._lock:
             span = file.mapped(part)
-        if span is not None and _preadable(part, out):
-            return file.pread(part.data_ptr() - span[0], out)
         if span is None:
             out.copy_(part)
             nbytes = part.nbytes
@@ -297,21 +269,7 @@ class SafetensorsSource:
                 self._mapped, self._read = {}, 0
 
     def close(self) -> None:
-        for file in self._files:
-            file.close()
         self._files, self._where, self._mapped = [], {}, {}
-
-
-def _preadable(part: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether ``out`` takes ``part``'s bytes as they lie in the file."""
-    return (
-        hasattr(os, "preadv")
-        and part.dtype == out.dtype
-        and out.device.type == "cpu"
-        and part.is_contiguous()
-        and out.is_contiguous()
-        and part.numel() > 0
-    )
 
 
 def _unreadable(describe: str, file: Path, exc: BaseException) -> str:
