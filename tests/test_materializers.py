@@ -398,3 +398,18 @@ def test_allocation_gives_meta_states_what_to_empty_gives() -> None:
         for t in [*model.parameters(), *model.buffers()]
         if t is not model.norm.running_mean
     )
+
+
+def test_local_bytes_counts_each_fake_storage() -> None:
+    """Fake tensors (a dry run's) all sit at address 0 yet each has its size: every one counts,
+    and a tied parameter still counts once (the sizes from plain torch)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_builder.materializers.sharded import local_bytes
+
+    with FakeTensorMode():
+        model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+        model[1].weight = model[0].weight
+    expected = sum(p.untyped_storage().nbytes() for p in model.parameters())  # each once
+    assert expected == 4 * (100 + 10 + 10)
+    assert local_bytes(model) == expected

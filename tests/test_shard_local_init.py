@@ -387,3 +387,21 @@ def test_trunc_normal_is_drawn_on_the_shard(world1: None, monkeypatch: pytest.Mo
             assert -1.5 <= float(drawn.min()) and float(drawn.max()) <= 2.0
             assert float(drawn.min()) < -1.0 and float(drawn.max()) > 1.5
         assert 1.5 < float(state["0.transformers_init"].abs().max()) <= 2.0
+
+
+@pytest.mark.parametrize(("fan", "a"), [(6, math.sqrt(5)), (3, 0.0), (129, 0.01)])
+def test_kaiming_draw_is_torchs_own_in_float64(fan: int, a: float) -> None:
+    """A tensor that is one block draws from its block's generator as torch's own
+    ``kaiming_uniform_`` draws from a generator seeded alike: the bound is computed in torch's
+    order, so even float64 values are bit-equal (a reordered product differs in the last bit)."""
+    weight = torch.empty(7, fan, dtype=torch.float64)
+    state = _Streams(SEED)
+    state.names[id(weight)] = "w"
+    with streamed_init(state):
+        nn.init.kaiming_uniform_(weight, a=a, nonlinearity="leaky_relu")
+    # The stream's seeds for this draw: key of ("w", first draw), block 0 (tensor inputs only).
+    key = streams.digest63(f"{SEED}/w/0")
+    generator = torch.Generator().manual_seed(streams.digest63(f"{key}/0"))
+    expected = torch.empty(7, fan, dtype=torch.float64)
+    nn.init.kaiming_uniform_(expected, a=a, nonlinearity="leaky_relu", generator=generator)
+    assert torch.equal(weight, expected)

@@ -9,7 +9,7 @@ import inspect
 import itertools
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +30,11 @@ def nonpersistent_meta(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, st
         for name, b in m._buffers.items()
         if b is not None and name in m._non_persistent_buffers_set and b.is_meta
     ]
+
+
+def whole_model_initializer(model: nn.Module) -> Callable[..., Any] | None:
+    init = getattr(model, "init_weights", None)
+    return init if callable(init) else None
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -108,8 +113,8 @@ def compute_buffers(model: nn.Module, wanted: list[tuple[nn.Module, str]]) -> Co
 def _by_whole_model(
     model: nn.Module, wanted: list[tuple[nn.Module, str]], names: list[str], path: dict[int, str]
 ) -> Computed:
-    init = getattr(model, "init_weights", None)
-    if not callable(init):
+    init = whole_model_initializer(model)
+    if init is None:
         raise MaterializationError(
             f"The non-persistent buffers {', '.join(names[:8])} are on the meta device and no "
             "convention computes them: their modules have no initializer (reset_parameters(), "
@@ -119,7 +124,8 @@ def _by_whole_model(
             "init_weights(buffer_device=None) as torchtitan's models have."
         )
     shadow = _meta_copy(model)
-    shadow_init = cast(Callable[..., Any], shadow.init_weights)
+    shadow_init = whole_model_initializer(shadow)
+    assert shadow_init is not None
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # initializers on meta tensors may warn; nothing real

@@ -69,13 +69,20 @@ def shard_index(env: Environment) -> int:
 
 def local_bytes(module: nn.Module) -> int:
     """Bytes of this rank's storage under ``module`` (DTensors' local shards), once per storage."""
-    sizes: dict[tuple[str, int], int] = {}  # by storage (an empty one, at address 0, holds none)
+    seen: set[tuple[str, int]] = set()
+    total = 0
     for t in [*module.parameters(), *module.buffers()]:
         local = local_tensor(t)
-        if not local.is_meta:
-            storage = local.untyped_storage()
-            sizes[(str(local.device), storage.data_ptr())] = storage.nbytes()
-    return sum(sizes.values())
+        if local.is_meta:
+            continue
+        storage = local.untyped_storage()
+        key = (str(local.device), storage.data_ptr())
+        # Address 0 is no storage to share: an empty one, or a fake tensor's (which has a size).
+        if key in seen and storage.data_ptr() != 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
 
 
 def fork_devices(device: torch.device) -> list[torch.device]:

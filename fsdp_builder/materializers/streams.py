@@ -247,8 +247,8 @@ def _kaiming_uniform(streams: _Streams, func: Any, tensor: torch.Tensor, rest: A
             "Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"
         )
     fan = shape[1 if mode.lower() == "fan_in" else 0] * math.prod(shape[2:])
-    gain = nn.init.calculate_gain(nonlinearity, a)
-    bound = math.sqrt(3.0) * gain / math.sqrt(fan)
+    std = nn.init.calculate_gain(nonlinearity, a) / math.sqrt(fan)
+    bound = math.sqrt(3.0) * std  # in torch's order: the bound is bit-equal to its own
     return streams.draw(tensor, lambda out, g: out.uniform_(-bound, bound, generator=g))
 
 
