@@ -298,11 +298,17 @@ class HybridGroups(BaseGroupFactory):
         return ProcessGroups(shard_group=self.shard_group, replicate_group=self.replicate_group)
 
 
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (``mesh`` itself when it is not a slice): torch names
+    it only privately, so this is the one place that reads it."""
+    return mesh._get_root_mesh()
+
+
 def describe_mesh(mesh: DeviceMesh) -> str:
     """Which dims a mesh uses, and of what, for messages (``dims ('dp',) (2,) of ...``)."""
     names = mesh.mesh_dim_names
     shape = tuple(mesh.shape)
-    root = mesh._get_root_mesh()
+    root = _root_mesh(mesh)
     own = f"dims {names} {shape}" if names else f"a {mesh.ndim}-D mesh {shape}"
     if root is mesh:
         return own
@@ -311,7 +317,7 @@ def describe_mesh(mesh: DeviceMesh) -> str:
 
 def other_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     """The root mesh's dims that ``mesh`` does not use (e.g. ``('tp',)``)."""
-    root = mesh._get_root_mesh()
+    root = _root_mesh(mesh)
     if root is mesh or not root.mesh_dim_names:
         return ()
     mine = set(mesh.mesh_dim_names or ())
@@ -355,7 +361,7 @@ def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None
             "Pass a 1-D mesh (e.g. mesh['dp']), or use .sharding('hybrid') with a 2-D mesh.",
         )
     world = dist.get_world_size()
-    root = mesh._get_root_mesh()
+    root = _root_mesh(mesh)
     if root is mesh and mesh.size() != world:
         raise config_error(
             where,
@@ -377,7 +383,7 @@ def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None
 def check_placed_on_other_dims(mesh: DeviceMesh | None, model: nn.Module, where: str) -> None:
     """A data-parallel slice that does not span the world needs parameters already placed on
     the other dims, else the ranks along them would each train their own copy. Local."""
-    if mesh is None or mesh._get_root_mesh() is mesh or mesh.size() == dist.get_world_size():
+    if mesh is None or _root_mesh(mesh) is mesh or mesh.size() == dist.get_world_size():
         return
     # By dim names, not by mesh identity: torch may hand out a cached slice of an equal
     # earlier mesh as ``mesh["tp"]``, so a parameter's mesh need not share FSDP's root object.

@@ -318,11 +318,20 @@ streamed_init = _StreamMode
 # copy, a reduction) could depend on the world size or run a collective.
 _aten = torch.ops.aten
 ELEMENTWISE_ON_SHARDS = frozenset(
-    [getattr(_aten, op).Scalar for op in ("fill_", "mul_", "div_", "add_", "sub_")]
-    + [
-        getattr(_aten, op).default
-        for op in ("zero_", "clamp_", "clamp_min_", "clamp_max_", "neg_", "detach", "alias")
-    ]
+    {
+        _aten.fill_.Scalar,
+        _aten.zero_.default,
+        _aten.mul_.Scalar,
+        _aten.div_.Scalar,
+        _aten.add_.Scalar,
+        _aten.sub_.Scalar,
+        _aten.clamp_.default,
+        _aten.clamp_min_.default,
+        _aten.clamp_max_.default,
+        _aten.neg_.default,
+        _aten.detach.default,
+        _aten.alias.default,
+    }
 )
 
 
