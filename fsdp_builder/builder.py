@@ -27,7 +27,7 @@ from fsdp_builder.backends.registry import backend_named
 from fsdp_builder.compiling import CompileSpec
 from fsdp_builder.config import PerUnitFn, ShardingOptions, to_dtype
 from fsdp_builder.devices import DeviceResolver, ExplicitDevice
-from fsdp_builder.errors import ConfigurationError, config_error
+from fsdp_builder.errors import ConfigurationError, config_error, require_bool
 from fsdp_builder.groups import GivenGroup, GroupFactory, HybridGroups, MeshGroups
 from fsdp_builder.materializers.initializers import Materializer
 from fsdp_builder.pipeline import BuilderConfig, BuildResult, plan_for, run_build
@@ -107,11 +107,10 @@ class ShardingBuilder:
             FSDPBuilder().device(LocalRankDevice())   # or .device("cuda:0"), .device(CPUDevice())
             ```
         """
-        chosen = (
-            ExplicitDevice(resolver) if isinstance(resolver, int | str | torch.device) else resolver
-        )
-        _require("device", chosen, DeviceResolver, "Pass a DeviceResolver or a device.")
-        return self._set("device", chosen)
+        if isinstance(resolver, int | str | torch.device):
+            resolver = ExplicitDevice(resolver)
+        _require("device", resolver, DeviceResolver, "Pass a DeviceResolver or a device.")
+        return self._set("device", resolver)
 
     def groups(
         self: B, factory: GroupFactory | dist.ProcessGroup | DeviceMesh | tuple[Any, ...]
@@ -262,12 +261,9 @@ class ShardingBuilder:
             FullyShardBuilder().mixed_precision(param_dtype="bf16", reduce_dtype=torch.float32)
             ```
         """
-        if cast_forward_inputs is not None and not isinstance(cast_forward_inputs, bool):
-            raise config_error(
-                "ShardingBuilder.mixed_precision",
-                "cast_forward_inputs",
-                f"expected a bool, got {cast_forward_inputs!r}",
-                "Pass True or False.",
+        if cast_forward_inputs is not None:
+            require_bool(
+                cast_forward_inputs, "ShardingBuilder.mixed_precision", "cast_forward_inputs"
             )
         keywords = {
             "param_dtype": to_dtype(param_dtype, "param_dtype"),

@@ -14,7 +14,7 @@ from attrs import frozen
 from torch import nn
 
 from fsdp_builder.common.describe import describe
-from fsdp_builder.errors import config_error
+from fsdp_builder.errors import config_error, require_bool
 
 _WHERE = "ShardingBuilder.compile"
 
@@ -34,10 +34,7 @@ class CompileSpec:
     kwargs: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_to_items)
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.per_unit, bool):
-            raise config_error(
-                _WHERE, "per_unit", f"expected a bool, got {self.per_unit!r}", "Pass True or False."
-            )
+        require_bool(self.per_unit, _WHERE, "per_unit")
         # torch.compile's keyword arguments in this torch, the model excepted.
         known = set(inspect.signature(torch.compile).parameters) - {"model"}
         unknown = sorted(name for name, _ in self.kwargs if name not in known)

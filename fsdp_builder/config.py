@@ -19,7 +19,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_builder.compiling import CompileSpec
-from fsdp_builder.errors import config_error
+from fsdp_builder.errors import config_error, require_bool
 
 _STRATEGY_ALIASES: dict[str, ShardingStrategy] = {
     "full": ShardingStrategy.FULL_SHARD,
@@ -105,7 +105,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 _MIXED_PRECISION_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype")
 
 
-def to_dtype(value: Any, argument: str, where: str = "ShardingBuilder.mixed_precision") -> Any:
+def to_dtype(value: Any, argument: str) -> Any:
     """A floating ``torch.dtype`` from a dtype or its name (``"bf16"``...); None stays None."""
     if value is None:
         return None
@@ -114,21 +114,21 @@ def to_dtype(value: Any, argument: str, where: str = "ShardingBuilder.mixed_prec
         dtype = _DTYPE_NAMES.get(value.strip().lower().removeprefix("torch."))
         if dtype is None:
             raise config_error(
-                where,
+                "ShardingBuilder.mixed_precision",
                 argument,
                 f"{value!r} is not a floating dtype name",
                 f"Pass a torch dtype such as torch.bfloat16, or one of {sorted(_DTYPE_NAMES)}.",
             )
     if not isinstance(dtype, torch.dtype):
         raise config_error(
-            where,
+            "ShardingBuilder.mixed_precision",
             argument,
             f"expected a torch.dtype or a dtype name, got {type(value).__name__} {value!r}",
             "Pass e.g. torch.bfloat16 or 'bf16'.",
         )
     if not dtype.is_floating_point:
         raise config_error(
-            where,
+            "ShardingBuilder.mixed_precision",
             argument,
             f"{dtype} is not a floating-point dtype",
             "Mixed precision computes in a floating dtype: pass torch.bfloat16, torch.float16 "
@@ -186,14 +186,8 @@ def _check_callable(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         )
 
 
-def _check_bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, bool):
-        raise config_error(
-            f"ShardingBuilder.{attr.name}",
-            attr.name,
-            f"expected a bool, got {value!r}",
-            "Pass True or False.",
-        )
+def _check_bool(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    require_bool(value, f"ShardingBuilder.{attr.name}", attr.name)
 
 
 @frozen

@@ -78,6 +78,14 @@ def config_error(where: str, argument: str, problem: str, fix: str) -> Configura
     return ConfigurationError(f"`{where}` got an invalid `{argument}`: {problem}. {fix}")
 
 
+def require_bool(value: Any, where: str, argument: str) -> None:
+    """Refuse anything but True or False (``1`` included), naming ``where`` and ``argument``."""
+    if not isinstance(value, bool):
+        raise config_error(
+            where, argument, f"expected a bool, got {value!r}", "Pass True or False."
+        )
+
+
 class ExportError(FSDPBuilderError, RuntimeError):
     """Writing a checkpoint failed; raised on every rank alike, with the OS's or torch's error
     as ``__cause__``; what the export had written is removed."""
