@@ -256,8 +256,7 @@ class GivenGroup(BaseGroupFactory):
 
 @frozen(eq=False)
 class HybridGroups(BaseGroupFactory):
-    """A given (shard group, replicate group) pair for hybrid strategies; together they cover
-    the world.
+    """A (shard group, replicate group) pair for hybrid strategies, together covering the world.
 
     Example:
         ```python
@@ -299,8 +298,7 @@ class HybridGroups(BaseGroupFactory):
 
 
 def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mesh`` was sliced from (``mesh`` itself when it is not a slice): torch names
-    it only privately, so this is the one place that reads it."""
+    """The mesh ``mesh`` was sliced from, else ``mesh``; the one reader of torch's private name."""
     return mesh._get_root_mesh()
 
 
@@ -339,8 +337,7 @@ def check_mesh_ndim(mesh: DeviceMesh, where: str) -> None:
 
 
 def check_mesh(mesh: DeviceMesh, strategy: ShardingStrategy, where: str) -> None:
-    """A mesh fits the strategy: 2-D for hybrid, 1-D otherwise, spanning the world itself or
-    sliced from a mesh that does."""
+    """2-D for hybrid, else 1-D; spanning the world, or sliced from a mesh that does."""
     check_mesh_ndim(mesh, where)
     hybrid = strategy in HYBRID_STRATEGIES
     used = describe_mesh(mesh)

@@ -146,9 +146,6 @@ def require(feature: str, where: str, argument: str) -> None:
     )
 
 
-_REPLICATING: Final = HYBRID_STRATEGIES | {ShardingStrategy.NO_SHARD}
-
-
 def check_fully_shard(
     strategy: ShardingStrategy,
     device: torch.device,
@@ -161,7 +158,7 @@ def check_fully_shard(
         require(FSDP2_IGNORED_PARAMS, f"{where}.ignore", "states")
     if device.type == "cpu":
         require(FSDP2_CPU, f"{where}.device", "device")
-        if strategy in _REPLICATING and _world_size() > 1:
+        if strategy in HYBRID_STRATEGIES | {ShardingStrategy.NO_SHARD} and _world_size() > 1:
             require(FSDP2_REPLICATE_GLOO, f"{where}.sharding", "strategy")
         if strategy != ShardingStrategy.NO_SHARD and _world_size() > 1:
             require(FSDP2_SHARDED_GLOO, f"{where}.sharding", "strategy")
