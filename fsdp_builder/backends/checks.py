@@ -176,13 +176,9 @@ def check_composition(context: ConfigureContext) -> None:
     where = context.backend.builder
     if options.compile is not None:
         check_units(options.compile, len(context.plan), f"{where}.compile")
-    if options.activation_checkpointing is not None:
-        check_checkpointing_chooses(context, options.activation_checkpointing, where)
-
-
-def check_checkpointing_chooses(
-    context: ConfigureContext, chosen: Callable[[nn.Module, str], bool], where: str
-) -> None:
+    chosen = options.activation_checkpointing
+    if chosen is None:
+        return
     for fqn, module in _modules_to_checkpoint(context.model, context.ignored.modules):
         try:
             if chosen(module, fqn):

@@ -4,6 +4,7 @@ as torch's auto-wrap gives them (build-wide arguments are refused per unit)."""
 from __future__ import annotations
 
 import difflib
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -105,21 +106,20 @@ def check_fsdp2_only_options(options: ShardingOptions) -> None:
 def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]:
     """The checked ``FullyShardedDataParallel`` arguments this unit overrides."""
     checked: dict[str, Any] = {}
+    per_unit_error = partial(config_error, f"{_WHERE}.per_unit")
     for name, value in called_overrides(unit, options, _WHERE).items():
         if name in _BUILD_WIDE:
             raise build_wide_error(_WHERE, name, unit.label, _BUILD_WIDE[name])
         if name not in _PER_UNIT:
             close = difflib.get_close_matches(name, _PER_UNIT, n=1)
-            raise config_error(
-                f"{_WHERE}.per_unit",
+            raise per_unit_error(
                 name,
                 f"'{name}' is not an argument FullyShardedDataParallel takes per unit "
                 f"(unit '{unit.label}')",
                 f"Did you mean '{close[0]}'?" if close else f"Use one of {sorted(_PER_UNIT)}.",
             )
         if name == "mixed_precision" and not (value is None or isinstance(value, MixedPrecision)):
-            raise config_error(
-                f"{_WHERE}.per_unit",
+            raise per_unit_error(
                 name,
                 f"expected MixedPrecision or None for unit '{unit.label}', "
                 f"got {type(value).__name__}",
@@ -128,15 +128,13 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
         try:
             checked[name] = _PER_UNIT[name](value)
         except ConfigurationError as exc:
-            raise config_error(
-                f"{_WHERE}.per_unit",
+            raise per_unit_error(
                 name,
                 f"{value!r} for unit '{unit.label}' is not valid: {exc}",
                 f"Return what FullyShardedDataParallel's {name} takes.",
             ) from exc
     if isinstance(checked.get("cpu_offload"), OffloadPolicy):
-        raise config_error(
-            f"{_WHERE}.per_unit",
+        raise per_unit_error(
             "cpu_offload",
             f"{type(checked['cpu_offload']).__name__} for unit '{unit.label}' is fully_shard's "
             "(FSDP2)",
@@ -144,8 +142,7 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
         )
     strategy = checked.get("sharding_strategy")
     if strategy is not None and (strategy in HYBRID_STRATEGIES) != options.is_hybrid:
-        raise config_error(
-            f"{_WHERE}.per_unit",
+        raise per_unit_error(
             "sharding_strategy",
             f"unit '{unit.label}' asks for {strategy.name} but the build uses "
             f"{options.strategy.name}: hybrid and non-hybrid units need different groups",

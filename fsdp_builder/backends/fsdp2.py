@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -52,6 +53,7 @@ from fsdp_builder.versions import check_fully_shard
 MESH_DIM_NAMES = ("replicate", "shard")
 _WHERE = "FullyShardBuilder"
 _RESHARD = f"{_WHERE}.reshard_after_forward"
+_groups_error = partial(config_error, f"{_WHERE}.groups")
 
 
 def check_fsdp1_only_options(options: ShardingOptions) -> None:
@@ -166,11 +168,8 @@ def mixed_precision_policy(
 def check_offload(options: ShardingOptions) -> None:
     """Refuse pinned host memory without an accelerator."""
     offload = options.cpu_offload
-    if (
-        isinstance(offload, CPUOffloadPolicy)
-        and offload.pin_memory
-        and not torch.accelerator.is_available()
-    ):
+    pinned = isinstance(offload, CPUOffloadPolicy) and offload.pin_memory
+    if pinned and not torch.accelerator.is_available():
         raise config_error(
             f"{_WHERE}.cpu_offload",
             "pin_memory",
@@ -201,9 +200,7 @@ def ignored_params_kwargs(
     unit_module: nn.Module, ignored: frozenset[nn.Parameter], fn: Callable[..., Any] = fully_shard
 ) -> dict[str, Any]:
     """``{"ignored_params": ...}`` for the ignored parameters under ``unit_module``, if any."""
-    if not ignored:
-        return {}
-    mine = {p for p in unit_module.parameters() if p in ignored}
+    mine = {p for p in unit_module.parameters() if p in ignored} if ignored else set()
     if not mine:
         return {}
     if not supports_ignored_params(fn):
@@ -223,8 +220,7 @@ def _hybrid_layout(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> to
     layout = torch.tensor(rows, dtype=torch.int)
     column = layout[:, shard.rank()].tolist()
     if column != dist.get_process_group_ranks(replicate):
-        raise config_error(
-            f"{_WHERE}.groups",
+        raise _groups_error(
             "groups",
             f"the shard groups {layout.tolist()} and the replicate group "
             f"{dist.get_process_group_ranks(replicate)} do not form a grid",
@@ -245,8 +241,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
     if mesh is not None:
         check_mesh(mesh, strategy, f"{_WHERE}.groups")
         if mesh.size() != groups.data_parallel_size:
-            raise config_error(
-                f"{_WHERE}.groups",
+            raise _groups_error(
                 "mesh",
                 f"the mesh spans {mesh.size()} ranks but its groups span "
                 f"{groups.data_parallel_size}",
@@ -267,8 +262,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
         return _named_mesh([over, alone], device_type, layout)
     if mesh is not None:
         if mesh.device_type != device_type:
-            raise config_error(
-                f"{_WHERE}.groups",
+            raise _groups_error(
                 "mesh",
                 f"the mesh is for '{mesh.device_type}' devices but this rank computes on "
                 f"'{device_type}'",
@@ -280,8 +274,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
         return mesh
     if options.is_hybrid:
         if groups.replicate_group is None:
-            raise config_error(
-                f"{_WHERE}.groups",
+            raise _groups_error(
                 "groups",
                 f"{strategy.name} needs a replicate group, but the group factory gave none",
                 "Use AutoHybridGroups, HybridGroups or a 2-D mesh.",
