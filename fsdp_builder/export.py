@@ -89,7 +89,6 @@ class _Writer:
         self.replaced: list[Path] = []  # earlier files moved aside, under ``staging / "old"``
 
     def open(self) -> None:
-        """Create ``folder`` (if needed) and the staging folder in it."""
         self.folder.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, suffix=".tmp", dir=self.folder)
         self.staging = Path(staging)
@@ -209,22 +208,17 @@ def _check_arguments(folder: object, key_map: KeyMap, max_shard_bytes: int) -> N
     )
 
 
-def _own_modules(unit: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    """The modules of an FSDP1 unit's subtree that no nested unit manages, with their names."""
-    yield prefix, unit
-    for name, child in unit._modules.items():
-        if child is None or isinstance(child, FullyShardedDataParallel):
-            continue
-        yield from _own_modules(child, f"{prefix}{name}.")
-
-
-def _persistent_states(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _own_states(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The persistent states of an FSDP1 unit's subtree that no nested unit manages, named."""
     for name, param in module._parameters.items():
         if param is not None and name != _FLAT_PARAM:
-            yield name, param
+            yield f"{prefix}{name}", param
     for name, buf in module._buffers.items():
         if buf is not None and name not in module._non_persistent_buffers_set:
-            yield name, buf
+            yield f"{prefix}{name}", buf
+    for name, child in module._modules.items():
+        if child is not None and not isinstance(child, FullyShardedDataParallel):
+            yield from _own_states(child, f"{prefix}{name}.")
 
 
 States = Iterator[tuple[str, torch.Tensor, bool]]
@@ -235,9 +229,8 @@ def _fsdp1_states(model: nn.Module, rank: int, tally: _Tally) -> States:
     rank 0 gets them, as views to copy)."""
     if rank == 0 and not isinstance(model, FullyShardedDataParallel):
         # States of modules outside every unit (a root that is not wrapped) are full already.
-        for name, module in _own_modules(model, ""):
-            for state_name, tensor in _persistent_states(module):
-                yield clean_name(f"{name}{state_name}"), tensor, False
+        for name, tensor in _own_states(model, ""):
+            yield clean_name(name), tensor, False
     units = [
         (name, m) for name, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)
     ]
@@ -251,11 +244,7 @@ def _fsdp1_states(model: nn.Module, rank: int, tally: _Tally) -> States:
         ):
             if rank != 0:
                 continue
-            states = [
-                (f"{name}{state_name}", tensor)
-                for name, module in _own_modules(unit, prefix)
-                for state_name, tensor in _persistent_states(module)
-            ]
+            states = list(_own_states(unit, prefix))
             unsharded = sum(_nbytes(t) for _, t in states)
             tally.extra(unsharded)
             try:
@@ -348,11 +337,7 @@ def save_hf_checkpoint(
 
 
 def _export(
-    model: nn.Module,
-    rank: int,
-    distributed: bool,
-    mapper: Mapper,
-    writer: _Writer,
+    model: nn.Module, rank: int, distributed: bool, mapper: Mapper, writer: _Writer
 ) -> tuple[tuple[str, ...], int, tuple[str, str, BaseException | None] | None]:
     """Every rank's collectives and rank 0's writes; the files, the total size and rank 0's
     failure (or None), as rank 0 broadcast them."""

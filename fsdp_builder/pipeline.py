@@ -35,13 +35,7 @@ from fsdp_builder.materializers.initializers import (
 )
 from fsdp_builder.planning.context import ChecksContext, ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
-from fsdp_builder.planning.plan import (
-    Unit,
-    UnitPlan,
-    fingerprint_of,
-    plan_model,
-    plan_units,
-)
+from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_model, plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
 from fsdp_builder.runtime.collectives import GroupTimeouts, collective_device
@@ -111,7 +105,11 @@ def plan_for(config: BuilderConfig, model: nn.Module) -> UnitPlan:
 
 def run_build(config: BuilderConfig, backend: Backend, model: nn.Module) -> BuildResult:
     """Shard ``model`` as ``config`` says; every rank of the build calls this together."""
-    return _Build(config, backend).run(model)
+    build = _Build(config, backend)
+    try:
+        return build.run(model)
+    finally:
+        build.bound.restore()
 
 
 class _Build:
@@ -130,12 +128,6 @@ class _Build:
         self.bound = GroupTimeouts(config.timeout)
 
     def run(self, model: nn.Module) -> BuildResult:
-        try:
-            return self._run(model)
-        finally:
-            self.bound.restore()
-
-    def _run(self, model: nn.Module) -> BuildResult:
         started = time.perf_counter()
         configured = self.configure(model)
         configured.plan.tie_declared()  # every rank agreed: the model may change from here
@@ -289,9 +281,8 @@ class _Build:
 
     def units_shard_first(self, configured: _Configured) -> bool:
         """Whether units are sharded on meta before being filled: only when no rank holds a real
-        managed state (one all-reduce). Otherwise full values must exist before sharding (for a
-        synchronizer), and initializers running on DTensors on some ranks only would run
-        collectives on those alone."""
+        managed state (one all-reduce), else a synchronizer would lack full values and
+        initializers on DTensors on some ranks only would run collectives on those alone."""
         if not (self.materializer.shard_first and self.backend.supports_shard_first):
             return False
         ignored = configured.ignored

@@ -340,11 +340,7 @@ class VerifyReplicas(BaseSynchronizer):
         return total
 
     def _compare(
-        self,
-        unit: Unit,
-        states: list[SyncState],
-        sums: list[int],
-        group: dist.ProcessGroup | None,
+        self, unit: Unit, states: list[SyncState], sums: list[int], group: dist.ProcessGroup | None
     ) -> int:
         world = dist.get_world_size(group)
         device = collective_device(group)

@@ -175,10 +175,7 @@ def _post_order(
 
 
 def plan_units(
-    model: nn.Module,
-    wrap: WrapPolicy,
-    ignored: IgnoredStates,
-    named: NamedModules | None = None,
+    model: nn.Module, wrap: WrapPolicy, ignored: IgnoredStates, named: NamedModules | None = None
 ) -> UnitPlan:
     """Split ``model`` into units, bottom-up: modules ``wrap`` chooses, then the root. Each owns
     its subtree's states minus nested units and ignored ones; the model is left as it was.

@@ -266,9 +266,7 @@ def unit_overrides(
     """One unit's overrides: the wrap policy's (``CustomPolicy``) and ``per_unit(module, fqn)``'s.
     The same argument from both is refused: each is set in one place."""
     merged = dict(from_policy)
-    if per_unit is None:
-        return merged
-    extra = per_unit(module, fqn)
+    extra = None if per_unit is None else per_unit(module, fqn)
     if extra is None:
         return merged
     label = fqn or "<root>"
