@@ -100,11 +100,8 @@ def compute_buffers(model: nn.Module, wanted: list[tuple[nn.Module, str]]) -> Co
                 "module whose own states are on the CPU, or register one with "
                 "`fsdp_builder.register_initializer`."
             ) from exc
-        for name in names:
-            if name in found:
-                computed[(id(owner), name)] = found[name]
-            else:
-                rest.append((owner, name))
+        computed.update({(id(owner), name): value for name, value in found.items()})
+        rest += [(owner, name) for name in names if name not in found]
     if rest:
         computed.update(_by_whole_model(model, rest, [label(m, n) for m, n in rest], path))
     return computed

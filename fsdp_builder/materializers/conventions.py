@@ -208,11 +208,10 @@ def unit_lineages(
     current: nn.Module | None = model
     ruled = tuple(_SUBTREE_RULES)
     for name in root_fqn.split(".") if root_fqn else ():
-        assert current is not None
+        if current is None:
+            break
         inherited = _step(current, inherited, ruled)[1]
         current = current._modules.get(name)
-        if current is None:
-            return lineages(model)
     if current is not root:
         return lineages(model)
     found: dict[int, Lineage] = {}

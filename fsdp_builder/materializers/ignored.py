@@ -45,14 +45,12 @@ def ignored_slots(modules: Sequence[nn.Module], ignored: IgnoredStates) -> list[
     """The ignored parameters these modules register themselves, once each."""
     if not ignored.params:
         return []
-    seen: set[int] = set()
-    found: list[Slot] = []
+    found: dict[int, Slot] = {}
     for m in modules:
         for name, p in m._parameters.items():
-            if p is not None and id(p) not in seen and ignored.ignores(p):
-                seen.add(id(p))
-                found.append((m, name, p))
-    return found
+            if p is not None and ignored.ignores(p):
+                found.setdefault(id(p), (m, name, p))
+    return list(found.values())
 
 
 def meta_ignored(modules: Sequence[nn.Module], ignored: IgnoredStates) -> list[nn.Parameter]:
@@ -62,7 +60,7 @@ def meta_ignored(modules: Sequence[nn.Module], ignored: IgnoredStates) -> list[n
 
 def has_meta_ignored(modules: Sequence[nn.Module], ignored: IgnoredStates) -> bool:
     """Whether one of these modules registers an ignored parameter on meta."""
-    return any(p.is_meta for _, _, p in ignored_slots(modules, ignored))
+    return bool(meta_ignored(modules, ignored))
 
 
 def give_storage_in_place(params: Sequence[nn.Parameter], device: torch.device) -> None:
@@ -125,11 +123,9 @@ def settling_ignored(
         for p, value in kept:
             p.copy_(value)
         unwritten = [s for s in fresh if s[2]._version == versions[id(s[2])]]
-        if unwritten:
-            for (_, _, p), value in zip(
-                unwritten, constructor_values(model, unwritten), strict=True
-            ):
-                p.copy_(value)
+        values = constructor_values(model, unwritten) if unwritten else []
+        for (_, _, p), value in zip(unwritten, values, strict=True):
+            p.copy_(value)
     move_in_place([p for _, _, p in fresh], device)
 
 
@@ -183,11 +179,6 @@ class _ConstantsOnly(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _library_model(lineage: Lineage) -> nn.Module | None:
-    owner = getattr(lineage.library_init, "__self__", None)
-    return owner if isinstance(owner, nn.Module) and hasattr(owner, "config") else None
-
-
 def constructor_values(model: nn.Module, slots: Sequence[Slot]) -> list[torch.Tensor]:
     """The value the constructor of each slot's enclosing library model (a transformers
     ``PreTrainedModel``, built from its config) gives the slot's parameter; raises a
@@ -199,7 +190,8 @@ def constructor_values(model: nn.Module, slots: Sequence[Slot]) -> list[torch.Te
     refused: list[str] = []
     for module, name, _ in slots:
         label = qualified(paths.get(id(module), ""), name)
-        library = _library_model(found.get(id(module), Lineage()))
+        owner = getattr(found.get(id(module), Lineage()).library_init, "__self__", None)
+        library = owner if isinstance(owner, nn.Module) and hasattr(owner, "config") else None
         if library is None:
             refused.append(
                 f"'{label}' ({type(module).__name__} is in no transformers model, whose "

@@ -190,8 +190,7 @@ class ShardFirstRun:
                     unit.module, unit.fqn, modules, init, self.who, self.fix, names=names
                 )
         fill_buffers(modules, self.computed, env.device)
-        owned = [local_tensor(t) for m in modules for t in direct_states(m)]
-        return sum(t.numel() * t.element_size() for t in owned)
+        return sum(local_tensor(t).nbytes for m in modules for t in direct_states(m))
 
     def close(self) -> None:
         self.computed = {}
