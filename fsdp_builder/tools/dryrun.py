@@ -296,33 +296,6 @@ def local_shards(module: nn.Module) -> list[Shard]:
     return out
 
 
-def _check_args(world_size: int, ranks: Sequence[int]) -> list[int]:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise config_error(
-            "simulate", "world_size", f"expected a whole number of 1 or more, got {world_size!r}",
-            "Pass the job's world size, e.g. simulate(..., world_size=1024)",
-        )  # fmt: skip
-    chosen = list(ranks)
-    bad = [
-        r
-        for r in chosen
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size
-    ]
-    if bad or not chosen:
-        raise config_error(
-            "simulate", "ranks",
-            f"{bad or 'no ranks'}: not ranks of a world of {world_size}",
-            f"Pass ranks from 0 to {world_size - 1}",
-        )  # fmt: skip
-    if dist.is_initialized():
-        raise ConfigurationError(
-            "`simulate` needs the default process group for its fake one, but one is already "
-            "initialized. Run the dry run in a process of its own (`fsdp-builder plan ... "
-            "--simulate N`), or call dist.destroy_process_group() first."
-        )
-    return chosen
-
-
 def on_cpu(builder: ShardingBuilder) -> ShardingBuilder:
     """``builder`` computing on the CPU: the one setting a dry run replaces (the job's CUDA
     devices do not exist here; nothing is computed on them during a build anyway)."""
@@ -333,26 +306,6 @@ def on_cpu(builder: ShardingBuilder) -> ShardingBuilder:
         )  # fmt: skip
     builder._config = attrs.evolve(builder._config, device=ExplicitDevice("cpu"))
     return builder
-
-
-def _failed(
-    run: RankRun, builder: ShardingBuilder, model: nn.Module, error: BaseException
-) -> RankRun:
-    """``run`` with the build's ``error``, and the unit plan when planning did not fail."""
-    try:
-        plan: UnitPlan | None = builder.plan_for(model)
-    except Exception:  # the plan is what failed: the error says why
-        plan = None
-    text = str(error)
-    kind = type(error).__name__
-    if "do not form a grid" in text:
-        kind = NOT_SIMULATED
-        text = (
-            "the build checks that its hybrid groups form a grid by gathering every rank's "
-            "shard group, which a fake process group cannot answer; pass a DeviceMesh to "
-            ".groups(...) to simulate a hybrid FSDP2 build"
-        )
-    return attrs.evolve(run, error_type=kind, error=text, plan=plan)
 
 
 def simulate_rank(
@@ -387,8 +340,19 @@ def simulate_rank(
         seconds = time.perf_counter() - started
         backend = builder._backend().name
         if error is not None:
-            run = RankRun(rank, backend, seconds, reads=tuple(reads))
-            return _failed(run, builder, model, error)
+            try:
+                plan: UnitPlan | None = builder.plan_for(model)
+            except Exception:  # the plan is what failed: the error says why
+                plan = None
+            kind, text = type(error).__name__, str(error)
+            if "do not form a grid" in text:
+                kind = NOT_SIMULATED
+                text = (
+                    "the build checks that its hybrid groups form a grid by gathering every "
+                    "rank's shard group, which a fake process group cannot answer; pass a "
+                    "DeviceMesh to .groups(...) to simulate a hybrid FSDP2 build"
+                )
+            return RankRun(rank, backend, seconds, kind, text, plan, reads=tuple(reads))
         env = builder.environment
         step_peak, step_note = _step_peak(built, step, mode) if step else (None, None)
         return RankRun(
@@ -459,7 +423,29 @@ def simulate(
         ConfigurationError: ``world_size`` or ``ranks`` invalid, or a process group already
             initialized in this process.
     """
-    chosen = _check_args(world_size, ranks)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise config_error(
+            "simulate", "world_size", f"expected a whole number of 1 or more, got {world_size!r}",
+            "Pass the job's world size, e.g. simulate(..., world_size=1024)",
+        )  # fmt: skip
+    chosen = list(ranks)
+    bad = [
+        r
+        for r in chosen
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size
+    ]
+    if bad or not chosen:
+        raise config_error(
+            "simulate", "ranks",
+            f"{bad or 'no ranks'}: not ranks of a world of {world_size}",
+            f"Pass ranks from 0 to {world_size - 1}",
+        )  # fmt: skip
+    if dist.is_initialized():
+        raise ConfigurationError(
+            "`simulate` needs the default process group for its fake one, but one is already "
+            "initialized. Run the dry run in a process of its own (`fsdp-builder plan ... "
+            "--simulate N`), or call dist.destroy_process_group() first."
+        )
     started = time.perf_counter()
     one = functools.partial(simulate_rank, builder_factory, model_factory, world_size)
     runs = tuple(one(r, on_meta, local_world_size, step) for r in chosen)
