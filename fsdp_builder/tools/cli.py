@@ -24,7 +24,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from fsdp_builder import AutoHybridGroups, DeterministicInit, ShardingBuilder
+from fsdp_builder import AutoHybridGroups, DeterministicInit
 from fsdp_builder.builder import builder_for
 from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.tools import estimate
@@ -58,28 +58,36 @@ def progress(message: str, quiet: bool = False) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def quiet_demo_warnings(rank: int) -> None:
-    """Only rank 0's warnings (the others repeat them), without FSDP2's view warning (the demo
-    never writes its output in place) or FSDP1's repeat of the builder's NO_SHARD deprecation."""
-    if rank != 0:
-        warnings.simplefilter("ignore")
-        return
-    # One line per warning: where it was raised inside the ranks says nothing here.
-    warnings.showwarning = lambda message, category, *_: print(
-        f"{category.__name__}: {message}", file=sys.stderr, flush=True
-    )
-    warnings.filterwarnings("ignore", message=r".*returned a view tensor", category=UserWarning)
-    warnings.filterwarnings(
-        "ignore", message=r"The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning
-    )
-
-
 DEMO_SEED = 0
 
 
-def build_demo(args: argparse.Namespace) -> ShardingBuilder:
-    """The demo's builder: world-size-invariant weights from meta; blocks optionally
-    checkpointed and compiled, in torchtitan's order (checkpoint, compile, shard)."""
+def demo_rank(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of ``demo``: build, train on a fixed batch, return the report and losses."""
+    configure_logging(args.verbose)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank != 0:
+        warnings.simplefilter("ignore")  # the other ranks repeat rank 0's warnings
+    else:
+        # One line per warning (where it was raised inside the ranks says nothing here), without
+        # FSDP2's view warning (the demo never writes its output in place) or FSDP1's repeat of
+        # the builder's NO_SHARD deprecation.
+        warnings.showwarning = lambda message, category, *_: print(
+            f"{category.__name__}: {message}", file=sys.stderr, flush=True
+        )
+        warnings.filterwarnings("ignore", r".*returned a view tensor", UserWarning)
+        warnings.filterwarnings(
+            "ignore", r"The `NO_SHARD` sharding strategy is deprecated", FutureWarning
+        )
+    lead = rank == 0 and not args.quiet
+    cfg = DemoConfig()
+    with torch.device("meta"):
+        model = DemoTransformer(cfg)
+    progress(
+        f"{world} rank(s) ready; building the sharded model ({args.backend}, {args.strategy})…",
+        not lead,
+    )
+    # World-size-invariant weights from meta; blocks optionally checkpointed and compiled, in
+    # torchtitan's order (checkpoint, compile, shard).
     builder = builder_for(args.backend)
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -92,25 +100,8 @@ def build_demo(args: argparse.Namespace) -> ShardingBuilder:
         chosen = {"default": None if cuda else "aot_eager"}.get(args.compile, args.compile)
         builder.compile(per_unit=True, **({} if chosen is None else {"backend": chosen}))
     if args.strategy == "hybrid":
-        per_node = estimate.local_node_size(dist.get_world_size())
+        per_node = estimate.local_node_size(world)
         builder.groups(AutoHybridGroups(devices_per_node=per_node))
-    return builder
-
-
-def demo_rank(args: argparse.Namespace) -> dict[str, Any]:
-    """One rank of ``demo``: build, train on a fixed batch, return the report and losses."""
-    configure_logging(args.verbose)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    quiet_demo_warnings(rank)
-    lead = rank == 0 and not args.quiet
-    cfg = DemoConfig()
-    with torch.device("meta"):
-        model = DemoTransformer(cfg)
-    progress(
-        f"{world} rank(s) ready; building the sharded model ({args.backend}, {args.strategy})…",
-        not lead,
-    )
-    builder = build_demo(args)
     sharded = builder.build(model)
     if args.steps:
         progress(f"training {args.steps} step(s) on a fixed batch…", not lead)
