@@ -286,8 +286,7 @@ class ShardingBuilder:
         return self._option(mixed_precision=policy)
 
     def cpu_offload(self: B, offload: CPUOffload | OffloadPolicy | bool = True) -> B:
-        """Keep sharded parameters on the CPU between uses: a bool, a CPUOffload or an
-        OffloadPolicy (FSDP2).
+        """Keep sharded parameters on the CPU between uses (FSDP2 also takes an OffloadPolicy).
 
         Raises:
             ConfigurationError: not a bool, a CPUOffload or an OffloadPolicy the backend takes.

@@ -102,7 +102,6 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     )
     for name in names
 }
-_MIXED_PRECISION_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype")
 
 
 def to_dtype(value: Any, argument: str) -> Any:
@@ -147,7 +146,7 @@ def _check_mixed_precision(_inst: Any, _attr: Any, value: Any) -> None:
             "Pass MixedPrecision(param_dtype=..., reduce_dtype=...), MixedPrecisionPolicy(...) "
             "(FSDP2) or keyword dtypes.",
         )
-    for name in _MIXED_PRECISION_DTYPES:
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
         field = getattr(value, name, None)
         if field is not None and not isinstance(field, torch.dtype):
             raise config_error(
