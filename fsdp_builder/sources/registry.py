@@ -133,7 +133,11 @@ def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> Checkpoin
         return memory.open_state_dict(source)
     path = Path(os.fspath(source))
     if not path.exists():
-        raise _missing(path)
+        parent = path.parent
+        names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
+        near = difflib.get_close_matches(path.name, names, n=1)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise MissingPath(str(path), rank, str(parent / near[0]) if near else None)
     for fmt in _USER:
         if _user_call(fmt, "detect", path):
             opened = _user_call(fmt, "open", path)
@@ -169,14 +173,6 @@ def _user_call(fmt: Format, step: str, path: Path) -> Any:
             + (" (it should only look at the path and say True or False)" if detect else "")
             + f", or remove the format with unregister_format('{fmt.name}')",
         ) from exc
-
-
-def _missing(path: Path) -> MissingPath:
-    parent = path.parent
-    names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
-    near = difflib.get_close_matches(path.name, names, n=1)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return MissingPath(str(path), rank, str(parent / near[0]) if near else None)
 
 
 def _unknown_folder(path: Path) -> str:
