@@ -352,8 +352,8 @@ class _Build:
                 m.bytes = move_unit_states(unit.modules, env.ignored, env.device)
                 params = (
                     p
-                    for m in unit.modules
-                    for p in m._parameters.values()
+                    for module in unit.modules
+                    for p in module._parameters.values()
                     if p is not None and not env.ignored.ignores(p)
                 )
                 check_compute_device(params, env.device, unit.label, env.rank)

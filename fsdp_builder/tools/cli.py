@@ -217,7 +217,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_units(model, WrapPolicy(classes=classes), IgnoredStates())
     world, per_node = args.world_size, args.devices_per_node
     training = estimate.training_estimate(
-        plan, world, args.strategy, args.backend, args.optimizer, args.param_dtype, per_node
+        plan,
+        world,
+        strategy=args.strategy,
+        backend=args.backend,
+        optimizer=args.optimizer,
+        param_dtype=args.param_dtype,
+        devices_per_node=per_node,
     )
     if args.json:
         report = {
