@@ -3,6 +3,7 @@ the navigation (``mkdocs build --strict`` in the test command builds it)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from collections import Counter
 from pathlib import Path
@@ -37,6 +38,43 @@ def test_every_page_is_in_the_navigation() -> None:
     nav = set(NAV_PAGE.findall((REPO / "mkdocs.yml").read_text()))
     pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     assert pages == nav
+
+
+def test_the_readme_is_short_and_starts_with_its_two_commands() -> None:
+    """At most 150 lines; its first two code blocks are the demo's install-and-run command and
+    the test command, which ``.ci/run`` runs as it is."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
+    demo, tests = blocks[0].strip(), blocks[1].strip()
+    assert "pip install -q torch==2.13.0" in demo and demo.endswith("fsdp-builder demo")
+    assert "pip install -q torch==2.13.0" in tests and tests.endswith("pytest -q")
+    run = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert run[-1] == tests  # the last command of .ci/run, the test command itself
+
+
+def test_every_private_torch_import_is_in_the_private_names_table() -> None:
+    """Each import of a private torch or transformers module or name in the library is named in
+    docs/private_names.md, the list to check on an upgrade."""
+    table = (DOCS / "private_names.md").read_text()
+    unlisted: list[str] = []
+    for path in sorted((REPO / "fsdp_builder").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.module is None:
+                continue
+            parts = node.module.split(".")
+            if parts[0] not in ("torch", "transformers"):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    listed = alias.name in table
+                elif any(part.startswith("_") for part in parts):
+                    listed = node.module in table or alias.name in table
+                else:
+                    continue
+                if not listed:
+                    unlisted.append(f"{node.module}.{alias.name} ({path.name})")
+    assert not unlisted, unlisted
 
 
 def test_the_docs_site_is_built_by_the_test_command() -> None:
