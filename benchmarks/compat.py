@@ -2,15 +2,15 @@
 
 For each release asked for, a virtual environment ``<venvs>/torch-<release>`` is created (or reused
 when it already holds that release), torch is installed into it (``pip install
-"torch==<release>.*"``, or a wheel given with ``--wheel``), then this checkout
-(``pip install --no-deps -e .``, so a release below the declared floor stays; then the
-library's other requirements) with what the subset needs from the test extra (pytest,
-pytest-timeout, safetensors; with ``--full-extras`` the whole ``.[test]``, minutes more). The subset
-(:data:`SUBSET`: every backend, every role and the compositions at least once) then runs there
-with pytest, and the results are merged into ``benchmarks/results/compat.json`` (one record per
-release, the latest run of each) and written as the table ``benchmarks/results/compat.md``:
-release by passed / failed / errors / skipped, and the first error of each failing group (a test
-function, all its parameters together).
+"torch==<release>.*"``, or a wheel given with ``--wheel``), then this checkout (``pip install
+--no-deps -e .``, so a release below the declared floor stays; then the library's other
+requirements) with what the subset needs from the test extra (pytest, pytest-timeout, pytest-xdist,
+safetensors; with ``--full-extras`` the whole ``.[test]``, minutes more). The subset
+(:data:`SUBSET`: every backend, every role and the compositions at least once) then runs there with
+pytest, and the results are merged into ``benchmarks/results/compat.json`` (one record per release,
+the latest run of each) and written as the table ``benchmarks/results/compat.md``: release by passed
+/ failed / errors / skipped, and the first error of each failing group (a test function, all its
+parameters together).
 
 Usage, from the repository root (the venvs go outside the repository)::
 
@@ -75,7 +75,12 @@ SUBSET_FILES: tuple[str, ...] = (
 SUBSET_SELECT = "not ([4- or -4] or [4] or [w4- or four_ranks)"
 SUBSET: tuple[str, ...] = (*SUBSET_FILES, "-k", SUBSET_SELECT)
 # What the subset imports beyond the library's own requirements (from the test extra).
-SUBSET_NEEDS: tuple[str, ...] = ("pytest>=7.4", "pytest-timeout>=2.2", "safetensors>=0.4")
+SUBSET_NEEDS: tuple[str, ...] = (
+    "pytest>=7.4",
+    "pytest-timeout>=2.2",
+    "pytest-xdist>=3.5",  # the test configuration's addopts run the files on two workers
+    "safetensors>=0.4",
+)
 
 # What the matrix covers when no release is named: every minor release from the floor candidates
 # to the newest this project tests.
