@@ -19,7 +19,7 @@ FULL = torch.arange(7 * 5, dtype=torch.float32).view(7, 5)
 
 
 def piece(
-    full: torch.Tensor, placements: tuple[Placement, ...], coord: tuple[int, int]
+    full: torch.Tensor, placements: tuple[Placement, ...], coord: tuple[int, ...]
 ) -> torch.Tensor:
     """What torch.chunk gives this mesh coordinate: each mesh dim cuts the previous piece."""
     out = full
@@ -67,3 +67,30 @@ def test_chunk_size_is_torch_chunks_first_piece() -> None:
         for parts in range(1, 6):
             chunks = torch.chunk(torch.empty(length), parts) if length else ()
             assert chunk_size(length, parts) == (len(chunks[0]) if chunks else 0)
+
+
+def test_each_rank_of_one_process_gets_its_own_piece_for_a_layout_seen_before() -> None:
+    """The shard layout is computed once per layout; a layout seen on another coordinate or mesh
+    shape must not hand back that coordinate's piece."""
+    placements = (Shard(0), Shard(0))
+    for shape in ((2, 2), (4,), (2, 2)):
+        for rank in range(4):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+            try:
+                mesh = init_device_mesh("cpu", shape)
+                place = placements[: len(shape)]
+                coord = (rank // 2, rank % 2) if len(shape) == 2 else (rank,)
+                expected = (
+                    piece(FULL, place, coord) if len(shape) == 2 else torch.chunk(FULL, 4)[rank]
+                )
+                dtensor = DTensor.from_local(
+                    torch.empty(expected.shape),
+                    mesh,
+                    place,
+                    run_check=False,
+                    shape=FULL.shape,
+                    stride=FULL.stride(),
+                )
+                assert torch.equal(FULL[local_slices(dtensor)], expected)
+            finally:
+                dist.destroy_process_group()

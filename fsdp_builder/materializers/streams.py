@@ -145,18 +145,10 @@ def _flat_span(tensor: torch.Tensor) -> int | None:
     """Row-major start of this rank's part when it is a run of whole rows; else None."""
     if not isinstance(tensor, DTensor) or not tensor.dim():
         return 0
-    mesh = tensor.device_mesh
-    coordinate = tuple(mesh.get_coordinate() or ())
-    layout = (tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape), coordinate)
-    if layout not in _SPANS:  # a function of these alone: computed once per layout
-        shape = layout[0]
-        local_shape, offsets = local_box(tensor)
-        whole_rows = tuple(local_shape[1:]) == shape[1:] and not any(offsets[1:])
-        _SPANS[layout] = int(offsets[0]) * math.prod(shape[1:]) if whole_rows else None
-    return _SPANS[layout]
-
-
-_SPANS: dict[tuple[Any, ...], int | None] = {}
+    shape = tuple(tensor.shape)
+    local_shape, offsets = local_box(tensor)
+    whole_rows = tuple(local_shape[1:]) == shape[1:] and not any(offsets[1:])
+    return int(offsets[0]) * math.prod(shape[1:]) if whole_rows else None
 
 
 class _unwatched:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -12,12 +14,32 @@ def chunk_size(length: int, parts: int) -> int:
     return -(-length // parts)
 
 
-def local_box(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+# DTensor's computation costs about 100 µs a call (it traces on meta), as much as reading a small
+# parameter; its result is a function of the layout alone, which a build meets a few times over.
+_BOXES: dict[tuple[Any, ...], Box] = {}
+_MAX_BOXES = 1 << 14
+
+
+def local_box(tensor: DTensor) -> Box:
     """This rank's shard shape and full-tensor offsets per dim, as DTensor computes them."""
-    shape, offsets = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
+    mesh = tensor.device_mesh
+    layout = (
+        tuple(tensor.shape),
+        tuple(tensor.placements),
+        tuple(mesh.shape),
+        tuple(mesh.get_coordinate() or ()),
     )
-    return tuple(shape), tuple(offsets)
+    box = _BOXES.get(layout)
+    if box is None:
+        shape, offsets = compute_local_shape_and_global_offset(
+            tensor.shape, mesh, tensor.placements
+        )
+        if len(_BOXES) >= _MAX_BOXES:
+            _BOXES.clear()
+        box = _BOXES[layout] = (tuple(shape), tuple(offsets))
+    return box
 
 
 def local_slices(tensor: DTensor) -> tuple[slice, ...]:
