@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_model import ModelArgs, Transformer, TransformerBlock
 
 from fsdp_builder import FullyShardBuilder, KeepAsIs
+from fsdp_builder.tools.launch import end_process_group
 
 TP = 2
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
@@ -111,3 +112,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # see its docstring: a clean exit on CPU ranks

@@ -31,6 +31,7 @@ from fsdp_builder import (
     StateMismatchError,
     Unit,
 )
+from fsdp_builder.tools.launch import end_process_group
 
 
 class NameSeededInit(BaseMaterializer):
@@ -138,3 +139,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # see its docstring: a clean exit on CPU ranks

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fsdp_builder import FromCheckpoint, FullyShardBuilder, save_hf_checkpoint
+from fsdp_builder.tools.launch import end_process_group
 
 STEPS = 3
 VOCAB = 96
@@ -136,4 +137,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    end_process_group()  # see its docstring: a clean exit on CPU ranks
+    sys.exit(code)

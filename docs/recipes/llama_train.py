@@ -24,6 +24,7 @@ from llama_model import ModelArgs, Transformer, TransformerBlock
 from torch import nn
 
 from fsdp_builder import FullyShardBuilder, InitFn
+from fsdp_builder.tools.launch import end_process_group
 
 
 def torchtitan_init(device: torch.device) -> Callable[[nn.Module], None]:
@@ -100,3 +101,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # see its docstring: a clean exit on CPU ranks

@@ -30,6 +30,7 @@ from fsdp_builder import (
     LocalRankDevice,
     ResetParameters,
 )
+from fsdp_builder.tools.launch import end_process_group
 
 
 def main(steps: int = 3) -> None:
@@ -80,3 +81,4 @@ def main(steps: int = 3) -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # see its docstring: a clean exit on CPU ranks

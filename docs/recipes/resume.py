@@ -36,6 +36,7 @@ from fsdp_builder import (
     ShardingBuilder,
     save_hf_checkpoint,
 )
+from fsdp_builder.tools.launch import end_process_group
 
 MODEL_ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128)
 STEPS = 6  # the DCP checkpoint is saved after STEPS // 2
@@ -172,3 +173,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # see its docstring: a clean exit on CPU ranks

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fsdp_builder import DeterministicInit, FSDPBuilder, LocalRankDevice
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, batch, loss_fn
+from fsdp_builder.tools.launch import end_process_group
 
 
 def main(steps: int = 3) -> None:
@@ -57,3 +58,4 @@ def main(steps: int = 3) -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # see its docstring: a clean exit on CPU ranks

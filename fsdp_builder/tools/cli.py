@@ -30,6 +30,7 @@ from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.tools import estimate
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
 from fsdp_builder.tools.estimate import STRATEGIES
+from fsdp_builder.tools.launch import end_process_group, run_ranks
 
 EPILOG = (
     "Under torchrun the demo uses torchrun's ranks instead of starting its own: "
@@ -133,12 +134,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             dist.all_gather_object(per_rank, out["losses"])
             out["losses_per_rank"] = per_rank
         finally:
-            dist.destroy_process_group()
+            end_process_group()
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        from fsdp_builder.tools.launch import run_ranks
-
         # One server imports torch and the demo, and each rank forks from it: the ranks do not
         # each import them again (about half the CPU time of starting them on two cores).
         mp.set_forkserver_preload(["torch", "torch.distributed.fsdp", "fsdp_builder.tools.cli"])

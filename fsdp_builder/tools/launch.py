@@ -3,6 +3,7 @@ Every run has a deadline: a rank that hangs is killed and the call raises."""
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -26,6 +27,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def end_process_group() -> None:
+    """Destroy the default process group and free what still holds its backend.
+
+    Precondition: the caller holds no sharded model. torch's gloo backend frees a finished
+    collective on its own thread, and that needs the GIL; one still pending when the interpreter
+    shuts down aborts the process ("terminate called without an active exception"). FSDP modules
+    hold their groups in reference cycles, so collecting them here frees the groups while Python
+    still runs, and a group's destructor joins those threads.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _worker(
@@ -63,8 +78,7 @@ def _worker(
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 def _missing_story(rank: int, code: int | None, died: list[int], timeout: float) -> str:
