@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
-import torch
 import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
@@ -38,7 +37,7 @@ from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
 from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_model, plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
-from fsdp_builder.runtime.collectives import GroupTimeouts, collective_device
+from fsdp_builder.runtime.collectives import GroupTimeouts
 from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport, debug_enabled
@@ -159,10 +158,12 @@ class _Build:
             model_bytes=env.plan.nbytes,
         )
         runs = self.prepare(env)
-        try:
-            result = self.shard_units(model, env, runs, report)
-        finally:
-            runs.close()
+        result = model
+        if runs is not None:  # else finish's agreement reports this rank's failed prepare
+            try:
+                result = self.shard_units(model, env, runs, report)
+            finally:
+                runs.close()
         self.agreement.finish(lambda: _check_no_meta(result))
         env.logger.info(
             "build_done",
@@ -263,11 +264,11 @@ class _Build:
             )
 
     def create_groups(self, configured: _Configured) -> tuple[ShardingOptions, Any]:
-        """The factory's groups, clamped to the world, as the backend sees them (one agreement)."""
-
-        def create() -> tuple[ShardingOptions, Any]:
-            # First, before anything here can fail on one rank alone.
-            self.shards_first = self.units_shard_first(configured)
+        """The factory's groups, clamped to the world, as the backend sees them (one agreement,
+        which also settles whether units are sharded first)."""
+        result: tuple[ShardingOptions, Any] | None = None
+        error: BaseException | None = None
+        try:
             groups = self.factory.create(self.config.options.strategy, configured.device)
             options, groups = effective_strategy(self.config.options, groups)
             groups = self.backend.prepare_groups(groups, options, configured.device)
@@ -275,33 +276,25 @@ class _Build:
             check_placed_on_other_dims(
                 groups.mesh, configured.plan.root.module, f"{self.backend.builder}.groups"
             )
-            return options, groups
-
-        return self.agreement.now("groups", create)
-
-    def units_shard_first(self, configured: _Configured) -> bool:
-        """Whether units are sharded on meta before being filled: only when no rank holds a real
-        managed state (one all-reduce), else a synchronizer would lack full values and
-        initializers on DTensors on some ranks only would run collectives on those alone."""
-        if not (self.materializer.shard_first and self.backend.supports_shard_first):
-            return False
-        ignored = configured.ignored
-        mine = any(
-            not t.is_meta
-            for m in unit_modules(configured.plan.root.module, ignored.modules)
-            for t in direct_states(m)
-            if not ignored.ignores(t)
+            result = options, groups
+        except Exception as exc:  # any rank's failure must reach every rank
+            error = exc
+        shard_first = self.materializer.shard_first and self.backend.supports_shard_first
+        # Units are sharded on meta before being filled only when no rank holds a real managed
+        # state: else a synchronizer would lack full values, and initializers on DTensors on
+        # some ranks only would run collectives on those alone.
+        any_real = self.agreement.agree(
+            "groups", error, flag=shard_first and _holds_real_states(configured)
         )
-        group = self.agreement.group
-        if group is None and not dist.is_initialized():
-            return not mine
-        flag = torch.tensor([int(mine)], device=collective_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return not flag.item()
+        self.shards_first = shard_first and not any_real
+        assert result is not None  # agree raised on every rank otherwise
+        return result
 
-    def prepare(self, env: Environment) -> _Runs:
-        """Each strategy's run, under one agreement. Both prepares run even when the first
-        fails (a prepare may communicate); a started run is closed if the other failed."""
+    def prepare(self, env: Environment) -> _Runs | None:
+        """Each strategy's run; None when one failed, which is then pending: the next agreement
+        (before any collective step, or at finish) reports it on every rank. Both prepares run
+        even when the first fails (a prepare may communicate); a started run is closed if the
+        other failed."""
         runs: list[Any] = []
         errors: list[BaseException] = []
         expected: list[tuple[Any, type]] = [
@@ -316,7 +309,8 @@ class _Build:
         if errors:
             for run in runs:
                 run.close()
-        self.agreement.agree("prepare", errors[0] if errors else None)
+            self.agreement.pending = ("prepare", None, errors[0])
+            return None
         return _Runs(*runs)
 
     def shard_units(
@@ -381,6 +375,17 @@ class _Build:
             self.agreement.settle(unit.label)
         # Skipped after a local failure on this rank, which the next agreement reports.
         return sharded[0] if sharded else unit.module
+
+
+def _holds_real_states(configured: _Configured) -> bool:
+    """Whether this rank holds a managed state that is not on meta."""
+    ignored = configured.ignored
+    return any(
+        not t.is_meta
+        for m in unit_modules(configured.plan.root.module, ignored.modules)
+        for t in direct_states(m)
+        if not ignored.ignores(t)
+    )
 
 
 def _checked_run(strategy: object, run: Any, run_type: type) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Hashable, Iterator
+from functools import partial
 from typing import Any, cast
 
 import pytest
@@ -24,9 +25,11 @@ from fsdp_builder import (
     BaseSynchronizer,
     CPUDevice,
     FSDPBuilder,
+    FullyShardBuilder,
     KeepAsIs,
     RankDisagreementError,
     ResetParameters,
+    ShardingBuilder,
 )
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
@@ -44,6 +47,14 @@ class FailOnRank1(BaseMaterializer):
         return 0
 
 
+class PrepareFailsOnRank1(FailOnRank1):
+    @override
+    def prepare(self, env: Environment) -> Any:
+        if env.rank == 1:
+            raise RuntimeError("index unreadable on rank 1")
+        return super().prepare(env)
+
+
 class BrokenResolverOnRank1(CPUDevice):
     @override
     def resolve(self, module: nn.Module, params: Any, rank: int) -> torch.device:
@@ -52,7 +63,7 @@ class BrokenResolverOnRank1(CPUDevice):
         return super().resolve(module, params, rank)
 
 
-def attempt(builder: FSDPBuilder, model: nn.Module) -> dict[str, Any]:
+def attempt(builder: ShardingBuilder, model: nn.Module) -> dict[str, Any]:
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
     try:
         builder.build(model)
@@ -124,6 +135,13 @@ def local_step_fails_on_one_rank() -> dict[str, Any]:
     return {"stage": None, "failures": []}
 
 
+def prepare_fails(builder: type[ShardingBuilder]) -> dict[str, Any]:
+    return attempt(
+        builder().device(CPUDevice()).wrap(Block).materialize(PrepareFailsOnRank1()),
+        make_model(CFG),
+    )
+
+
 def good_after_failures() -> dict[str, Any]:
     """After all the failures above the group still works: a good build succeeds."""
     good = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(ResetParameters())
@@ -146,6 +164,10 @@ def cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
         "resolver_fails_on_one_rank",
         lambda: attempt(FSDPBuilder().device(BrokenResolverOnRank1()).wrap(Block), make_model(CFG)),
     )
+    # A strategy's prepare fails on rank 1: FSDP1's units communicate (rank 0 stops at the first),
+    # FSDP2's do not (rank 0 builds, then stops at the last agreement).
+    for builder in (FSDPBuilder, FullyShardBuilder):
+        yield f"prepare_fails_on_one_rank_{builder.__name__}", partial(prepare_fails, builder)
     yield "bad_input_everywhere", bad_input_everywhere
     yield "partial_hybrid_groups", partial_hybrid_groups
     yield "ignore_nothing_on_one_rank", ignore_nothing_on_one_rank
@@ -190,6 +212,17 @@ def test_one_rank_failing_stops_every_rank_with_its_message(rank: int) -> None:
     assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
     assert "stage 'materialize' of unit 'blocks.1'" in out["message"]
     assert "rank 1: RuntimeError: disk full while loading blocks.1" in out["message"]
+
+
+@pytest.mark.parametrize("backend", ["FSDPBuilder", "FullyShardBuilder"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_rank_failing_to_prepare_stops_every_rank_with_its_message(
+    rank: int, backend: str
+) -> None:
+    out = outcome(f"prepare_fails_on_one_rank_{backend}", rank)
+    assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
+    assert "stage 'prepare'" in out["message"]
+    assert "rank 1: RuntimeError: index unreadable on rank 1" in out["message"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -104,14 +104,16 @@ def agree(
     description: Any = None,
     arrival: Arrival | None = None,
     timeout: float | None = None,
-) -> None:
+    flag: bool = False,
+) -> bool:
     """Every rank of ``group`` calls this at the same point. Raises RankDisagreementError on all
     if any passed an ``error`` or ``fingerprint``s differ (``description`` then names the first
-    difference); CommunicationError if the exchange itself fails."""
+    difference); CommunicationError if the exchange itself fails. Returns whether any rank
+    passed ``flag`` (a question the same exchange answers, saving a collective of its own)."""
     if group is None and not dist.is_initialized():
         if error is not None:
             raise error
-        return
+        return flag
     world = dist.get_world_size(group)
 
     def lost(exc: Exception) -> CommunicationError:
@@ -129,7 +131,9 @@ def agree(
         return found
 
     device = collective_device(group)
-    mine = torch.tensor([int(error is not None), fingerprint], dtype=torch.int64, device=device)
+    mine = torch.tensor(
+        [int(error is not None), fingerprint, int(flag)], dtype=torch.int64, device=device
+    )
     gathered = [torch.empty_like(mine) for _ in range(world)]
     try:
         if arrival is not None:
@@ -163,6 +167,7 @@ def agree(
             },
             unit,
         )
+    return any(int(t[2]) for t in gathered)
 
 
 class Agreement:
@@ -176,17 +181,17 @@ class Agreement:
         self.build = next(_BUILDS)
         self.count = itertools.count()
         # A local step's failure (stage, unit, error), held until the next agreement.
-        self.pending: tuple[str, str, BaseException] | None = None
+        self.pending: tuple[str, str | None, BaseException] | None = None
 
     def agree(
         self, stage: str, error: BaseException | None, unit: str | None = None, **kw: Any
-    ) -> None:
+    ) -> bool:
         """``agree`` over this build's group. Only with a timeout does each rank leave an
         arrival mark in the store (one round trip), to name the ranks that never came."""
         arrival = None
         if self.timeout is not None and dist.is_initialized():
             arrival = Arrival(f"fsdp_builder/{self.build}/{next(self.count)}", self.group)
-        agree(
+        return agree(
             stage, error, unit=unit, group=self.group, arrival=arrival, timeout=self.timeout, **kw
         )
 
