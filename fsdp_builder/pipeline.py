@@ -158,12 +158,10 @@ class _Build:
             model_bytes=env.plan.nbytes,
         )
         runs = self.prepare(env)
-        result = model
-        if runs is not None:  # else finish's agreement reports this rank's failed prepare
-            try:
-                result = self.shard_units(model, env, runs, report)
-            finally:
-                runs.close()
+        try:
+            result = self.shard_units(model, env, runs, report)
+        finally:
+            runs.close()
         self.agreement.finish(lambda: _check_no_meta(result))
         env.logger.info(
             "build_done",
@@ -290,11 +288,10 @@ class _Build:
         assert result is not None  # agree raised on every rank otherwise
         return result
 
-    def prepare(self, env: Environment) -> _Runs | None:
-        """Each strategy's run; None when one failed, which is then pending: the next agreement
-        (before any collective step, or at finish) reports it on every rank. Both prepares run
-        even when the first fails (a prepare may communicate); a started run is closed if the
-        other failed."""
+    def prepare(self, env: Environment) -> _Runs:
+        """Each strategy's run, under one agreement: a prepare failing on one rank stops every
+        rank before any unit is touched. Both prepares run even when the first fails (a prepare
+        may communicate); a started run is closed if the other failed."""
         runs: list[Any] = []
         errors: list[BaseException] = []
         expected: list[tuple[Any, type]] = [
@@ -309,8 +306,7 @@ class _Build:
         if errors:
             for run in runs:
                 run.close()
-            self.agreement.pending = ("prepare", None, errors[0])
-            return None
+        self.agreement.agree("prepare", errors[0] if errors else None)
         return _Runs(*runs)
 
     def shard_units(

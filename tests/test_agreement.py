@@ -18,6 +18,7 @@ from isolated import START_METHOD, Results, Spawns, run_each, values
 from models import meta_demo
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from fsdp_builder import (
@@ -74,6 +75,7 @@ def attempt(builder: ShardingBuilder, model: nn.Module) -> dict[str, Any]:
             "message": str(exc),
             "failures": sorted(getattr(exc, "failures", {})),
             "wrapped": any(isinstance(m, FullyShardedDataParallel) for m in model.modules()),
+            "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
             "untouched": before.keys() == after.keys()
             and all(torch.equal(before[n], after[n]) for n in before),
         }
@@ -164,8 +166,8 @@ def cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
         "resolver_fails_on_one_rank",
         lambda: attempt(FSDPBuilder().device(BrokenResolverOnRank1()).wrap(Block), make_model(CFG)),
     )
-    # A strategy's prepare fails on rank 1: FSDP1's units communicate (rank 0 stops at the first),
-    # FSDP2's do not (rank 0 builds, then stops at the last agreement).
+    # A strategy's prepare fails on rank 1: every rank stops before a unit is touched, whether
+    # the backend's units communicate (FSDP1) or not (FSDP2).
     for builder in (FSDPBuilder, FullyShardBuilder):
         yield f"prepare_fails_on_one_rank_{builder.__name__}", partial(prepare_fails, builder)
     yield "bad_input_everywhere", bad_input_everywhere
@@ -223,6 +225,7 @@ def test_one_rank_failing_to_prepare_stops_every_rank_with_its_message(
     assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
     assert "stage 'prepare'" in out["message"]
     assert "rank 1: RuntimeError: index unreadable on rank 1" in out["message"]
+    assert not out["wrapped"] and out["untouched"] and out["sharded"] is False
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -99,10 +99,10 @@ def test_local_strategies_agree_once_after_the_units(
     monkeypatch.setattr(agreement_module, "agree", counting)
     builder = FSDPBuilder().device(CPUDevice()).wrap(Block)
     builder.build(make_model(CFG))
-    # configure, groups (whose all-gather also settles the unit order), then one agreement
-    # after every unit was built, which would also report a failed prepare: no collective
-    # follows a local step, so no rank can be left waiting before the end.
-    assert stages == ["configure", "groups", "finish"]
+    # configure, groups (whose all-gather also settles the unit order), the strategies' runs,
+    # then one agreement after every unit was built: no collective follows a local step, so
+    # no rank can be left waiting before the end.
+    assert stages == ["configure", "groups", "prepare", "finish"]
 
 
 def test_ignored_states_on_meta_are_refused_before_anything_changes(world1: None) -> None:

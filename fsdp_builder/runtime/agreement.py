@@ -181,7 +181,7 @@ class Agreement:
         self.build = next(_BUILDS)
         self.count = itertools.count()
         # A local step's failure (stage, unit, error), held until the next agreement.
-        self.pending: tuple[str, str | None, BaseException] | None = None
+        self.pending: tuple[str, str, BaseException] | None = None
 
     def agree(
         self, stage: str, error: BaseException | None, unit: str | None = None, **kw: Any
