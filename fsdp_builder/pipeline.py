@@ -264,9 +264,8 @@ class _Build:
     def create_groups(self, configured: _Configured) -> tuple[ShardingOptions, Any]:
         """The factory's groups, clamped to the world, as the backend sees them (one agreement,
         which also settles whether units are sharded first)."""
-        result: tuple[ShardingOptions, Any] | None = None
-        error: BaseException | None = None
-        try:
+
+        def create() -> tuple[ShardingOptions, Any]:
             groups = self.factory.create(self.config.options.strategy, configured.device)
             options, groups = effective_strategy(self.config.options, groups)
             groups = self.backend.prepare_groups(groups, options, configured.device)
@@ -274,18 +273,16 @@ class _Build:
             check_placed_on_other_dims(
                 groups.mesh, configured.plan.root.module, f"{self.backend.builder}.groups"
             )
-            result = options, groups
-        except Exception as exc:  # any rank's failure must reach every rank
-            error = exc
+            return options, groups
+
         shard_first = self.materializer.shard_first and self.backend.supports_shard_first
         # Units are sharded on meta before being filled only when no rank holds a real managed
         # state: else a synchronizer would lack full values, and initializers on DTensors on
         # some ranks only would run collectives on those alone.
-        any_real = self.agreement.agree(
-            "groups", error, flag=shard_first and _holds_real_states(configured)
+        result, any_real = self.agreement.now_asking(
+            "groups", create, flag=shard_first and _holds_real_states(configured)
         )
         self.shards_first = shard_first and not any_real
-        assert result is not None  # agree raised on every rank otherwise
         return result
 
     def prepare(self, env: Environment) -> _Runs:

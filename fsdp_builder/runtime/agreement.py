@@ -197,14 +197,20 @@ class Agreement:
 
     def now(self, stage: str, fn: Callable[[], T], unit: str | None = None) -> T:
         """Run ``fn``, then agree on its outcome across ranks."""
+        return self.now_asking(stage, fn, unit)[0]
+
+    def now_asking(
+        self, stage: str, fn: Callable[[], T], unit: str | None = None, flag: bool = False
+    ) -> tuple[T, bool]:
+        """``now``, and whether any rank passed ``flag`` (answered by the same exchange)."""
         error: BaseException | None = None
         result: T | None = None
         try:
             result = fn()
         except Exception as exc:  # any rank's failure must reach every rank
             error = exc
-        self.agree(stage, error, unit)
-        return result  # type: ignore[return-value]  # agree raised when fn did
+        any_flag = self.agree(stage, error, unit, flag=flag)
+        return result, any_flag  # type: ignore[return-value]  # agree raised when fn did
 
     def step(self, stage: str, fn: Callable[[], T], unit: str, communicates: bool) -> T | None:
         """Run one per-unit step (see the class doc); None when it was skipped or failed."""
