@@ -124,6 +124,7 @@ class _Build:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agreement = Agreement(None)
         self.shards_first = False  # decided in the groups stage
+        self.whole_below: int = getattr(self.materializer, "whole_below", 0)
         self.bound = GroupTimeouts(config.timeout)
 
     def run(self, model: nn.Module) -> BuildResult:
@@ -359,7 +360,9 @@ class _Build:
             "synchronize": (synchronize, self.synchronizer.communicates),
             "shard": (shard, self.backend.shard_communicates),
         }
-        for name in SHARD_FIRST_STEPS if env.shards_first else UNIT_STEPS:
+        # A unit below the materializer's whole_below is filled whole and then sharded.
+        first = env.shards_first and unit.param_bytes >= self.whole_below
+        for name in SHARD_FIRST_STEPS if first else UNIT_STEPS:
             fn, communicates = steps[name]
             self.agreement.step(name, fn, unit.label, communicates)
         if self.config.timeout is not None:

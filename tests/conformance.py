@@ -470,6 +470,8 @@ def builder_for(cell: Cell, model: nn.Module, layouts: Layouts, path: Path) -> A
         b = b.materialize(fb.InitFn(_init_fn))
     elif m == "DeterministicInit":
         b = b.materialize(fb.DeterministicInit(seed=5))
+    elif m == "StreamInit":  # shard by shard; "default" fills these small units whole
+        b = b.materialize(fb.StreamInit(whole_below=0))
     elif m == "ShardFirstReset":
         b = b.materialize(fb.ShardFirstReset(seed=5))
     elif m == "InitWeights":

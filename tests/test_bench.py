@@ -250,10 +250,11 @@ def test_rss_split_tells_heap_from_mapped_file(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_call_counts_split_a_build_by_stage() -> None:
-    """Counted on fresh ranks: FSDP2's ``fully_shard`` makes the same calls on both paths (to
-    within 1 %: torch's caches decide a few dozen), only the builder has configure, prepare
-    and finish stages, and counts repeat between runs. Timed (``--cpu``), each further build's
-    thread CPU seconds are split over the same stages."""
+    """Counted on fresh ranks: FSDP2's ``fully_shard`` makes no more calls on the builder's
+    path than on plain's (to within 1 %: torch's caches decide a few dozen; the builder shards
+    these small units once filled, which takes a few % fewer), only the builder has configure,
+    prepare and finish stages, and counts repeat between runs. Timed (``--cpu``), each further
+    build's thread CPU seconds are split over the same stages."""
     from benchmarks.calls import STAGES, count_calls
     from benchmarks.harness import launch
 
@@ -272,7 +273,7 @@ def test_call_counts_split_a_build_by_stage() -> None:
         assert seconds["fully_shard"] > 0 and seconds["make_stack"] > 0
         assert not {"configure", "prepare", "finish"} & set(seconds)
     assert plain["fully_shard"] > 0
-    assert abs(plain["fully_shard"] - built["fully_shard"]) <= plain["fully_shard"] // 100
+    assert plain["fully_shard"] * 0.9 < built["fully_shard"] <= plain["fully_shard"] * 1.01
     assert plain["make_stack"] == built["make_stack"] > 0
     assert not {"configure", "prepare", "finish"} & set(plain)
     assert built["configure"] > 0 and built["prepare"] > 0 and built["finish"] > 0

@@ -115,7 +115,7 @@ materializers = {
     "default": None,
     "ResetParameters": fb.ResetParameters(),
     "DeterministicInit": fb.DeterministicInit(seed=1),
-    "StreamInit": fb.StreamInit(),
+    "StreamInit": fb.StreamInit(whole_below=0),
     "ShardFirstReset": fb.ShardFirstReset(),
     "InitWeights": fb.InitWeights(),
     "InitFn": fb.InitFn(init_fn, allocate=True),
@@ -193,13 +193,13 @@ def build(materializer):
 
 # Configured after the import, as applications do: the route is chosen at each event.
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
-build(fb.StreamInit())
+build(fb.StreamInit(whole_below=0))  # shard by shard: its whole-tensor event
 build(fb.FromCheckpoint(tmp))
 structlog.configure(
     processors=[structlog.processors.JSONRenderer()],
     logger_factory=structlog.PrintLoggerFactory(sys.stdout),
 )
-build(fb.StreamInit())
+build(fb.StreamInit(whole_below=0))  # shard by shard: its whole-tensor event
 build(fb.FromCheckpoint(tmp))
 dist.destroy_process_group()
 """

@@ -26,6 +26,8 @@ from fsdp_builder.materializers.streams import (
 from fsdp_builder.tools.demo import full_state_dict
 
 SEED = 11
+# Every unit filled shard by shard (the default fills small units whole, then shards them).
+SHARDWISE = StreamInit(seed=SEED, whole_below=0)
 
 
 class TruncNormal(nn.Module):
@@ -92,7 +94,7 @@ def _build(backend: str) -> tuple[dict[str, torch.Tensor], int]:
     with torch.device("meta"):
         model = Model()
     builder = FullyShardBuilder() if backend == "fsdp2" else FSDPBuilder()
-    builder.device(CPUDevice()).wrap(Block).materialize(StreamInit(seed=SEED))
+    builder.device(CPUDevice()).wrap(Block).materialize(SHARDWISE)
     sharded = builder.build(model)
     held = sum(
         p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in sharded.parameters()
@@ -111,8 +113,22 @@ def _both_backends() -> dict[str, Any]:
 WORLDS = (1, 2, 4, 8)
 
 
+def _mixed() -> dict[str, Any]:
+    """The default decision per unit: the root unit (about 5 KB) is filled whole, then sharded;
+    each Block (about 70 KB) is sharded first."""
+    streams.BLOCK = 40
+    with torch.device("meta"):
+        model = Model()
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block)
+    sharded = builder.materialize(StreamInit(seed=SEED, whole_below=20_000)).build(model)
+    order: dict[str, list[str]] = {}
+    for record in builder.report.records:
+        order.setdefault(record.unit, []).append(record.stage)
+    return {"state": {k: v.clone() for k, v in full_state_dict(sharded).items()}, "order": order}
+
+
 def _scenarios() -> Results:
-    return run_each([("builds", _both_backends)])
+    return run_each([("builds", _both_backends), ("mixed", _mixed)])
 
 
 # 15 ranks in all. Generous bounds: a machine that may be busy.
@@ -136,6 +152,23 @@ def test_full_weights_bit_identical_at_every_world_size(
             assert got.keys() == reference.keys(), (world, backend)
             for name, value in reference.items():
                 assert torch.equal(got[name], value), (world, backend, name)
+
+
+@pytest.mark.timeout(2000)
+def test_small_units_filled_whole_have_the_same_weights(
+    builds: dict[int, list[dict[str, Any]]],
+) -> None:
+    reference = builds[1][0]["fsdp2"]
+    for world in WORLDS:
+        mixed = values(SPAWNS(world), "mixed")[0]
+        orders = {tuple(o) for o in mixed["order"].values()}
+        if world > 1:  # the root unit first filled whole, the blocks first sharded
+            assert mixed["order"]["<root>"][:2] == ["materialize", "move"], world
+            assert mixed["order"]["blocks.0"][:2] == ["shard", "materialize"], world
+            assert len(orders) == 2, (world, orders)
+        assert mixed["state"].keys() == reference.keys(), world
+        for name, value in reference.items():
+            assert torch.equal(mixed["state"][name], value), (world, name)
 
 
 @pytest.mark.timeout(2000)
@@ -333,7 +366,7 @@ def test_a_build_replaces_no_function_of_torch_or_transformers(world1: None) -> 
     table = dict(TORCH_INIT_FUNCTIONS)
     with torch.device("meta"):
         model = _Probe()
-    builder = FullyShardBuilder().device(CPUDevice()).materialize(StreamInit(seed=SEED))
+    builder = FullyShardBuilder().device(CPUDevice()).materialize(SHARDWISE)
     with pytest.warns(UserWarning):  # NO_SHARD on one rank
         sharded = builder.build(model)
     seen = _Probe.seen
@@ -378,7 +411,7 @@ def test_trunc_normal_is_drawn_on_the_shard(world1: None, monkeypatch: pytest.Mo
     for via_data in (False, True):
         with torch.device("meta"):
             model = nn.Sequential(_Truncated(via_data))
-        builder = FullyShardBuilder().device(CPUDevice()).materialize(StreamInit(seed=SEED))
+        builder = FullyShardBuilder().device(CPUDevice()).materialize(SHARDWISE)
         with pytest.warns(UserWarning):  # NO_SHARD on one rank
             state = full_state_dict(builder.build(model))
         assert len(on_whole) == via_data, via_data

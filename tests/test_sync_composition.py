@@ -74,7 +74,8 @@ def _build(state: str, layout: str, materializer: str) -> dict[str, Any]:
     builder = fb.FullyShardBuilder().wrap(nn.Linear).synchronize(fb.BroadcastFromRank0())
     builder = builder.device(fb.CPUDevice()).timeout(60)
     if materializer == "StreamInit":
-        builder = builder.materialize(fb.StreamInit())
+        # Shard by shard; the default fills these small units whole.
+        builder = builder.materialize(fb.StreamInit(whole_below=0))
     if layout == "mesh2d":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         builder = builder.sharding("hybrid").groups(fb.MeshGroups(mesh))

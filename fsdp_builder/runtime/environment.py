@@ -31,7 +31,8 @@ class Environment:
     plan: UnitPlan
     # None: the default group.
     agreement_group: dist.ProcessGroup | None = None
-    # Each unit is sharded on meta before its materializer runs, which fills local shards.
+    # Units are sharded on meta before their materializer fills the local shards (but those
+    # under the materializer's ``whole_below``).
     shards_first: bool = False
     # Every rank gets rank 0's values after each unit (BroadcastFromRank0): others' are unused.
     values_from_rank0: bool = False
