@@ -7,6 +7,7 @@ Configure is local and pure, so a failure there leaves the model untouched on ev
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from typing import Any, Final
@@ -105,9 +106,15 @@ def plan_for(config: BuilderConfig, model: nn.Module) -> UnitPlan:
 def run_build(config: BuilderConfig, backend: Backend, model: nn.Module) -> BuildResult:
     """Shard ``model`` as ``config`` says; every rank of the build calls this together."""
     build = _Build(config, backend)
+    # Python's cyclic collector paused, as torch's get/set_model_state_dict do: what a build
+    # allocates lives on, and each full collection it set off would scan the whole heap.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return build.run(model)
     finally:
+        if collecting:
+            gc.enable()
         build.bound.restore()
 
 

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import structlog
 import torch
 from structlog.testing import capture_logs
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from fsdp_builder import ConfigurationError, CPUDevice, FSDPBuilder, ResetParameters
+from fsdp_builder import (
+    ConfigurationError,
+    CPUDevice,
+    FSDPBuilder,
+    InitFn,
+    MaterializationError,
+    ResetParameters,
+)
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, make_model
 
 CFG = DemoConfig(layers=2)
@@ -125,3 +134,25 @@ def test_fsdp2_hybrid_mesh_on_one_rank_falls_back_to_no_shard(world1: None) -> N
     with pytest.warns(UserWarning, match="NO_SHARD instead of HYBRID_SHARD"):
         builder.build(make_model(CFG))
     assert builder.environment.strategy.name == "NO_SHARD"
+
+
+def test_the_cyclic_collector_is_paused_for_the_build_and_restored(world1: None) -> None:
+    seen: list[bool] = []
+
+    def init(module: torch.nn.Module) -> None:
+        seen.append(gc.isenabled())
+        raise ValueError("an initializer that fails")
+
+    for enabled in (True, False):
+        if not enabled:
+            gc.disable()
+        try:
+            with torch.device("meta"):
+                model = torch.nn.Linear(2, 2)
+            builder = FSDPBuilder().device(CPUDevice()).materialize(InitFn(init, allocate=True))
+            with pytest.raises(MaterializationError, match="an initializer that fails"):
+                builder.build(model)
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+    assert seen == [False, False]
