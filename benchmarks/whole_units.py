@@ -2,7 +2,9 @@
 (Linear + LayerNorm of one width) on fresh ranks, with every unit filled whole and then sharded,
 with every unit filled shard by shard (``whole_below=0``), and the plain way (``fully_shard`` on
 meta, ``to_empty``, ``reset_parameters``). CPU seconds per unit, the median of a few builds per
-launch; the widths span both sides of the crossover.
+launch, of the build alone and of the build and one full collection after it (the builder pauses
+Python's cyclic collector during a build: the collection it defers is counted in the second);
+the widths span both sides of the crossover.
 
 Usage: ``python -m benchmarks.whole_units [--dims 32,128,256,512,1024] [--units 40]``
 """
@@ -34,8 +36,9 @@ def _build(variant: str, cfg: UnitsConfig, job: Job) -> Any:
     return builder.materialize(fb.StreamInit(seed=0, whole_below=below)).build(make_stack(cfg))
 
 
-def measure(variant: str, units: int, dim: int, builds: int) -> float:
-    """One rank: median CPU seconds per unit over ``builds`` builds, after a warm-up build."""
+def measure(variant: str, units: int, dim: int, builds: int) -> tuple[float, float]:
+    """One rank: median CPU seconds per unit over ``builds`` builds, after a warm-up build, of
+    the build and of the build and a full collection."""
     import logging
 
     import structlog
@@ -48,15 +51,17 @@ def measure(variant: str, units: int, dim: int, builds: int) -> float:
         device=torch.device("cpu"),
     )
     _build(variant, UnitsConfig(units=2, dim=dim), job)
-    times = []
+    times, collected = [], []
     for _ in range(builds):
         gc.collect()
         dist.barrier()
         start = time.process_time()
         model = _build(variant, UnitsConfig(units=units, dim=dim), job)
         times.append((time.process_time() - start) / units)
+        gc.collect()
+        collected.append((time.process_time() - start) / units)
         del model
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(collected)
 
 
 def main() -> None:
@@ -69,10 +74,11 @@ def main() -> None:
     args = p.parse_args()
     from fsdp_builder.tools.launch import run_ranks
 
-    print("| width | unit (KiB) | plain µs | whole µs | shards µs | whole ÷ shards |")
+    print("µs per unit, build alone / build and a full collection:\n")
+    print("| width | unit (KiB) | plain | whole | shards | whole ÷ shards |")
     print("|---:|---:|---:|---:|---:|---:|")
     for dim in (int(d) for d in args.dims.split(",")):
-        got: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        got: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
         for repeat in range(args.repeats):
             order = VARIANTS[repeat % 3 :] + VARIANTS[: repeat % 3]
             for variant in order:
@@ -80,13 +86,13 @@ def main() -> None:
                     measure, args.world_size, variant, args.units, dim, args.builds, timeout=600
                 )
                 got[variant].append(max(ranks))
-        med = {v: statistics.median(t) * 1e6 for v, t in got.items()}
+        med = {
+            v: [statistics.median(x[i] for x in t) * 1e6 for i in (0, 1)] for v, t in got.items()
+        }
+        cells = [" / ".join(f"{x:,.0f}" for x in med[v]) for v in VARIANTS]
+        ratio = " / ".join(f"{w / s:.2f}" for w, s in zip(med["whole"], med["shards"], strict=True))
         kib = UnitsConfig(units=1, dim=dim).params * 4 / 1024
-        print(
-            f"| {dim} | {kib:,.0f} | {med['plain']:,.0f} | {med['whole']:,.0f} | "
-            f"{med['shards']:,.0f} | {med['whole'] / med['shards']:.2f} |",
-            flush=True,
-        )
+        print(f"| {dim} | {kib:,.0f} | {' | '.join(cells)} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

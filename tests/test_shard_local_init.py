@@ -293,6 +293,9 @@ def test_seed_is_validated() -> None:
 
     with pytest.raises(ConfigurationError):
         StreamInit(seed=-1)
+    for bad in (-1, True, 1.5, "256K"):
+        with pytest.raises(ConfigurationError, match=r"StreamInit.*whole_below.*whole_below=0"):
+            StreamInit(whole_below=bad)  # type: ignore[arg-type]
 
 
 # torch's own functions, as imported before any build.

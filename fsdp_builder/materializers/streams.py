@@ -462,7 +462,8 @@ class _StreamedInit:
 
 
 # Below this many parameter bytes a unit costs less to fill whole on every rank and then shard
-# than shard by shard (on 2 CPU ranks: 13 % less at 4 KiB, 9 % at 256 KiB, 45 % more at 1 MiB).
+# than shard by shard (2 CPU ranks: 10-20 % less up to 259 KiB, 20 % more at 1 MiB; the A/B is
+# benchmarks/results/whole_units.md).
 WHOLE_BELOW = 256 * 1024
 
 
