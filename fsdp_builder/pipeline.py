@@ -131,7 +131,6 @@ class _Build:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agreement = Agreement(None)
         self.shards_first = False  # decided in the groups stage
-        self.whole_below: int = getattr(self.materializer, "whole_below", 0)
         self.bound = GroupTimeouts(config.timeout)
 
     def run(self, model: nn.Module) -> BuildResult:
@@ -149,6 +148,8 @@ class _Build:
             plan=configured.plan,
             agreement_group=self.agreement.group,
             shards_first=self.shards_first,
+            # Optional on a shard-first materializer: smaller units are filled whole first.
+            whole_below=getattr(self.materializer, "whole_below", 0),
             values_from_rank0=overwrites(self.synchronizer),
         )
         self.bound.add(groups.shard_group, groups.replicate_group)
@@ -367,9 +368,7 @@ class _Build:
             "synchronize": (synchronize, self.synchronizer.communicates),
             "shard": (shard, self.backend.shard_communicates),
         }
-        # A unit below the materializer's whole_below is filled whole and then sharded.
-        first = env.shards_first and unit.param_bytes >= self.whole_below
-        for name in SHARD_FIRST_STEPS if first else UNIT_STEPS:
+        for name in SHARD_FIRST_STEPS if env.sharded_first(unit) else UNIT_STEPS:
             fn, communicates = steps[name]
             self.agreement.step(name, fn, unit.label, communicates)
         if self.config.timeout is not None:

@@ -156,3 +156,13 @@ def test_the_cyclic_collector_is_paused_for_the_build_and_restored(world1: None)
         finally:
             gc.enable()
     assert seen == [False, False]
+
+    def record(module: torch.nn.Module) -> None:
+        seen.append(gc.isenabled())
+        assert isinstance(module, torch.nn.Linear)
+        module.reset_parameters()
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    FSDPBuilder().device(CPUDevice()).materialize(InitFn(record, allocate=True)).build(model)
+    assert seen[2:] == [False] and gc.isenabled()

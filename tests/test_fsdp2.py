@@ -45,6 +45,7 @@ from fsdp_builder import (
     MeshGroups,
     ProcessGroups,
     ShardingOptions,
+    StreamInit,
     VerifyReplicas,
 )
 from fsdp_builder.backends.fsdp2 import (
@@ -73,6 +74,8 @@ pytestmark = pytest.mark.timeout(300)
 
 STEPS = 3
 CFG = DemoConfig(layers=2)
+# FSDP2's default, every unit sharded first (by default these small units are filled whole).
+SHARDWISE = StreamInit(whole_below=0)
 
 
 # -- helpers run inside the ranks ----------------------------------------------------------------
@@ -364,10 +367,12 @@ def cases(world: int) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
 
 
 def _settled_odd_case() -> dict[str, Any]:
-    """The default (shard-first) build of uneven shards: what FSDP2 records of each parameter
-    after the build (its padded shard, as ``to_empty`` on the FSDP module leaves it), and the
-    full weights."""
-    model = FullyShardBuilder().device(CPUDevice()).wrap(OddBlock).build(_odd_model("meta"))
+    """The default materializer's shard-first build of uneven shards (these units are small
+    enough to be filled whole by default): what FSDP2 records of each parameter after the build
+    (its padded shard, as ``to_empty`` on the FSDP module leaves it), and the full weights."""
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(OddBlock).materialize(SHARDWISE)
+    model = builder.build(_odd_model("meta"))
+    assert builder.report.records[0].stage == "shard"
     records = [
         (
             not r._sharded_param_data.is_meta,
@@ -779,12 +784,9 @@ def test_shard_first_build_leaves_fsdp_state_as_to_empty_does(world1: None) -> N
     ``fully_shard`` on meta + ``to_empty`` (whose ``FSDPModule._apply`` re-points them): no
     meta shard is left for the first forward to replace."""
     with pytest.warns(UserWarning, match="NO_SHARD instead of FULL_SHARD"):
-        built = (
-            FullyShardBuilder()
-            .device(CPUDevice())
-            .wrap(Block)
-            .build(make_model(CFG, device="meta"))
-        )
+        builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).materialize(SHARDWISE)
+        built = builder.build(make_model(CFG, device="meta"))
+    assert builder.report.records[0].stage == "shard"
     plain = make_model(CFG, device="meta")
     for block in plain.modules():
         if isinstance(block, Block):
@@ -832,8 +834,10 @@ def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(
         with torch.device("meta"):
             return nn.Sequential(_TiedNormBlock(), _TiedNormBlock())
 
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(_TiedNormBlock).materialize(SHARDWISE)
     with pytest.warns(UserWarning, match="NO_SHARD"):
-        built = FullyShardBuilder().device(CPUDevice()).wrap(_TiedNormBlock).build(make())
+        built = builder.build(make())
+    assert builder.report.records[0].stage == "shard"
     for block in cast(list[_TiedNormBlock], list(built.children())):
         assert block.b.weight is block.a.weight
         norm = block.norm

@@ -368,7 +368,8 @@ class FullyShardBackend:
     shard_communicates: ClassVar[bool] = False
 
     def default_materializer(self) -> Materializer:
-        """``StreamInit()``: each rank fills only its shards, equal at any world size."""
+        """``StreamInit()``: each rank fills its shards (small units whole), equal at any world
+        size."""
         return StreamInit()
 
     def check(self, options: ShardingOptions) -> None:

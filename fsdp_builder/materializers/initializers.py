@@ -123,7 +123,8 @@ class Materializer(Protocol):
 
     ``communicates``: ``materialize`` runs collectives, so it must fail on every rank alike or
     only after its last collective. ``shard_first``: units are sharded on meta and
-    ``materialize`` fills only the local shards (where the backend ``supports_shard_first``).
+    ``materialize`` fills only the local shards (where the backend ``supports_shard_first``),
+    but units under an optional ``whole_below`` (parameter bytes), filled whole first.
     """
 
     @property

@@ -480,14 +480,13 @@ def _check_bytes(instance: object, attribute: attrs.Attribute[Any], value: Any) 
 @frozen
 class StreamInit(ResetParameters):
     """Each module's initializer by its model's convention, its ``torch.nn.init`` draws taken
-    from block-seeded streams: every rank fills only its shards, and the full weights are
-    bit-identical at any world size and on both backends (eager init's distributions, not its
-    numbers). ``FullyShardBuilder``'s default.
+    from block-seeded streams: every rank fills only its shards (a unit with fewer than
+    ``whole_below`` parameter bytes whole, before it is sharded: less work, the same values),
+    and the full weights are bit-identical at any world size and on both backends (eager
+    init's distributions, not its numbers). ``FullyShardBuilder``'s default.
 
     ``seed=None`` takes the first rank's ``torch.initial_seed()``, so ``torch.manual_seed(s)``
     before the build changes the weights. Torch's generators are restored after the build.
-    A unit with fewer than ``whole_below`` parameter bytes is filled whole on every rank before
-    it is sharded: the same values, less work per small unit.
 
     Raises:
         ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``, or ``whole_below``

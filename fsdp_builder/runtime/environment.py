@@ -14,7 +14,7 @@ from fsdp_builder.common.logs import build_logger, warn_user
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.planning.ignored import IgnoredStates
-from fsdp_builder.planning.plan import UnitPlan
+from fsdp_builder.planning.plan import Unit, UnitPlan
 
 
 @frozen(eq=False)
@@ -31,9 +31,10 @@ class Environment:
     plan: UnitPlan
     # None: the default group.
     agreement_group: dist.ProcessGroup | None = None
-    # Units are sharded on meta before their materializer fills the local shards (but those
-    # under the materializer's ``whole_below``).
+    # Units are sharded on meta before their materializer fills the local shards, but those
+    # with fewer parameter bytes than ``whole_below`` (see ``sharded_first``).
     shards_first: bool = False
+    whole_below: int = 0
     # Every rank gets rank 0's values after each unit (BroadcastFromRank0): others' are unused.
     values_from_rank0: bool = False
     # One DTensor sharding spec per distinct FSDP2 shard layout, not per parameter, as DTensor's
@@ -51,6 +52,10 @@ class Environment:
     @property
     def strategy(self) -> ShardingStrategy:
         return self.options.strategy
+
+    def sharded_first(self, unit: Unit) -> bool:
+        """Whether ``unit`` is sharded on meta before its materializer runs."""
+        return self.shards_first and unit.param_bytes >= self.whole_below
 
 
 def effective_strategy(
