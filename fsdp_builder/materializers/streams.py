@@ -462,7 +462,7 @@ class _StreamedInit:
 
 
 # Below this many parameter bytes a unit costs less to fill whole on every rank and then shard
-# than shard by shard (2 CPU ranks: 10-20 % less up to 259 KiB, 20 % more at 1 MiB; the A/B is
+# than shard by shard (2 CPU ranks: about 10 % less up to 259 KiB, 20 % more at 1 MiB; the A/B is
 # benchmarks/results/whole_units.md).
 WHOLE_BELOW = 256 * 1024
 
