@@ -133,12 +133,16 @@ def test_smoke_run_measures_many_small_units(smoke: tuple[int, dict, Path]) -> N
     }  # fmt: skip
     for r in records:
         assert r["error"] is None, r["error"]
-        assert r["seconds"] > 0 and r["cpu_seconds"] > 0
+        assert r["seconds"] > 0 and r["cpu_seconds"] > 0 and r["collect_cpu_seconds"] > 0
         assert [x["rank"] for x in r["ranks"]] == [0, 1]
     ratios = {r["backend"]: r for r in result["units"]["ratios"]}
     assert set(ratios) == {"fsdp1", "fsdp2"}
-    for r in ratios.values():
+    by_recipe = {r["recipe"]: r for r in records}  # one repeat in the smoke run
+    for backend, r in ratios.items():
         assert r["wall_ratio"] == pytest.approx(r["builder_seconds"] / r["plain_seconds"])
+        built, plain = by_recipe[f"builder_{backend}"], by_recipe[f"plain_{backend}"]
+        with_collect = [x["cpu_seconds"] + x["collect_cpu_seconds"] for x in (built, plain)]
+        assert r["collect_ratio"] == pytest.approx(with_collect[0] / with_collect[1])
     assert "## Many small units" in (out / "bench.md").read_text()
     assert (out / "units.png").stat().st_size > 0
 
