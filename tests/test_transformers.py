@@ -214,12 +214,17 @@ def deterministic_case(family: str, backend: str, seed: int) -> dict[str, Any] |
     return out if dist.get_rank() == 0 else None
 
 
-def stream_case(family: str) -> dict[str, Any] | None:
-    # Shard by shard: the default fills these small units whole.
-    shardwise = StreamInit(seed=STREAM_SEED, whole_below=0)
-    sharded = FullyShardBuilder().materialize(shardwise).build(make(family))
+def stream_case(family: str, whole_below: int | None) -> dict[str, Any] | None:
+    """``whole_below=0``: every unit shard by shard; None: the default, which fills these small
+    units whole before sharding them."""
+    kw = {} if whole_below is None else {"whole_below": whole_below}
+    builder = FullyShardBuilder().materialize(StreamInit(seed=STREAM_SEED, **kw))
+    sharded = builder.build(make(family))
+    first: dict[str, str] = {}
+    for record in builder.report.records:
+        first.setdefault(record.unit, record.stage)
     state = full_state_dict(sharded)
-    out = {"state": state, "buffers": buffers(sharded), "tied": tied(sharded)}
+    out = {"state": state, "buffers": buffers(sharded), "tied": tied(sharded), "first": first}
     return out if dist.get_rank() == 0 else None
 
 
@@ -276,7 +281,8 @@ def cases(folders: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]
                 yield key, partial(deterministic_case, family, backend, seed)
         if backend == "fsdp2":
             for family in FAMILIES:
-                yield ("stream", family), partial(stream_case, family)
+                yield ("stream", family), partial(stream_case, family, 0)
+                yield ("stream_default", family), partial(stream_case, family, None)
         for family, folder in folders.items():
             yield ("load", family, backend), partial(load_case, family, backend, folder)
         yield ("empty_weights", backend), partial(empty_weights_case, backend)
@@ -360,16 +366,22 @@ def test_a_build_without_materializer_gives_the_models_own_init(
 def test_stream_init_gives_the_same_full_weights_at_any_world_size_and_on_both_backends(
     world1: None, folders: dict[str, str], family: str
 ) -> None:
-    got = ranks(folders, ("stream", family))[0]
-    check_embeddings(family, got["state"], got["tied"])
-    # One rank and FSDP1 (whole units) against two ranks and FSDP2 (local shards only).
+    # One rank and FSDP1 (whole units) against two ranks and FSDP2: every unit shard by shard,
+    # and the default, which fills units under its whole_below whole and then shards them.
     single = FSDPBuilder().materialize(StreamInit(seed=STREAM_SEED)).build(make(family))
     want = full_state_dict(single)
-    assert set(want) == set(got["state"])
-    for name, value in want.items():
-        assert torch.equal(got["state"][name], value), f"{family} {name} differs"
-    for name, value in eager(family, 0).named_buffers():
-        assert torch.equal(got["buffers"][name], value), name
+    for case in ("stream", "stream_default"):
+        got = ranks(folders, (case, family))[0]
+        firsts = set(got["first"].values())
+        # Shard by shard: every unit sharded first; the default: at least one unit (the small
+        # ones; Mixtral's layers are larger) filled whole first.
+        assert firsts == {"shard"} if case == "stream" else "materialize" in firsts, got["first"]
+        check_embeddings(family, got["state"], got["tied"])
+        assert set(want) == set(got["state"])
+        for name, value in want.items():
+            assert torch.equal(got["state"][name], value), f"{case} {family} {name} differs"
+        for name, value in eager(family, 0).named_buffers():
+            assert torch.equal(got["buffers"][name], value), name
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
