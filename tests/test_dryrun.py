@@ -259,6 +259,7 @@ def test_read_plan_bytes_equal_a_real_load(backend: str, folder: Path) -> None:
 
 # -- (3) per-rank build peak ------------------------------------------------------------------
 
+
 def peak_main() -> Results:
     fixed_mmap_threshold()
     return run_each(
@@ -348,3 +349,34 @@ def test_cli_simulates_a_config_folder(tmp_path: Path, capsys: pytest.CaptureFix
     bad = [*args, "--backend", "fsdp1", "--strategy", "hybrid", "--devices-per-node", "3"]
     assert main(bad) == 1
     assert "world size 64 is not a multiple of 3 devices per node" in capsys.readouterr().out
+
+
+def test_cli_text_report_lists_each_ranks_shards_and_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The report people read (no --json): each listed shard and read is held to torch.chunk's
+    # rows of the plain model's parameters.
+    LlamaConfig(**TINY_LLAMA, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    plain = dict(llama().named_parameters())
+    save_file({n: p.detach() for n, p in plain.items()}, str(tmp_path / "model.safetensors"))
+    world = 4
+    args = ["plan", str(tmp_path), "--simulate", str(world), "--rank", "0", "--rank", "3"]
+    assert main([*args, "--backend", "fsdp2", "--checkpoint", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"world size {world}" in out
+
+    def rows(name: str, rank: int) -> list[int]:
+        return list(torch.chunk(torch.empty(plain[name].shape, device="meta"), world)[rank].shape)
+
+    for rank, section in zip([0, 3], out.split("\nrank ")[1:], strict=True):
+        assert section.startswith(f"{rank} (") and "build peak" in section, section
+        shard_lines = [ln.split() for ln in section.splitlines() if " -> " in ln]
+        read_lines = [ln.split() for ln in section.splitlines() if ".safetensors: " in ln]
+        assert shard_lines and read_lines
+        for name, *rest in shard_lines:
+            shapes = " ".join(rest).split(" -> ")
+            assert shapes[0] == str(list(plain[name].shape))
+            assert shapes[1].startswith(str(rows(name, rank)))
+        for line in read_lines:
+            key, nbytes = line[1], int(line[-2].lstrip("("))
+            assert nbytes == math.prod(rows(key, rank)) * plain[key].element_size()
