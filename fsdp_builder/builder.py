@@ -532,7 +532,9 @@ class FullyShardBuilder(ShardingBuilder):
         """``fully_shard``'s ``shard_placement_fn`` (a ``Shard(dim)`` or None per parameter).
 
         Raises:
-            ConfigurationError: not callable.
+            ConfigurationError: not callable; in build, before any unit is sharded, an answer
+                ``fully_shard`` would refuse (a raise, not a ``Shard``, a dim the parameter
+                lacks, an uneven split of a dim other than 0).
 
         Example:
             ```python

@@ -277,7 +277,9 @@ class _Build:
         def create() -> tuple[ShardingOptions, Any]:
             groups = self.factory.create(self.config.options.strategy, configured.device)
             options, groups = effective_strategy(self.config.options, groups)
-            groups = self.backend.prepare_groups(groups, options, configured.device)
+            groups = self.backend.prepare_groups(
+                groups, options, configured.device, configured.plan
+            )
             # MeshGroups are checked in configure; this covers a factory of one's own.
             check_placed_on_other_dims(
                 groups.mesh, configured.plan.root.module, f"{self.backend.builder}.groups"

@@ -19,7 +19,7 @@ from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_builder import (
     BaseSynchronizer,
@@ -420,6 +420,42 @@ def test_checkpointing_what_the_model_has_still_builds(world1: None) -> None:
     assert any("CheckpointWrapper" in type(m).__name__ for m in model.modules())
 
 
+# -- shard_placement_fn: what fully_shard would refuse per parameter --------------------------
+
+
+def _raises(p: nn.Parameter) -> Shard | None:
+    raise ValueError("no rule for this shape")
+
+
+@pytest.mark.parametrize(
+    ("fn", "argument", "fix"),
+    [
+        (
+            _raises,
+            r"shard_placement_fn` got an invalid `fn`: it raised for 'blocks.0.norm1.weight' "
+            r"\(shape \[8\], unit 'blocks.0'\): ValueError: no rule for this shape",
+            r"return Shard\(dim\) or None for every parameter",
+        ),
+        (
+            lambda p: Replicate(),
+            r"invalid `fn`: it returned Replicate\(\) for '[\w.]+'",
+            r"Return None \(dim 0\) or Shard\(dim\) with -\d <= dim < \d",
+        ),
+        (
+            lambda p: Shard(p.ndim),
+            r"invalid `fn`: it returned Shard\(dim=\d\) for '[\w.]+' \(shape",
+            r"Return None \(dim 0\) or Shard\(dim\)",
+        ),
+    ],
+    ids=["raises", "not-a-shard", "no-such-dim"],
+)
+def test_placement_answers_fully_shard_refuses_are_refused_in_configure(
+    world1: None, fn: Callable[[nn.Parameter], Any], argument: str, fix: str
+) -> None:
+    build = FullyShardBuilder().device(CPUDevice()).wrap(Block).shard_placement_fn(fn).build
+    refused(build, demo(), argument, fix)
+
+
 # -- timeout ----------------------------------------------------------------------------------
 
 
@@ -446,7 +482,27 @@ def scalar_fsdp1() -> dict[str, Any]:
     return attempt(FSDPBuilder().device(CPUDevice()).wrap(nn.Linear).build, ScalarBelowChild())
 
 
+def _columns(p: nn.Parameter) -> Shard | None:
+    return Shard(1) if p.ndim == 2 else None
+
+
+def uneven_columns() -> dict[str, Any]:
+    """The second unit's weight has 5 columns: 2 ranks cannot split them evenly. Plain
+    fully_shard refuses it only when it reaches that unit, after the first was sharded."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(5, 4))
+    build = FullyShardBuilder().device(CPUDevice()).wrap(nn.Linear).shard_placement_fn(_columns)
+    outcome = attempt(build.build, model)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Linear(5, 4))
+    fully_shard(plain[0], shard_placement_fn=_columns)
+    try:
+        fully_shard(plain[1], shard_placement_fn=_columns)
+    except NotImplementedError as exc:
+        outcome["plain"] = str(exc)
+    return outcome
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "uneven_columns": uneven_columns,
     "dp_slice_fsdp2": lambda: dp_slice(FullyShardBuilder),
     "dp_slice_fsdp1": lambda: dp_slice(FSDPBuilder),
     "scalar_fsdp1": scalar_fsdp1,
@@ -480,4 +536,22 @@ def test_two_ranks_refuse_a_scalar_below_a_wrapped_child_alike() -> None:
     outcomes = values(SPAWNS(2), "scalar_fsdp1")
     for outcome in outcomes:
         assert_refused_in_configure(outcome, r"scalar \(0-dim\)", r"1-D tensor of one element")
+    assert len({o["message"] for o in outcomes}) == 1
+
+
+@pytest.mark.timeout(300)
+def test_an_uneven_split_of_another_dim_is_refused_before_any_unit_is_sharded() -> None:
+    outcomes = values(SPAWNS(2), "uneven_columns")
+    for outcome in outcomes:
+        assert "uneven sharding on dim 1" in outcome["plain"]
+        assert re.search(
+            r"`FullyShardBuilder.shard_placement_fn` got an invalid `fn`: it places '1.weight' "
+            r"\(shape \[4, 5\], unit '1'\) on Shard\(dim=1\), but fully_shard splits a dim "
+            r"other than 0 only evenly and 5 is not a multiple of the shard group's 2 ranks",
+            outcome["message"],
+        ), outcome["message"]
+        assert "Return Shard(0) or None for it" in outcome["message"]
+        # Known only once the shard group exists: refused there, before the first unit changed.
+        assert outcome["log"][0] == ("agree", "configure", False)
+        assert outcome["untouched"]
     assert len({o["message"] for o in outcomes}) == 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 from isolated import Results, Spawns, run_each, values
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_builder import CPUDevice, FSDPBuilder, FullyShardBuilder
 from fsdp_builder.materializers import streams
@@ -127,8 +127,23 @@ def _mixed() -> dict[str, Any]:
     return {"state": {k: v.clone() for k, v in full_state_dict(sharded).items()}, "order": order}
 
 
+def _columns(p: nn.Parameter) -> Shard | None:
+    return Shard(1) if p.ndim >= 2 else None
+
+
+def _by_columns() -> dict[str, Any]:
+    """FSDP2 with every matrix split along dim 1: each rank draws a strided part."""
+    streams.BLOCK = 40
+    with torch.device("meta"):
+        model = Model()
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).shard_placement_fn(_columns)
+    sharded = builder.materialize(SHARDWISE).build(model)
+    local = {n: tuple(p.to_local().shape) for n, p in sharded.named_parameters()}
+    return {"state": {k: v.clone() for k, v in full_state_dict(sharded).items()}, "local": local}
+
+
 def _scenarios() -> Results:
-    return run_each([("builds", _both_backends), ("mixed", _mixed)])
+    return run_each([("builds", _both_backends), ("mixed", _mixed), ("columns", _by_columns)])
 
 
 # 15 ranks in all. Generous bounds: a machine that may be busy.
@@ -169,6 +184,27 @@ def test_small_units_filled_whole_have_the_same_weights(
         assert mixed["state"].keys() == reference.keys(), world
         for name, value in reference.items():
             assert torch.equal(mixed["state"][name], value), (world, name)
+
+
+@pytest.mark.timeout(2000)
+def test_shards_along_dim_1_have_the_same_weights(
+    builds: dict[int, list[dict[str, Any]]],
+) -> None:
+    reference = builds[1][0]["fsdp2"]
+    shapes = {n: p.shape for n, p in Model().named_parameters()}
+    for world in WORLDS:
+        ranks = values(SPAWNS(world), "columns")
+        for rank, got in enumerate(ranks):
+            for name, shape in shapes.items():
+                dim = 1 if len(shape) >= 2 else 0
+                chunks = torch.chunk(torch.empty(shape, device="meta"), world, dim=dim)
+                expected = chunks[rank].shape if rank < len(chunks) else None
+                if expected is not None:
+                    assert got["local"][name] == tuple(expected), (world, rank, name)
+        state = ranks[0]["state"]
+        assert state.keys() == reference.keys(), world
+        for name, value in reference.items():
+            assert torch.equal(state[name], value), (world, name)
 
 
 @pytest.mark.timeout(2000)

@@ -59,9 +59,10 @@ class Backend(Protocol):
         """Bytes allocated on top of the full unit while sharding it (peak estimate)."""
 
     def prepare_groups(
-        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
+        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device, plan: UnitPlan
     ) -> ProcessGroups:
-        """The backend's view of the build's groups; called once on every rank, may communicate."""
+        """The backend's view of the build's groups, and what it refuses of ``plan`` only once
+        they exist; called once on every rank before any unit changes, may communicate."""
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
         """Shard ``unit.module``; return the module that takes its place in the parent."""

@@ -38,7 +38,7 @@ from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.materializers.initializers import Materializer, ResetParameters
 from fsdp_builder.planning.context import ConfigureContext
-from fsdp_builder.planning.plan import Unit
+from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.shards import chunk_size
 
@@ -237,7 +237,7 @@ class FSDP1Backend:
         return unit.param_bytes + (self.kept_bytes(unit, shards) if shards > 1 else 0)
 
     def prepare_groups(
-        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
+        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device, plan: UnitPlan
     ) -> ProcessGroups:
         return groups
 

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     fully_shard,
 )
+from torch.distributed.tensor import Shard
 
 from fsdp_builder.backends.checks import (
     build_wide_error,
@@ -45,7 +46,7 @@ from fsdp_builder.groups import ProcessGroups, check_mesh
 from fsdp_builder.materializers.initializers import Materializer
 from fsdp_builder.materializers.streams import StreamInit
 from fsdp_builder.planning.context import ConfigureContext
-from fsdp_builder.planning.plan import Unit
+from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.shards import chunk_size
 from fsdp_builder.versions import check_fully_shard
@@ -335,6 +336,51 @@ def unit_fully_shard_overrides(unit: Unit, options: ShardingOptions) -> dict[str
     return overrides
 
 
+def check_placements(plan: UnitPlan, options: ShardingOptions, shard_size: int = 0) -> None:
+    """What ``fully_shard`` refuses of ``shard_placement_fn``'s answers (the build's or a unit's):
+    a raise, anything but ``Shard(dim)`` or None, a dim the parameter lacks and, given the shard
+    group's size, an uneven split of a dim other than 0 (torch splits only dim 0 unevenly)."""
+    where = f"{_WHERE}.shard_placement_fn"
+    for unit in plan:
+        fn = unit_fully_shard_overrides(unit, options).get(
+            "shard_placement_fn", options.shard_placement_fn
+        )
+        if fn is None:
+            continue
+        for info in unit.params:
+            what = f"'{info.name}' (shape {list(info.shape)}, unit '{unit.label}')"
+            try:
+                placement = fn(plan.root.module.get_parameter(info.name))
+            except Exception as exc:
+                raise config_error(
+                    where,
+                    "fn",
+                    f"it raised for {what}: {type(exc).__name__}: {exc}",
+                    "Make it return Shard(dim) or None for every parameter.",
+                ) from exc
+            if placement is None:
+                continue
+            ndim = len(info.shape)
+            if not isinstance(placement, Shard) or not -ndim <= placement.dim < ndim:
+                raise config_error(
+                    where,
+                    "fn",
+                    f"it returned {placement!r} for {what}",
+                    f"Return None (dim 0) or Shard(dim) with {-ndim} <= dim < {ndim}.",
+                )
+            size = info.shape[placement.dim]
+            if shard_size and placement.dim % ndim and size % shard_size:
+                raise config_error(
+                    where,
+                    "fn",
+                    f"it places {what} on {placement!r}, but fully_shard splits a dim other "
+                    f"than 0 only evenly and {size} is not a multiple of the shard group's "
+                    f"{shard_size} ranks",
+                    "Return Shard(0) or None for it (dim 0 may split unevenly), or a dim whose "
+                    "size the shard group divides.",
+                )
+
+
 def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
     """The ``fully_shard`` arguments for one unit of this environment."""
     opts = env.options
@@ -386,6 +432,7 @@ class FullyShardBackend:
         check_fully_shard(options.strategy, context.device, context.ignored.params)
         check_root_not_wrapped(context.plan, _WHERE)
         check_fsdp2_plan(context.plan)
+        check_placements(context.plan, options)  # the even split: once the groups exist
         # The shard group spans the world or a divisor of it: a size that does not divide the
         # world cannot divide the group (the exact group is checked once it exists).
         size, world = context.world_size, "the world size"
@@ -420,13 +467,15 @@ class FullyShardBackend:
         return self.kept_bytes(unit, shards) + unit.buffer_bytes if shards > 1 else 0
 
     def prepare_groups(
-        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device
+        self, groups: ProcessGroups, options: ShardingOptions, device: torch.device, plan: UnitPlan
     ) -> ProcessGroups:
         """The groups with the mesh ``fully_shard`` runs on; collective."""
         mesh = build_mesh(groups, options, device.type)
+        shard = mesh.shape[-1]
         if "reshard_after_forward" in options.explicit:
-            shard = mesh.shape[-1]
             check_reshard_divides(options.reshard_after_forward, shard, "the shard group", _RESHARD)
+        if shard > 1:
+            check_placements(plan, options, shard)
         return attrs.evolve(groups, mesh=mesh)
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:
@@ -449,6 +498,7 @@ __all__ = [
     "build_mesh",
     "check_fsdp1_only_options",
     "check_offload",
+    "check_placements",
     "check_reshard_divides",
     "check_reshard_option",
     "fully_shard_kwargs",
