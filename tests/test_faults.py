@@ -710,13 +710,14 @@ def _rank1_model(layers: int = 3, dtype: torch.dtype | None = None) -> Callable[
 @frozen
 class Faulty(BaseMaterializer):
     """ResetParameters, except on the first unit: rank ``die`` exits, rank ``fail`` raises,
-    rank ``sleep`` sleeps ``seconds``."""
+    rank ``sleep`` sleeps ``seconds``, rank ``skip`` leaves it on meta."""
 
     communicates: ClassVar[bool] = False
     die: int = -1
     fail: int = -1
     sleep: int = -1
     seconds: float = 0.0
+    skip: int = -1
 
     def materialize(self, unit: Unit, env: Environment) -> int:
         if unit.fqn == "blocks.0":
@@ -726,6 +727,8 @@ class Faulty(BaseMaterializer):
                 time.sleep(self.seconds)
             if env.rank == self.fail:
                 raise MaterializationError(f"planted failure of rank {env.rank} in 'blocks.0'")
+            if env.rank == self.skip:
+                return 0
         return ResetParameters().materialize(unit, env)
 
 
@@ -980,6 +983,19 @@ def group_cases(
             lambda m: _fsdp1().materialize(Faulty(fail=1)).build(m),
             RankDisagreementError,
             r"unit 'blocks.0' failed on rank\(s\) 1.*planted failure of rank 1",
+            False,
+        ),
+        (
+            # Rank 0 goes on to send; rank 1 has nothing to receive into.
+            "one rank leaves a unit on meta before a broadcast",
+            meta_model,
+            lambda m: (
+                _fsdp2().materialize(Faulty(skip=1)).synchronize(BroadcastFromRank0()).build(m)
+            ),
+            RankDisagreementError,
+            r"'synchronize \(check\)' of unit 'blocks.0' failed on rank\(s\) 1.*"
+            r"`BroadcastFromRank0` cannot synchronize unit 'blocks.0': blocks.0.norm1.weight.* "
+            r"still on the meta device on this rank",
             False,
         ),
         ("NaN warned by default", meta_model, _load(_fsdp1, _nan_state), type(None), "", False),
