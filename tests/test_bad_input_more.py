@@ -49,6 +49,7 @@ from fsdp_builder.sources import (
     unregister_format,
 )
 from fsdp_builder.tools import cli
+from fsdp_builder.tools.demo import full_state_dict
 
 # -- registered formats: reads held to their listing ------------------------------------------
 
@@ -175,7 +176,9 @@ def test_a_format_whose_detect_raises_is_named(world1: None, tmp_path: Path) -> 
 # -- a transformers _init_weights that leaves a state unwritten: refused in configure ----------
 
 
-def tiny_classes(writes_gain: bool) -> tuple[type[nn.Module], Any, type[nn.Module]]:
+def tiny_classes(
+    writes_gain: bool, writes_bias: bool = True
+) -> tuple[type[nn.Module], Any, type[nn.Module]]:
     from transformers import PretrainedConfig, PreTrainedModel
 
     class Scale(nn.Module):
@@ -204,7 +207,8 @@ def tiny_classes(writes_gain: bool) -> tuple[type[nn.Module], Any, type[nn.Modul
         def _init_weights(self, module: nn.Module) -> None:
             if isinstance(module, nn.Linear):
                 nn.init.constant_(module.weight, 0.5)
-                nn.init.zeros_(module.bias)
+                if writes_bias:
+                    nn.init.zeros_(module.bias)
             elif writes_gain and isinstance(module, Scale):
                 nn.init.constant_(module.gain, 2.0)
 
@@ -241,6 +245,26 @@ def test_init_weights_writing_every_state_builds_as_eager_construction(world1: N
     got = built.build(model).state_dict()
     for key, value in want.items():
         assert torch.equal(got[key].cpu(), value), key
+
+
+@pytest.mark.parametrize("builder", [FSDPBuilder, FullyShardBuilder])
+def test_init_weights_leaving_a_state_to_reset_parameters_builds_as_eager_construction(
+    world1: None, builder: Callable[[], Any]
+) -> None:
+    # Eager: each Linear's constructor draws weight and bias, then post_init sets the weight
+    # alone; the bias keeps its constructor draw.
+    scale, config, tiny = tiny_classes(writes_gain=True, writes_bias=False)
+    torch.manual_seed(0)
+    want = tiny(config()).state_dict()
+    with torch.device("meta"):
+        model = tiny(config())
+    torch.manual_seed(0)
+    got = builder().device(CPUDevice()).wrap(scale).materialize(ResetParameters()).build(model)
+    state = {k: v.cpu() for k, v in full_state_dict(got).items()}
+    assert want.keys() == state.keys()
+    for key, value in want.items():
+        assert torch.equal(state[key], value), key
+    assert want["head.bias"].abs().max() > 0  # the constructor's draw, not a constant
 
 
 # -- raw errors: registries, torch versions, the plan command ----------------------------------
