@@ -26,7 +26,7 @@ from fsdp_builder.devices import (
     check_compute_device,
     check_single_device,
 )
-from fsdp_builder.errors import ConfigurationError, FSDPBuilderError
+from fsdp_builder.errors import ConfigurationError, FSDPBuilderError, MaterializationError
 from fsdp_builder.groups import DefaultGroups, GroupFactory, check_placed_on_other_dims
 from fsdp_builder.materializers.initializers import (
     Materializer,
@@ -34,7 +34,7 @@ from fsdp_builder.materializers.initializers import (
     check_materializer,
 )
 from fsdp_builder.planning.context import ChecksContext, ConfigureContext
-from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
+from fsdp_builder.planning.ignored import IgnoredStates, clean_name, resolve_ignored
 from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_model, plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
@@ -42,7 +42,13 @@ from fsdp_builder.runtime.collectives import GroupTimeouts
 from fsdp_builder.runtime.environment import Environment, effective_strategy
 from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport, debug_enabled
-from fsdp_builder.runtime.tree import direct_states, has_meta_states, unit_modules
+from fsdp_builder.runtime.tree import (
+    direct_states,
+    has_meta_states,
+    module_names,
+    qualified,
+    unit_modules,
+)
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
 UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
@@ -348,12 +354,17 @@ class _Build:
                 m.bytes = runs.materializer.materialize(unit)
             with report.measure("move", unit.label, env.device, logger) as m:
                 m.bytes = move_unit_states(unit.modules, env.ignored, env.device)
-                params = (
+                params = [
                     p
                     for module in unit.modules
                     for p in module._parameters.values()
                     if p is not None and not env.ignored.ignores(p)
-                )
+                ]
+                if any(p.is_meta for p in params) or any(
+                    b is not None and b.is_meta for m in unit.modules for b in m._buffers.values()
+                ):
+                    # Else FSDP1 would give them values of its own (reset_parameters) unsaid.
+                    raise _left_on_meta(self.materializer, unit, env)
                 check_compute_device(params, env.device, unit.label, env.rank)
 
         def synchronize() -> None:
@@ -400,6 +411,22 @@ def _checked_run(strategy: object, run: Any, run_type: type) -> Any:
             "Base* classes' prepare returns one that calls your per-unit method)."
         )
     return run
+
+
+def _left_on_meta(materializer: Materializer, unit: Unit, env: Environment) -> MaterializationError:
+    names = module_names(unit.module)
+    left = [
+        clean_name(qualified(qualified(unit.fqn, names.get(id(m), "")), n))
+        for m in unit.modules
+        for n, t in [*m._parameters.items(), *m._buffers.items()]
+        if t is not None and t.is_meta and not env.ignored.ignores(t)
+    ]
+    return MaterializationError(
+        f"`{type(materializer).__name__}` left states of unit '{unit.label}' on the meta device "
+        f"on rank {env.rank}: {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}. A "
+        "materializer gives every state of its unit storage and values: fix its materialize(), "
+        "or use a ready-made one such as ResetParameters()."
+    )
 
 
 def _check_no_meta(model: nn.Module) -> None:

@@ -986,16 +986,26 @@ def group_cases(
             False,
         ),
         (
-            # Rank 0 goes on to send; rank 1 has nothing to receive into.
+            # Plain FSDP1 would give them values of its own (reset_parameters), unsaid.
+            "one rank leaves a unit on meta",
+            meta_model,
+            lambda m: _fsdp1().materialize(Faulty(skip=1)).build(m),
+            RankDisagreementError,
+            r"stage 'materialize' of unit 'blocks.0' failed on rank\(s\) 1.*`Faulty` left "
+            r"states of unit 'blocks.0' on the meta device on rank 1: blocks.0.norm1.weight, "
+            r"blocks.0.norm1.bias, .*fix its materialize\(\)",
+            False,
+        ),
+        (
+            # Rank 0 would go on to send; rank 1 has nothing to receive into.
             "one rank leaves a unit on meta before a broadcast",
             meta_model,
             lambda m: (
                 _fsdp2().materialize(Faulty(skip=1)).synchronize(BroadcastFromRank0()).build(m)
             ),
             RankDisagreementError,
-            r"'synchronize \(check\)' of unit 'blocks.0' failed on rank\(s\) 1.*"
-            r"`BroadcastFromRank0` cannot synchronize unit 'blocks.0': blocks.0.norm1.weight.* "
-            r"still on the meta device on this rank",
+            r"stage 'materialize' of unit 'blocks.0' failed on rank\(s\) 1.*`Faulty` left "
+            r"states of unit 'blocks.0' on the meta device on rank 1",
             False,
         ),
         ("NaN warned by default", meta_model, _load(_fsdp1, _nan_state), type(None), "", False),

@@ -138,7 +138,11 @@ def _by_columns() -> dict[str, Any]:
         model = Model()
     builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).shard_placement_fn(_columns)
     sharded = builder.materialize(SHARDWISE).build(model)
-    local = {n: tuple(p.to_local().shape) for n, p in sharded.named_parameters()}
+    local = {
+        n: tuple(p.to_local().shape)
+        for n, p in sharded.named_parameters()
+        if isinstance(p, DTensor)
+    }
     return {"state": {k: v.clone() for k, v in full_state_dict(sharded).items()}, "local": local}
 
 
