@@ -322,6 +322,14 @@ def other_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(name for name in root.mesh_dim_names if name not in mine)
 
 
+def other_dim_groups(mesh: DeviceMesh | None) -> list[dist.ProcessGroup]:
+    """This rank's groups along the root mesh's dims that ``mesh`` does not use (e.g. TP)."""
+    if mesh is None:
+        return []
+    root = _root_mesh(mesh)
+    return [root.get_group(name) for name in other_dims(mesh)]
+
+
 def check_mesh_ndim(mesh: DeviceMesh, where: str) -> None:
     """FSDP shards over a 1-D mesh, or a 2-D (replicate, shard) one for hybrid sharding."""
     if mesh.ndim not in (1, 2):

@@ -21,6 +21,7 @@ from typing_extensions import override
 from fsdp_builder.common.hashing import digest63
 from fsdp_builder.common.hooks import DeclaredHooks
 from fsdp_builder.errors import FSDPBuilderError, StateMismatchError
+from fsdp_builder.groups import other_dim_groups
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import (
@@ -182,12 +183,14 @@ def _replica_stages(tensor: Any) -> Stages:
     return tuple((group, dist.get_global_rank(group, 0)) for group in groups if group.size() > 1)
 
 
-def _flatten(name: str, tensor: torch.Tensor, stages: Stages) -> Iterator[SyncState]:
-    """Plain tensors for ``tensor``: a DTensor's local shard (among its replicas), a traceable
-    subclass's (float8) inner tensors."""
+def _flatten(
+    name: str, tensor: torch.Tensor, stages: Stages, placed: Stages = ()
+) -> Iterator[SyncState]:
+    """Plain tensors for ``tensor``: a DTensor's local shard (among its replicas: ``placed``,
+    then its mesh's replicated dims), a traceable subclass's (float8) inner tensors."""
     detached = tensor.detach()
     if isinstance(detached, DTensor):
-        yield SyncState(name, detached.to_local(), _replica_stages(detached))
+        yield SyncState(name, detached.to_local(), placed + _replica_stages(detached))
     elif is_traceable_wrapper_subclass(detached):
         for attr in detached.__tensor_flatten__()[0]:
             inner = getattr(detached, attr)
@@ -224,8 +227,15 @@ def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> l
                 seen.add(id(b))
                 skip.add(id(b))
                 buffers.append((qualified(prefix, bname), b))
-    plain = tuple(sync_stages(env))
-    return [flat for name, t in params + buffers for flat in _flatten(name, t, plain)]
+    data_parallel = tuple(sync_stages(env))
+    # A plain state is whole on every rank, also along the mesh's other dims (tensor
+    # parallelism leaves it as it is); before the backend shards the unit, a DTensor is the
+    # user's, placed on those dims, and its local shard is replicated over the data-parallel
+    # ranks.
+    others = other_dim_groups(env.groups.mesh)
+    plain = data_parallel + tuple((g, dist.get_global_rank(g, 0)) for g in others if g.size() > 1)
+    placed = () if env.sharded_first(unit) else data_parallel
+    return [flat for name, t in params + buffers for flat in _flatten(name, t, plain, placed)]
 
 
 def checked_states(
@@ -279,7 +289,9 @@ class _BroadcastRun:
 @frozen
 class BroadcastFromRank0(BaseSynchronizer):
     """Every rank ends with global rank 0's parameters and buffers (every replica too, under
-    hybrid sharding). Small states travel packed into buckets of ``bucket_bytes``.
+    hybrid sharding; with tensor parallelism on other mesh dims, each TP shard from the
+    data-parallel ranks holding rank 0's). Small states travel packed into buckets of
+    ``bucket_bytes``.
 
     Raises:
         ConfigurationError: ``bucket_bytes`` is not a positive int.

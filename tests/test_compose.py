@@ -32,12 +32,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdp_builder import (
+    BroadcastFromRank0,
     ConfigurationError,
     CPUDevice,
     FSDPBuilder,
     FullyShardBuilder,
     KeepAsIs,
     MeshGroups,
+    VerifyReplicas,
 )
 from fsdp_builder.groups import describe_mesh, other_dims
 
@@ -358,10 +360,42 @@ def dp_without_tp() -> str:
     return "built"
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def tp_from_rank0(hybrid: bool) -> list[str]:
+    """Every rank seeds its own model before TP and FSDP over the data-parallel dims, with
+    BroadcastFromRank0: the states that differ from global rank 0's model afterwards."""
+    shape, dims = (
+        ((1, 2, 2), ("dp_replicate", "dp_shard", "tp")) if hybrid else ((2, 2), ("dp", "tp"))
+    )
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    torch.manual_seed(100 + dist.get_rank())
+    model = llama.Transformer(llama.ModelArgs(**LLAMA))
+    model.init_weights()
+    tensor_parallel(model, mesh["tp"])
+    # Rank 0's model in plain PyTorch: its replicated states, and its TP shards gathered.
+    mine = {n: _full(t).detach().clone() for n, t in model.state_dict().items()}
+    rank0 = [mine]
+    dist.broadcast_object_list(rank0, src=0)
+    dp = mesh[dims[:-1]] if hybrid else mesh["dp"]
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock).groups(dp)
+    if hybrid:
+        builder.sharding("hybrid")
+    builder.materialize(KeepAsIs()).synchronize(BroadcastFromRank0(), VerifyReplicas())
+    built = builder.build(model)
+    got = {n: _full(t).detach() for n, t in built.state_dict().items()}
+    assert got.keys() == rank0[0].keys()
+    return [n for n, value in rank0[0].items() if not torch.equal(got[n], value)]
+
+
 def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for name in COMPOSED:
         yield name, partial(composed, name)
     yield "dp_without_tp", dp_without_tp
+    yield "tp_from_rank0", partial(tp_from_rank0, False)
+    yield "hsdp_tp_from_rank0", partial(tp_from_rank0, True)
 
 
 def composed_rank_main() -> Results:
@@ -393,3 +427,10 @@ def test_a_dp_sub_mesh_without_tensor_parallelism_is_refused() -> None:
         assert "the mesh spans 2 ranks but the world has 4" in message, message
         assert "dims ('dp',) (2,) of the ('dp', 'tp') mesh (2, 2)" in message
         assert "no parameter is placed on its other dims ('tp',)" in message
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("name", ["tp_from_rank0", "hsdp_tp_from_rank0"])
+def test_broadcast_from_rank0_reaches_every_rank_with_tensor_parallelism(name: str) -> None:
+    # TP shards travel over the data-parallel ranks; states TP leaves whole, over every rank.
+    assert values(COMPOSED_SPAWNS(4), name) == [[], [], [], []]
