@@ -6,6 +6,8 @@ Compile runs with the ``eager`` / ``aot_eager`` backends, which need no C compil
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from functools import partial
@@ -35,6 +37,7 @@ from fsdp_builder import (
     BroadcastFromRank0,
     ConfigurationError,
     CPUDevice,
+    FromCheckpoint,
     FSDPBuilder,
     FullyShardBuilder,
     KeepAsIs,
@@ -390,12 +393,38 @@ def tp_from_rank0(hybrid: bool) -> list[str]:
     return [n for n, value in rank0[0].items() if not torch.equal(got[n], value)]
 
 
+def tp_checkpoint() -> list[str]:
+    """A TP model given storage and values as torchtitan does (to_empty, init_weights), then
+    FromCheckpoint over the data-parallel dims: the states that differ from the file."""
+    from safetensors.torch import load_file, save_file
+
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(folder, src=0)
+    path = os.path.join(folder[0], "model.safetensors")
+    if dist.get_rank() == 0:
+        save_file(new_llama(None).state_dict(), path)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = llama.Transformer(llama.ModelArgs(**LLAMA))
+    tensor_parallel(model, mesh["tp"])
+    model.to_empty(device="cpu")
+    model.init_weights()
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock)
+    built = builder.groups(mesh["dp"]).materialize(FromCheckpoint(path)).build(model)
+    got = {n: _full(t).detach() for n, t in built.state_dict().items()}
+    stored = load_file(path)
+    assert got.keys() == stored.keys()
+    return [n for n, value in stored.items() if not torch.equal(got[n], value)]
+
+
 def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for name in COMPOSED:
         yield name, partial(composed, name)
     yield "dp_without_tp", dp_without_tp
     yield "tp_from_rank0", partial(tp_from_rank0, False)
     yield "hsdp_tp_from_rank0", partial(tp_from_rank0, True)
+    yield "tp_checkpoint", tp_checkpoint
 
 
 def composed_rank_main() -> Results:
@@ -434,3 +463,8 @@ def test_a_dp_sub_mesh_without_tensor_parallelism_is_refused() -> None:
 def test_broadcast_from_rank0_reaches_every_rank_with_tensor_parallelism(name: str) -> None:
     # TP shards travel over the data-parallel ranks; states TP leaves whole, over every rank.
     assert values(COMPOSED_SPAWNS(4), name) == [[], [], [], []]
+
+
+@pytest.mark.timeout(450)
+def test_a_tensor_parallel_model_loads_its_checkpoint() -> None:
+    assert values(COMPOSED_SPAWNS(4), "tp_checkpoint") == [[], [], [], []]

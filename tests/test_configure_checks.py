@@ -9,7 +9,7 @@ import contextlib
 import re
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import pytest
@@ -20,11 +20,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdp_builder import (
     BaseSynchronizer,
     ConfigurationError,
     CPUDevice,
+    FromCheckpoint,
+    FromStateDict,
     FSDPBuilder,
     FullyShardBuilder,
     InitWeights,
@@ -478,6 +481,18 @@ def dp_slice(builder: Callable[[], ShardingBuilder]) -> dict[str, Any]:
     return attempt(build, demo())
 
 
+def tp_loader(materializer: Any, on_meta: bool) -> dict[str, Any]:
+    """FSDP2 over mesh["dp"] of a (dp=1, tp=2) mesh, each Block's MLP placed on "tp"."""
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta" if on_meta else "cpu"):
+        model = demo()
+    for block in model.blocks:
+        mlp = cast(Block, block).mlp
+        parallelize_module(mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).groups(mesh["dp"])
+    return attempt(builder.materialize(materializer).build, model)
+
+
 def scalar_fsdp1() -> dict[str, Any]:
     return attempt(FSDPBuilder().device(CPUDevice()).wrap(nn.Linear).build, ScalarBelowChild())
 
@@ -506,6 +521,11 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "dp_slice_fsdp2": lambda: dp_slice(FullyShardBuilder),
     "dp_slice_fsdp1": lambda: dp_slice(FSDPBuilder),
     "scalar_fsdp1": scalar_fsdp1,
+    "tp_state_dict": lambda: tp_loader(FromStateDict(None), on_meta=False),
+    "tp_checkpoint_on_meta": lambda: tp_loader(FromCheckpoint("model.safetensors"), on_meta=True),
+    "tp_checkpoint_rank0": lambda: tp_loader(
+        FromCheckpoint("model.safetensors", shared_filesystem=False), on_meta=False
+    ),
 }
 
 
@@ -554,4 +574,37 @@ def test_an_uneven_split_of_another_dim_is_refused_before_any_unit_is_sharded() 
         # Known only once the shard group exists: refused there, before the first unit changed.
         assert outcome["log"][0] == ("agree", "configure", False)
         assert outcome["untouched"]
+    assert len({o["message"] for o in outcomes}) == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("name", "argument", "fix"),
+    [
+        (
+            "tp_state_dict",
+            r"`FromStateDict` got an invalid `model`: these states are DTensors placed before the "
+            r"build \(tensor parallelism\): 'blocks.0.mlp.0.weight'.*rank 0 sends whole units",
+            r"Use FromCheckpoint\(path\), where each rank reads its own part",
+        ),
+        (
+            "tp_checkpoint_on_meta",
+            r"`FromCheckpoint` got an invalid `model`: these tensor-parallel states are on the "
+            r"meta device: 'blocks.0.mlp.0.weight'",
+            r"`model.to_empty\(device=...\)` after parallelize_module, then its "
+            r"`init_weights\(\)`\), then load",
+        ),
+        (
+            "tp_checkpoint_rank0",
+            r"`FromCheckpoint` got an invalid `model`: these states are DTensors placed",
+            r"Use FromCheckpoint\(path\), where each rank reads",
+        ),
+    ],
+)
+def test_loaders_refuse_tensor_parallel_states_they_cannot_fill(
+    name: str, argument: str, fix: str
+) -> None:
+    outcomes = values(SPAWNS(2), name)
+    for outcome in outcomes:
+        assert_refused_in_configure(outcome, argument, fix)
     assert len({o["message"] for o in outcomes}) == 1

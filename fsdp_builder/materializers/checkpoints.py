@@ -171,6 +171,10 @@ class FromCheckpoint(Loader):
         must stop every rank; else the ranks agree once, when the build ends."""
         return not self.shared_filesystem or self.nonfinite == "error"
 
+    @override
+    def fills_placed(self) -> bool:
+        return self.shared_filesystem
+
     def describe(self) -> str:
         """What ranks compare: the path (unless rank 0 alone reads it) and the key_map."""
         path = repr(os.fspath(self.path)) if self.shared_filesystem else "<read by rank 0>"

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from fsdp_builder.common.describe import describe as describe_value
@@ -32,6 +33,7 @@ from fsdp_builder.materializers.nonfinite import (
     nonfinite_names,
     nonfinite_verdict,
 )
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.agreement import agree
@@ -593,6 +595,45 @@ class Loader(BaseMaterializer):
     __slots__ = ()
     # Honoured by backends that shard on meta (FSDP2): each rank gets only its slices.
     shard_first: ClassVar[bool] = True
+
+    def fills_placed(self) -> bool:
+        """Whether it fills tensor-parallel states (DTensors placed before the build) on a real
+        device, each rank reading its own part; one that sends whole units from one rank
+        cannot."""
+        return False
+
+    @override
+    def check_context(self, context: ConfigureContext) -> None:
+        """Refuse tensor-parallel states this loader cannot fill, before any collective."""
+        placed = [
+            (clean_name(name), t)
+            for name, t in [
+                *context.model.named_parameters(remove_duplicate=False),
+                *context.model.named_buffers(remove_duplicate=False),
+            ]
+            if isinstance(t, DTensor) and not context.ignored.ignores(t)
+        ]
+        refused = [n for n, t in placed if t.is_meta or not self.fills_placed()]
+        if not refused:
+            return
+        shown = ", ".join(f"'{n}'" for n in refused[:8]) + (" ..." if len(refused) > 8 else "")
+        if self.fills_placed():
+            problem = f"these tensor-parallel states are on the meta device: {shown}"
+            fix = (
+                "Give the placed model storage and values first, as torchtitan does "
+                "(`model.to_empty(device=...)` after parallelize_module, then its "
+                "`init_weights()`), then load: each rank reads its own part"
+            )
+        else:
+            problem = (
+                f"these states are DTensors placed before the build (tensor parallelism): "
+                f"{shown}; rank 0 sends whole units, which it cannot cut into their shards"
+            )
+            fix = (
+                "Use FromCheckpoint(path), where each rank reads its own part, on the model "
+                "placed on a real device"
+            )
+        raise config_error(type(self).__name__, "model", problem, fix)
 
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
