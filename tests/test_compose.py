@@ -42,9 +42,11 @@ from fsdp_builder import (
     FullyShardBuilder,
     KeepAsIs,
     MeshGroups,
+    StreamInit,
     VerifyReplicas,
 )
 from fsdp_builder.groups import describe_mesh, other_dims
+from fsdp_builder.tools.demo import full_state_dict
 
 CLEAN_KEYS = list(new_net().state_dict())
 
@@ -418,6 +420,18 @@ def tp_checkpoint() -> list[str]:
     return [n for n, value in stored.items() if not torch.equal(got[n], value)]
 
 
+def tp_stream_init() -> dict[str, torch.Tensor]:
+    """A TP model built on meta, FSDP over the data-parallel dims, the default materializer
+    (StreamInit): the full state, gathered."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = llama.Transformer(llama.ModelArgs(**LLAMA))
+    tensor_parallel(model, mesh["tp"])
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock)
+    built = builder.groups(mesh["dp"]).materialize(StreamInit(seed=5)).build(model)
+    return {n: _full(t).detach().clone() for n, t in built.state_dict().items()}
+
+
 def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for name in COMPOSED:
         yield name, partial(composed, name)
@@ -425,6 +439,7 @@ def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     yield "tp_from_rank0", partial(tp_from_rank0, False)
     yield "hsdp_tp_from_rank0", partial(tp_from_rank0, True)
     yield "tp_checkpoint", tp_checkpoint
+    yield "tp_stream_init", tp_stream_init
 
 
 def composed_rank_main() -> Results:
@@ -468,3 +483,15 @@ def test_broadcast_from_rank0_reaches_every_rank_with_tensor_parallelism(name: s
 @pytest.mark.timeout(450)
 def test_a_tensor_parallel_model_loads_its_checkpoint() -> None:
     assert values(COMPOSED_SPAWNS(4), "tp_checkpoint") == [[], [], [], []]
+
+
+@pytest.mark.timeout(450)
+def test_a_tensor_parallel_model_on_meta_gets_the_weights_it_gets_without_tp(world1: None) -> None:
+    with torch.device("meta"):
+        model = llama.Transformer(llama.ModelArgs(**LLAMA))
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock)
+    reference = full_state_dict(builder.materialize(StreamInit(seed=5)).build(model))
+    for state in values(COMPOSED_SPAWNS(4), "tp_stream_init"):
+        assert state.keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(state[name], value), name

@@ -26,6 +26,7 @@ from fsdp_builder import (
     BaseSynchronizer,
     ConfigurationError,
     CPUDevice,
+    DeterministicInit,
     FromCheckpoint,
     FromStateDict,
     FSDPBuilder,
@@ -526,6 +527,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "tp_checkpoint_rank0": lambda: tp_loader(
         FromCheckpoint("model.safetensors", shared_filesystem=False), on_meta=False
     ),
+    "tp_deterministic": lambda: tp_loader(DeterministicInit(seed=0), on_meta=True),
 }
 
 
@@ -595,13 +597,19 @@ def test_an_uneven_split_of_another_dim_is_refused_before_any_unit_is_sharded() 
             r"`init_weights\(\)`\), then load",
         ),
         (
+            "tp_deterministic",
+            r"`DeterministicInit` got an invalid `model`: these states are DTensors placed before "
+            r"the build \(tensor parallelism\): 'blocks.0.mlp.0.weight'.*draw per shard",
+            r"Use StreamInit\(seed\), whose full weights are the same with tensor parallelism",
+        ),
+        (
             "tp_checkpoint_rank0",
             r"`FromCheckpoint` got an invalid `model`: these states are DTensors placed",
             r"Use FromCheckpoint\(path\), where each rank reads",
         ),
     ],
 )
-def test_loaders_refuse_tensor_parallel_states_they_cannot_fill(
+def test_materializers_refuse_tensor_parallel_states_they_cannot_fill(
     name: str, argument: str, fix: str
 ) -> None:
     outcomes = values(SPAWNS(2), name)

@@ -14,6 +14,7 @@ import attrs
 import torch
 from attrs import define, frozen
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
@@ -154,6 +155,23 @@ def check_materializer(materializer: Materializer, context: ConfigureContext) ->
             stacklevel=3,
         )
         legacy(context.plan, context.ignored)
+
+
+def placed_states(context: ConfigureContext) -> list[tuple[str, torch.Tensor]]:
+    """The model's managed states that are DTensors before the build (tensor parallelism on
+    other mesh dims), by name."""
+    return [
+        (clean_name(name), t)
+        for name, t in [
+            *context.model.named_parameters(remove_duplicate=False),
+            *context.model.named_buffers(remove_duplicate=False),
+        ]
+        if isinstance(t, DTensor) and not context.ignored.ignores(t)
+    ]
+
+
+def listed_names(names: list[str]) -> str:
+    return ", ".join(f"'{n}'" for n in names[:8]) + (" ..." if len(names) > 8 else "")
 
 
 def initialize_modules(
@@ -684,7 +702,8 @@ class DeterministicInit(ResetParameters):
     weights are bit-identical for any world size, sharding or backend.
 
     Raises:
-        ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``.
+        ConfigurationError: ``seed`` is not an int in ``[0, 2**63)``; in configure, states
+            placed before the build (tensor parallelism: use ``StreamInit(seed)``).
         MaterializationError: in the configure stage, naming every module with states and no
             initializer.
 
@@ -701,6 +720,21 @@ class DeterministicInit(ResetParameters):
     storage_device: torch.device | None = attrs.field(
         default=torch.device("cpu"), init=False, eq=False
     )
+
+    @override
+    def check_context(self, context: ConfigureContext) -> None:
+        placed = [name for name, _ in placed_states(context)]
+        if placed:
+            raise config_error(
+                type(self).__name__,
+                "model",
+                "these states are DTensors placed before the build (tensor parallelism): "
+                f"{listed_names(placed)}; on them torch's initializers draw per shard, so the "
+                "full weights would depend on the layout",
+                "Use StreamInit(seed), whose full weights are the same with tensor parallelism "
+                "too, or initialize the model before placing it",
+            )
+        super().check_context(context)
 
     @override
     def init_owned(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:

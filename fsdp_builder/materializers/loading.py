@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from fsdp_builder.common.describe import describe as describe_value
@@ -27,6 +26,8 @@ from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     MaterializerRun,
     buffers_to_compute,
+    listed_names,
+    placed_states,
 )
 from fsdp_builder.materializers.nonfinite import (
     check_nonfinite_mode,
@@ -605,18 +606,11 @@ class Loader(BaseMaterializer):
     @override
     def check_context(self, context: ConfigureContext) -> None:
         """Refuse tensor-parallel states this loader cannot fill, before any collective."""
-        placed = [
-            (clean_name(name), t)
-            for name, t in [
-                *context.model.named_parameters(remove_duplicate=False),
-                *context.model.named_buffers(remove_duplicate=False),
-            ]
-            if isinstance(t, DTensor) and not context.ignored.ignores(t)
-        ]
+        placed = placed_states(context)
         refused = [n for n, t in placed if t.is_meta or not self.fills_placed()]
         if not refused:
             return
-        shown = ", ".join(f"'{n}'" for n in refused[:8]) + (" ..." if len(refused) > 8 else "")
+        shown = listed_names(refused)
         if self.fills_placed():
             problem = f"these tensor-parallel states are on the meta device: {shown}"
             fix = (
