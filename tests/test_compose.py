@@ -10,6 +10,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Hashable, Iterator
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, cast
 
@@ -369,9 +370,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def tp_from_rank0(hybrid: bool) -> list[str]:
+def tp_from_rank0(layout: str) -> list[str]:
     """Every rank seeds its own model before TP and FSDP over the data-parallel dims, with
-    BroadcastFromRank0: the states that differ from global rank 0's model afterwards."""
+    BroadcastFromRank0: the parameters that differ from global rank 0's model afterwards."""
+    hybrid = layout == "hsdp"
     shape, dims = (
         ((1, 2, 2), ("dp_replicate", "dp_shard", "tp")) if hybrid else ((2, 2), ("dp", "tp"))
     )
@@ -381,16 +383,21 @@ def tp_from_rank0(hybrid: bool) -> list[str]:
     model.init_weights()
     tensor_parallel(model, mesh["tp"])
     # Rank 0's model in plain PyTorch: its replicated states, and its TP shards gathered.
-    mine = {n: _full(t).detach().clone() for n, t in model.state_dict().items()}
+    mine = {n: _full(t).detach().clone() for n, t in model.named_parameters()}
     rank0 = [mine]
     dist.broadcast_object_list(rank0, src=0)
     dp = mesh[dims[:-1]] if hybrid else mesh["dp"]
-    builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock).groups(dp)
+    builder = FSDPBuilder() if layout == "fsdp1" else FullyShardBuilder()
+    builder.device(CPUDevice()).wrap(llama.TransformerBlock).groups(dp)
     if hybrid:
         builder.sharding("hybrid")
     builder.materialize(KeepAsIs()).synchronize(BroadcastFromRank0(), VerifyReplicas())
     built = builder.build(model)
-    got = {n: _full(t).detach() for n, t in built.state_dict().items()}
+    with FullyShardedDataParallel.summon_full_params(built) if layout == "fsdp1" else nullcontext():
+        got = {
+            n.replace("_fsdp_wrapped_module.", ""): _full(t).detach().clone()
+            for n, t in built.named_parameters()
+        }
     assert got.keys() == rank0[0].keys()
     return [n for n, value in rank0[0].items() if not torch.equal(got[n], value)]
 
@@ -436,8 +443,8 @@ def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for name in COMPOSED:
         yield name, partial(composed, name)
     yield "dp_without_tp", dp_without_tp
-    yield "tp_from_rank0", partial(tp_from_rank0, False)
-    yield "hsdp_tp_from_rank0", partial(tp_from_rank0, True)
+    for layout in ("fsdp2", "hsdp", "fsdp1"):
+        yield ("tp_from_rank0", layout), partial(tp_from_rank0, layout)
     yield "tp_checkpoint", tp_checkpoint
     yield "tp_stream_init", tp_stream_init
 
@@ -474,10 +481,10 @@ def test_a_dp_sub_mesh_without_tensor_parallelism_is_refused() -> None:
 
 
 @pytest.mark.timeout(450)
-@pytest.mark.parametrize("name", ["tp_from_rank0", "hsdp_tp_from_rank0"])
-def test_broadcast_from_rank0_reaches_every_rank_with_tensor_parallelism(name: str) -> None:
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "fsdp1"])
+def test_broadcast_from_rank0_reaches_every_rank_with_tensor_parallelism(layout: str) -> None:
     # TP shards travel over the data-parallel ranks; states TP leaves whole, over every rank.
-    assert values(COMPOSED_SPAWNS(4), name) == [[], [], [], []]
+    assert values(COMPOSED_SPAWNS(4), ("tp_from_rank0", layout)) == [[], [], [], []]
 
 
 @pytest.mark.timeout(450)
