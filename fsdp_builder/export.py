@@ -103,6 +103,16 @@ class _Writer:
                 f"{model_name!r} to {name!r}. Map each model name to a name of its own"
             )
         self.sources[name] = model_name
+        if isinstance(tensor, DTensor):
+            # Only an FSDP1 unit yields one: its summon gathers the data-parallel shards on rank
+            # 0, and the state's other tensor-parallel shards stay on the other ranks.
+            raise config_error(
+                "save_hf_checkpoint",
+                "model",
+                f"its state {model_name!r} is a tensor-parallel DTensor inside an FSDP1 unit, "
+                "whose full value rank 0 cannot gather alone",
+                "Build the model with FullyShardBuilder, whose tensor-parallel models export",
+            )
         size = _nbytes(tensor)
         if self.buffer and self.buffered + size > self.max_shard_bytes:
             self.flush()

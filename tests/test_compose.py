@@ -7,6 +7,7 @@ Compile runs with the ``eager`` / ``aot_eager`` backends, which need no C compil
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable, Hashable, Iterator
@@ -439,6 +440,30 @@ def tp_stream_init() -> dict[str, torch.Tensor]:
     return {n: _full(t).detach().clone() for n, t in built.state_dict().items()}
 
 
+def tp_export(backend: str) -> list[str] | str:
+    """A TP model built with KeepAsIs, then save_hf_checkpoint: the states whose exported value
+    differs from the model's before the build (or the error every rank raised)."""
+    from safetensors.torch import load_file
+
+    from fsdp_builder import save_hf_checkpoint
+
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(folder, src=0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = new_llama(mesh)
+    before = {n: _full(t).detach().clone() for n, t in model.state_dict().items()}
+    builder = FSDPBuilder() if backend == "fsdp1" else FullyShardBuilder()
+    builder.device(CPUDevice()).wrap(llama.TransformerBlock).groups(mesh["dp"])
+    built = builder.materialize(KeepAsIs()).build(model)
+    try:
+        save_hf_checkpoint(built, folder[0])
+    except ConfigurationError as exc:
+        return str(exc)
+    stored = load_file(os.path.join(folder[0], "model.safetensors"))
+    assert stored.keys() == before.keys()
+    return [n for n, value in before.items() if not torch.equal(stored[n], value)]
+
+
 def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for name in COMPOSED:
         yield name, partial(composed, name)
@@ -447,6 +472,8 @@ def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
         yield ("tp_from_rank0", layout), partial(tp_from_rank0, layout)
     yield "tp_checkpoint", tp_checkpoint
     yield "tp_stream_init", tp_stream_init
+    for backend in ("fsdp2", "fsdp1"):
+        yield ("tp_export", backend), partial(tp_export, backend)
 
 
 def composed_rank_main() -> Results:
@@ -502,3 +529,16 @@ def test_a_tensor_parallel_model_on_meta_gets_the_weights_it_gets_without_tp(wor
         assert state.keys() == reference.keys()
         for name, value in reference.items():
             assert torch.equal(state[name], value), name
+
+
+@pytest.mark.timeout(450)
+def test_a_tensor_parallel_model_exports_its_full_weights() -> None:
+    assert values(COMPOSED_SPAWNS(4), ("tp_export", "fsdp2")) == [[], [], [], []]
+    # FSDP1 gathers a unit on rank 0 alone: refused on every rank, naming the state and the fix.
+    refusals = values(COMPOSED_SPAWNS(4), ("tp_export", "fsdp1"))
+    assert len(set(refusals)) == 1
+    assert re.search(
+        r"`save_hf_checkpoint` got an invalid `model`: its state '[\w.]+' is a tensor-parallel "
+        r"DTensor inside an FSDP1 unit.*Build the model with FullyShardBuilder",
+        refusals[0],
+    ), refusals[0]
