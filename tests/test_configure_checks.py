@@ -460,6 +460,27 @@ def test_placement_answers_fully_shard_refuses_are_refused_in_configure(
     refused(build, demo(), argument, fix)
 
 
+def test_a_child_sharded_before_the_build_is_not_taken_for_tensor_parallelism(
+    world1: None,
+) -> None:
+    # Its DTensors are FSDP's own: the loaders and DeterministicInit build around it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fully_shard(model[0])
+    built = FullyShardBuilder().device(CPUDevice()).materialize(FromStateDict(state)).build(model)
+    for name, value in built.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        assert torch.equal(full, state[name]), name
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    first = cast(nn.Linear, model[0])
+    kept = first.weight.detach().clone()
+    fully_shard(first)
+    FullyShardBuilder().device(CPUDevice()).materialize(DeterministicInit(seed=1)).build(model)
+    assert torch.equal(cast(DTensor, first.weight).full_tensor(), kept)
+
+
 # -- timeout ----------------------------------------------------------------------------------
 
 

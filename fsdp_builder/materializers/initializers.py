@@ -158,16 +158,14 @@ def check_materializer(materializer: Materializer, context: ConfigureContext) ->
 
 
 def placed_states(context: ConfigureContext) -> list[tuple[str, torch.Tensor]]:
-    """The model's managed states that are DTensors before the build (tensor parallelism on
-    other mesh dims), by name."""
-    return [
-        (clean_name(name), t)
-        for name, t in [
-            *context.model.named_parameters(remove_duplicate=False),
-            *context.model.named_buffers(remove_duplicate=False),
-        ]
-        if isinstance(t, DTensor) and not context.ignored.ignores(t)
-    ]
+    """The states the units own that are DTensors before the build (tensor parallelism on
+    other mesh dims), by name; children sharded before the build are no unit's."""
+    model = context.plan.root.module
+    found: list[tuple[str, torch.Tensor]] = []
+    for unit in context.plan:
+        for infos, get in ((unit.params, model.get_parameter), (unit.buffers, model.get_buffer)):
+            found += [(i.name, t) for i in infos if isinstance(t := get(i.name), DTensor)]
+    return found
 
 
 def listed_names(names: list[str]) -> str:
