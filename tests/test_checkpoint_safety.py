@@ -227,6 +227,21 @@ def test_a_dcp_data_file_outside_the_folder_is_refused(
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_a_truncated_dcp_data_file_is_refused_before_any_read(
+    world1: None, dcp_folder: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    folder, _ = dcp_folder
+    data = next(folder.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    model = meta_model()
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"shorter than its \.metadata says \(truncated\): {data.name}.*Copy the whole",
+    ):
+        build(folder, model)
+    assert all(p.is_meta for p in model.parameters())
+
+
 # -- the index's weight_map -----------------------------------------------------------------
 
 
