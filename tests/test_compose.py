@@ -44,6 +44,7 @@ from fsdp_builder import (
     FullyShardBuilder,
     KeepAsIs,
     MeshGroups,
+    StateMismatchError,
     StreamInit,
     VerifyReplicas,
 )
@@ -403,6 +404,24 @@ def tp_from_rank0(layout: str) -> list[str]:
     return [n for n, value in rank0[0].items() if not torch.equal(got[n], value)]
 
 
+def tp_verify(replicas_differ: bool) -> str:
+    """VerifyReplicas alone over the data-parallel dims of a TP model whose data-parallel
+    replicas are seeded alike, or not: what the build raised, or "built"."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    # Ranks of one TP group always seed alike (their replicated states must agree).
+    torch.manual_seed(100 + (dist.get_rank() // 2 if replicas_differ else 0))
+    model = llama.Transformer(llama.ModelArgs(**LLAMA))
+    model.init_weights()
+    tensor_parallel(model, mesh["tp"])
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(llama.TransformerBlock)
+    builder.groups(mesh["dp"]).materialize(KeepAsIs()).synchronize(VerifyReplicas())
+    try:
+        builder.build(model)
+    except StateMismatchError as exc:
+        return str(exc)
+    return "built"
+
+
 def tp_checkpoint() -> list[str]:
     """A TP model given storage and values as torchtitan does (to_empty, init_weights), then
     FromCheckpoint over the data-parallel dims: the states that differ from the file."""
@@ -470,6 +489,8 @@ def composed_cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     yield "dp_without_tp", dp_without_tp
     for layout in ("fsdp2", "hsdp", "fsdp1"):
         yield ("tp_from_rank0", layout), partial(tp_from_rank0, layout)
+    for differ in (False, True):
+        yield ("tp_verify", differ), partial(tp_verify, differ)
     yield "tp_checkpoint", tp_checkpoint
     yield "tp_stream_init", tp_stream_init
     for backend in ("fsdp2", "fsdp1"):
@@ -542,3 +563,18 @@ def test_a_tensor_parallel_model_exports_its_full_weights() -> None:
         r"DTensor inside an FSDP1 unit.*Build the model with FullyShardBuilder",
         refusals[0],
     ), refusals[0]
+
+
+@pytest.mark.timeout(450)
+def test_verify_replicas_compares_tensor_parallel_shards_across_data_parallel_ranks() -> None:
+    assert values(COMPOSED_SPAWNS(4), ("tp_verify", False)) == ["built"] * 4
+    found = values(COMPOSED_SPAWNS(4), ("tp_verify", True))
+    for message in found:
+        # The first state that differs is a TP shard (wq), which no mesh dim of its own
+        # replicates; each data-parallel group names its own ranks.
+        assert re.search(
+            r"`VerifyReplicas` found different values across ranks in unit 'layers.0': the first "
+            r"differing state is 'layers.0.attention.wq.weight', where rank\(s\) [23] differ "
+            r"from rank\(s\) [01]",
+            message,
+        ), message
