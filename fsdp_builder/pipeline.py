@@ -49,6 +49,7 @@ from fsdp_builder.runtime.tree import (
     qualified,
     unit_modules,
 )
+from fsdp_builder.sources.base import listed
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
 UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
@@ -423,7 +424,7 @@ def _left_on_meta(materializer: Materializer, unit: Unit, env: Environment) -> M
     ]
     return MaterializationError(
         f"`{type(materializer).__name__}` left states of unit '{unit.label}' on the meta device "
-        f"on rank {env.rank}: {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}. A "
+        f"on rank {env.rank}: {listed(left)}. A "
         "materializer gives every state of its unit storage and values: fix its materialize(), "
         "or use a ready-made one such as ResetParameters()."
     )

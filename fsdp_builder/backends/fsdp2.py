@@ -341,6 +341,9 @@ def check_placements(plan: UnitPlan, options: ShardingOptions, shard_size: int =
     a raise, anything but ``Shard(dim)`` or None, a dim the parameter lacks and, given the shard
     group's size, an uneven split of a dim other than 0 (torch splits only dim 0 unevenly)."""
     where = f"{_WHERE}.shard_placement_fn"
+    if options.shard_placement_fn is None and options.per_unit is None:
+        if not any("shard_placement_fn" in unit.overrides for unit in plan):
+            return  # the default path: no unit's overrides are worked out again
     for unit in plan:
         fn = unit_fully_shard_overrides(unit, options).get(
             "shard_placement_fn", options.shard_placement_fn

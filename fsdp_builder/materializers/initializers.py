@@ -66,6 +66,7 @@ from fsdp_builder.runtime.tree import (
     tied_groups,
     unit_modules,
 )
+from fsdp_builder.sources.base import listed
 
 # The backend a single-process reference (``materialize_model``) stands for: none shards.
 _REFERENCE = BackendCapabilities(
@@ -166,10 +167,6 @@ def placed_states(context: ConfigureContext) -> list[tuple[str, torch.Tensor]]:
         for infos, get in ((unit.params, model.get_parameter), (unit.buffers, model.get_buffer)):
             found += [(i.name, t) for i in infos if isinstance(t := get(i.name), DTensor)]
     return found
-
-
-def listed_names(names: list[str]) -> str:
-    return ", ".join(f"'{n}'" for n in names[:8]) + (" ..." if len(names) > 8 else "")
 
 
 def initialize_modules(
@@ -727,8 +724,8 @@ class DeterministicInit(ResetParameters):
                 type(self).__name__,
                 "model",
                 "these states are DTensors placed before the build (tensor parallelism): "
-                f"{listed_names(placed)}; on them torch's initializers draw per shard, so the "
-                "full weights would depend on the layout",
+                f"{listed([repr(n) for n in placed])}; on them torch's initializers draw per "
+                "shard, so the full weights would depend on the layout",
                 "Use StreamInit(seed), whose full weights are the same with tensor parallelism "
                 "too, or initialize the model before placing it",
             )

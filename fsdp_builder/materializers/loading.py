@@ -26,7 +26,6 @@ from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     MaterializerRun,
     buffers_to_compute,
-    listed_names,
     placed_states,
 )
 from fsdp_builder.materializers.nonfinite import (
@@ -610,7 +609,7 @@ class Loader(BaseMaterializer):
         refused = [n for n, t in placed if t.is_meta or not self.fills_placed()]
         if not refused:
             return
-        shown = listed_names(refused)
+        shown = listed([repr(n) for n in refused])
         if self.fills_placed():
             problem = f"these tensor-parallel states are on the meta device: {shown}"
             fix = (
