@@ -12,6 +12,10 @@ also FSDP2 with its 3-D expert tensors sharded on dim 1. Written to
     python -m benchmarks.dryrun_scale [--models 8b,70b,405b] [--worlds 8,64,512,1024,4096]
     python -m benchmarks.dryrun_scale --models mixtral-8x7b --block moe --max-local 1e12
     python -m benchmarks.dryrun_scale --peaks   # predicted vs measured build peaks, 2 and 4 ranks
+    python -m benchmarks.dryrun_scale --timings  # the tests' large dry runs and plans, timed
+
+``--timings`` writes to ``benchmarks/results/dryrun_scale.md``: how long the dry runs and
+plans that the tests check (for their results only) take, in wall and CPU seconds.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ import gc
 import json
 import os
 import platform
+import resource
+import shutil
 import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from functools import partial
@@ -49,6 +59,8 @@ from fsdp_builder.tools.dryrun import RankRun, simulate
 from fsdp_builder.tools.launch import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dryrun.md"
+SCALE_RESULTS = RESULTS.parent / "dryrun_scale.md"
+REPO = RESULTS.parent.parent.parent
 PER_NODE = 8
 # Llama 3 / 3.1 sizes (the published configs' hidden sizes, layers and heads).
 LLAMA3: dict[str, dict[str, Any]] = {
@@ -324,7 +336,17 @@ def main() -> None:
         "at 1024 ranks (the default materializer's block draws take about 0.6 ms per 64 Ki "
         "elements of the rank's shard in a dry run)",
     )
+    parser.add_argument(
+        "--timings",
+        action="store_true",
+        help="only the tests' large dry runs and plans, timed (benchmarks/results/dryrun_scale.md)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each timed piece of work")
     args = parser.parse_args()
+    if args.timings:
+        out = SCALE_RESULTS if args.out == RESULTS else args.out
+        write_block(out, "timings", timing_rows(args.repeats))
+        return
     if args.peaks:
         write_block(args.out, "peaks", peak_rows([2, 4]))
         return
@@ -379,6 +401,83 @@ def main() -> None:
                 folder = sparse_checkpoint(args.scratch / size, make())
             reads += read_rows(size, make, int(world), folder)
         write_block(args.out, "reads", reads)
+
+
+# -- how long the tests' large dry runs and plans take (--timings) ----------------------------
+
+# tests/test_dryrun.py's transformers Llama.
+TEST_LLAMA: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=300,
+)  # fmt: skip
+# tests/test_plan_cli.py's Llama-2 7B, from docs/recipes/llama_model.py, planned at 64 ranks.
+LLAMA_7B = """
+from llama_model import ModelArgs, Transformer
+
+
+def make():
+    return Transformer(
+        ModelArgs(
+            dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256,
+            max_seq_len=4096,
+        )
+    )
+"""
+
+
+def timed(work: Callable[[], object]) -> tuple[float, float]:
+    """Wall and CPU seconds of ``work()``, CPU counted in this process and its children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu, wall = time.process_time(), time.perf_counter()
+    work()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu += after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+    return wall, cpu
+
+
+def _test_llama() -> nn.Module:
+    return LlamaForCausalLM(LlamaConfig(**TEST_LLAMA))
+
+
+def _plan_7b() -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        shutil.copy(REPO / "docs" / "recipes" / "llama_model.py", folder / "llama_model.py")
+        (folder / "mymodel.py").write_text(textwrap.dedent(LLAMA_7B))
+        subprocess.run(
+            [sys.executable, "-m", "fsdp_builder", "plan", "mymodel:make", "--wrap",
+             "TransformerBlock", "--world-size", "64", "--param-dtype", "bf16", "--json"],
+            capture_output=True, check=True, cwd=folder, timeout=600,
+        )  # fmt: skip
+
+
+def timing_rows(repeats: int) -> list[str]:
+    """The work of the tests that once held it to a wall-clock bound, timed here instead."""
+    work: dict[str, Callable[[], object]] = {
+        "tests/test_dryrun.py: tiny transformers Llama, FSDP2, ranks 0 and 1023 of 1,024": (
+            lambda: simulate(FullyShardBuilder, _test_llama, 1024, ranks=(0, 1023))
+        ),
+        "tests/test_dryrun.py: tiny transformers Llama, FSDP1, ranks 0 and 1023 of 1,024": (
+            lambda: simulate(FSDPBuilder, _test_llama, 1024, ranks=(0, 1023))
+        ),
+        "tests/test_plan_cli.py: `fsdp-builder plan` of a Llama-2 7B at 64 ranks (a process)": (
+            _plan_7b
+        ),
+    }
+    lines = [
+        "| work | wall (s), min / median / max | CPU (s), min / median / max |",
+        "|---|---|---|",
+    ]
+    for name, job in work.items():
+        times = [timed(job) for _ in range(repeats)]
+        walls, cpus = sorted(t[0] for t in times), sorted(t[1] for t in times)
+        lines.append(
+            f"| {name} | {walls[0]:.1f} / {walls[len(walls) // 2]:.1f} / {walls[-1]:.1f} "
+            f"| {cpus[0]:.1f} / {cpus[len(cpus) // 2]:.1f} / {cpus[-1]:.1f} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
 
 
 def write_block(out: Path, name: str, lines: list[str]) -> None:
