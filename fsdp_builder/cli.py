@@ -5,7 +5,7 @@ import sys
 
 from fsdp_builder.moved import warn_moved
 
-warn_moved("fsdp_builder.cli", "fsdp_builder.tools.cli", stacklevel=2)
+warn_moved("fsdp_builder.cli", "fsdp_builder.tools.cli")
 
 from fsdp_builder.tools.cli import main  # noqa: E402  (after the warning, as the old path ran)
 

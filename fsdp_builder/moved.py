@@ -40,12 +40,42 @@ MOVED: dict[str, str] = {
 }
 
 
-def warn_moved(old: str, new: str, stacklevel: int = 3) -> None:
-    warnings.warn(
+def _importer(old: str) -> types.FrameType | None:
+    """The frame of the code that imported ``old``: the first frame outside this module, the
+    module ``old`` itself and the import machinery. Counted from the top rather than by a fixed
+    ``stacklevel``, since how many frames the import system adds differs between Python versions
+    and between ``import x``, ``from x import y`` and ``importlib.import_module``."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__")
+        file = frame.f_code.co_filename
+        machinery = file.startswith("<frozen importlib") or file == importlib.__file__
+        if name not in (__name__, old) and not machinery:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def warn_moved(old: str, new: str) -> None:
+    """A DeprecationWarning attributed to the line that imported ``old``, so that Python's
+    default filters show it when that line is the user's script (they show DeprecationWarnings
+    triggered in ``__main__`` only) and ``-W``/``filterwarnings`` filters by the user's module."""
+    message = (
         f"`{old}` moved to `{new}`; import it from there (the old path will be removed in a "
-        "future release).",
+        "future release)."
+    )
+    frame = _importer(old)
+    if frame is None:
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return
+    where = frame.f_globals
+    warnings.warn_explicit(
+        message,
         DeprecationWarning,
-        stacklevel=stacklevel,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=where.get("__name__", "<string>"),
+        registry=where.setdefault("__warningregistry__", {}),
     )
 
 
@@ -63,7 +93,7 @@ class _Forwarder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         new = MOVED[spec.name]
         target = importlib.import_module(new)
-        warn_moved(spec.name, new, stacklevel=8)
+        warn_moved(spec.name, new)
         module = types.ModuleType(spec.name, target.__doc__)
         module.__dict__["__getattr__"] = partial(getattr, target)
         module.__dict__["__all__"] = getattr(
