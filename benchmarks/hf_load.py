@@ -103,7 +103,7 @@ def _load(method: str, folder: str) -> dict[str, Any]:
     dist.barrier()
     baseline = RssPeaks.read()
     peaks = RssPeaks().start()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     model: Any
     if method == "builder":
         with torch.device("meta"):
@@ -136,7 +136,7 @@ def _load(method: str, folder: str) -> dict[str, Any]:
             dist.broadcast(buffer, src=0)
             if rank != 0:
                 model.get_buffer(name).copy_(buffer)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     found = peaks.stop()
     dist.barrier()
     # A check that the result is a model: one forward on every rank.
@@ -144,6 +144,8 @@ def _load(method: str, folder: str) -> dict[str, Any]:
         out = model(torch.arange(8).unsqueeze(0)).logits
     return {
         "seconds": seconds,
+        # This process's CPU time (every thread of it, the memory sampler's too).
+        "cpu_seconds": cpu_seconds,
         "anon_mib": found["anon"] - baseline["anon"] / 1024,
         "file_mib": found["file"] - baseline["file"] / 1024,
         "checksum": float(out.double().sum()),

@@ -29,6 +29,11 @@ RECIPES: dict[str, tuple[str, str]] = {
     "plain_fsdp1": ("fsdp1", "baseline"),
     "builder_fsdp1": ("fsdp1", "builder"),
 }
+# Measured on request (``python -m benchmarks.against``), not in the harness's default run:
+# name: (backend, family, the materializer class the builder is given).
+EXTRA_RECIPES: dict[str, tuple[str, str, str]] = {
+    "builder_fsdp2_shard_first": ("fsdp2", "builder", "ShardFirstReset"),
+}
 DEFAULT_UNITS = (400,)
 FULL_UNITS = (8, 64, 400)
 FULL_WORLDS = (2, 4, 8)
@@ -36,6 +41,9 @@ WARMUP_UNITS = 4
 
 
 def _runner(name: str) -> Callable[[UnitsConfig, Job], Outcome]:
+    if name in EXTRA_RECIPES:
+        backend, _, materializer = EXTRA_RECIPES[name]
+        return lambda cfg, job: builder(cfg, job, backend, materializer)
     backend, family = RECIPES[name]
     if family == "builder":
         return lambda cfg, job: builder(cfg, job, backend)

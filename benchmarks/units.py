@@ -92,12 +92,17 @@ def plain_fsdp1(cfg: UnitsConfig, job: Job) -> Outcome:
     return Outcome(module=wrapped, comm_bytes=0)
 
 
-def builder(cfg: UnitsConfig, job: Job, backend: str) -> Outcome:
-    """The builder's default path: only the device and the wrap policy are set."""
+def builder(cfg: UnitsConfig, job: Job, backend: str, materializer: str | None = None) -> Outcome:
+    """The builder's default path: only the device and the wrap policy are set (and the
+    materializer named by ``materializer``, a class of ``fsdp_builder`` built with its defaults,
+    where given)."""
     import fsdp_builder
 
     chosen = fsdp_builder.FullyShardBuilder() if backend == "fsdp2" else fsdp_builder.FSDPBuilder()
     device = fsdp_builder.CPUDevice() if job.device.type == "cpu" else job.device
-    module = chosen.device(device).wrap(SmallBlock).build(make_stack(cfg))
+    chosen.device(device).wrap(SmallBlock)
+    if materializer is not None:
+        chosen.materialize(getattr(fsdp_builder, materializer)())
+    module = chosen.build(make_stack(cfg))
     stages = chosen.report.stages()
     return Outcome(module=module, phases={str(s["name"]): float(s["seconds"]) for s in stages})

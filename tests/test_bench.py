@@ -287,3 +287,55 @@ def test_call_counts_split_a_build_by_stage() -> None:
     for seconds in timed["builder_fsdp2"]:
         assert set(seconds) <= set(STAGES) and min(seconds.values()) >= 0
         assert seconds["configure"] > 0 and seconds["fully_shard"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_against_a_revision_runs_both_libraries_in_pairs(tmp_path: Path) -> None:
+    """``python -m benchmarks.against REV`` against HEAD itself, one pair of tiny builds: the
+    report has both sides' ratios, and the REV side's ranks imported the tree taken from git,
+    not the working tree's library."""
+    import subprocess
+
+    from benchmarks import against
+
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], check=True, capture_output=True, text=True,
+        cwd=against.REPO,
+    ).stdout.strip()  # fmt: skip
+    out, records = tmp_path / "against.md", tmp_path / "against.json"
+    rc = against.main(
+        ["HEAD", "--kinds", "units", "--units", "4", "--world", "1", "--pairs", "1",
+         "--recipes", "plain_fsdp2,builder_fsdp2", "--timeout", "90",
+         "--out", str(out), "--json", str(records)]
+    )  # fmt: skip
+    assert rc == 0
+    result = json.loads(records.read_text())
+    assert result["rev"] == head
+    rev_lib = Path(result["rev_library"]) / "fsdp_builder"
+    tree_lib = against.REPO / "fsdp_builder"
+    assert rev_lib != tree_lib
+    # Each side ran in its own child, whose ranks imported that side's library.
+    assert sorted((c["side"], c["library"]) for c in result["children"]) == [
+        ("head", str(tree_lib)),
+        ("rev", str(rev_lib)),
+    ]
+    seen = {(r["side"], r["recipe"]): r["libraries"] for r in result["records"]}
+    assert seen == {
+        ("head", "plain_fsdp2"): [str(tree_lib)],
+        ("head", "builder_fsdp2"): [str(tree_lib)],
+        ("rev", "plain_fsdp2"): [str(rev_lib)],
+        ("rev", "builder_fsdp2"): [str(rev_lib)],
+    }
+    assert all(r["cpu_seconds"] > 0 and r["seconds"] > 0 for r in result["records"])
+    (row,) = [r for r in result["rows"] if r["recipe"] == "builder_fsdp2"]
+    assert row["plain"] == "plain_fsdp2"
+    for key in ("head_rev_cpu_seconds", "head_rev_seconds", "head_plain_cpu_seconds",
+                "rev_plain_cpu_seconds", "head_plain_seconds", "rev_plain_seconds"):  # fmt: skip
+        spread = row[key]
+        assert set(spread) == {"min", "median", "max"}, key
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"], key
+    by = {(r["side"], r["recipe"]): r for r in result["records"]}
+    head_b, rev_b = by[("head", "builder_fsdp2")], by[("rev", "builder_fsdp2")]
+    assert row["head_rev_cpu_seconds"]["median"] == head_b["cpu_seconds"] / rev_b["cpu_seconds"]
+    text = out.read_text()
+    assert "| units | builder_fsdp2 |" in text and "HEAD ÷ REV, CPU" in text
