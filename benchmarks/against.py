@@ -2,7 +2,8 @@
 tree (HEAD) and with the library at git revision REV, each side in its own fresh processes,
 alternated pair by pair.
 
-    python -m benchmarks.against REV [--kinds units,hf_load] [--pairs 5] [--out FILE.md]
+    python -m benchmarks.against REV [--head REV2] [--kinds units,hf_load] [--pairs 5]
+        [--out FILE.md] [--json FILE.json]
 
 The library at REV is taken from git (``git archive REV fsdp_builder``) into a temporary folder
 that goes first on ``sys.path`` of that side's processes only; the benchmark code is the working
@@ -238,8 +239,11 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def render(result: dict[str, Any]) -> str:
     s = result["settings"]
+    head = f"HEAD {result['head'][:7]}"
+    if result["head_library"] == "the working tree":
+        head = f"The working tree (HEAD {result['head'][:7]})"
     lines = [
-        f"# The working tree (HEAD {result['head'][:7]}) against {result['rev'][:7]}",
+        f"# {head} against {result['rev'][:7]}",
         "",
         f"`{result['command']}`: {s['pairs']} pair(s) of fresh child processes, alternated "
         f"(HEAD first in even pairs), {s['world']} gloo ranks; CPU = each rank's process time "
@@ -302,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.against", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("rev", help="the git revision to compare the working tree with")
+    p.add_argument(
+        "--head",
+        help="a git revision to take the HEAD side's library from instead of the working tree "
+        "(which may hold edits in progress)",
+    )
     p.add_argument("--kinds", default=",".join(KINDS), help="units, hf_load (comma-separated)")
     p.add_argument("--pairs", type=int, default=5, help="pairs of child processes per kind")
     p.add_argument("--world", type=int, default=2, help="ranks (gloo)")
@@ -342,13 +351,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     children: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fsdp-against-") as tmp:
         scratch = Path(tmp)
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
         commit, lib = extract(args.rev, scratch / "rev")
+        if args.head is not None:
+            head, head_lib = extract(args.head, scratch / "head")
+        else:
+            head_lib = None
+            head = subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "HEAD"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
         folder = _hf_folder(args.params, scratch / "hf") if "hf_load" in kinds else None
         for kind in kinds:
             names = recipes[kind]
@@ -367,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "timeout": args.timeout,
                 }
                 for side in sides:
-                    got = _run_child(side, lib if side == "rev" else None, spec, scratch)
+                    got = _run_child(side, lib if side == "rev" else head_lib, spec, scratch)
                     children.append(
                         {
                             "kind": kind,
@@ -393,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rev": commit,
         "rev_library": str(lib),
         "repo_library": str(REPO / "fsdp_builder"),
+        "head_library": str(head_lib) if head_lib is not None else "the working tree",
         "settings": {
             "pairs": args.pairs,
             "world": args.world,
