@@ -28,6 +28,7 @@ from fsdp_builder.errors import ConfigurationError, ExportError, FSDPBuilderErro
 from fsdp_builder.materializers.loading import KeyMap, Mapper, check_key_map, key_mapper, map_name
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.runtime.agreement import agree
+from fsdp_builder.sources.dcp_folder import is_dcp_folder
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"  # a model that fits one file: no index, as transformers writes
@@ -322,7 +323,7 @@ def save_hf_checkpoint(
     mapper = key_mapper(key_map)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    agree("export (check)", _unbuilt(model))
+    agree("export (check)", _unbuilt(model) or _another_checkpoint(Path(folder)))
     writer = _Writer(Path(folder), max_shard_bytes, _Tally())
     try:
         outcome = _export(model, rank, distributed, mapper, writer)
@@ -404,6 +405,23 @@ def _peer_lost(folder: Path, rank: int, error: BaseException) -> ExportError:
         f"failed during the export (a collective failed: {type(error).__name__}: {detail}). "
         "Its own log says why; run the export again on every rank. Nothing of this export was "
         "kept, and an earlier export in that folder is left as it was."
+    )
+
+
+def _another_checkpoint(folder: Path) -> ConfigurationError | None:
+    """The refusal of an export into a folder holding a checkpoint of another format: a DCP
+    checkpoint (the folder a model was loaded from, say) would stay beside the export, and a
+    load of the folder could not tell which of the two is current."""
+    if not is_dcp_folder(folder):
+        return None
+    return config_error(
+        "save_hf_checkpoint",
+        "folder",
+        f"'{folder}' holds a DCP checkpoint ('{folder / '.metadata'}' and its data files); "
+        "the export would put Hugging Face weights beside it, and a load of the folder could "
+        "not tell which checkpoint is current",
+        "Export into a fresh folder (or one holding only an earlier export), e.g. "
+        f"save_hf_checkpoint(model, '{folder.parent / (folder.name + '-hf')}')",
     )
 
 

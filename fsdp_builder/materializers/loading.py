@@ -69,8 +69,8 @@ def check_key_map(owner: str, value: Any) -> None:
     error = partial(config_error, owner, "key_map")
     if not isinstance(value, Sequence) or isinstance(value, str):
         raise error(
-            "expected a dict, (regex, replacement) pairs or a callable, got "
-            f"{type(value).__name__}",
+            "expected a dict, (regex, replacement) pairs, a callable or None, got "
+            f"{type(value).__name__} {value!r:.80}",
             "Pass e.g. {'lm_head.weight': 'output.weight'} or [(r'^model\\.', '')]",
         )
     for pair in value:

@@ -5,7 +5,10 @@ the source raises as its own ``ConfigurationError`` (its name, its argument, its
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -151,6 +154,45 @@ class _Checked:
         self._source.close()
 
 
+# What a path is where it is not a regular file, by the test of its mode that says so.
+_NOT_REGULAR: tuple[tuple[Callable[[int], bool], str], ...] = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_a_file(path: Path) -> str | None:
+    """Why ``path`` (links followed) is no file a checkpoint can be read from: "does not
+    exist", "is a named pipe (FIFO), not a regular file"...; None for a regular file. One
+    ``stat``, which never blocks: opening a named pipe waits for a writer forever (on every
+    rank, whatever the build's timeout), and a device can be read without end."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be examined ({type(exc).__name__}: {exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((kind for test, kind in _NOT_REGULAR if test(mode)), "something else")
+    return f"is {kind}, not a regular file"
+
+
+def require_file(path: Path) -> None:
+    """Refuse ``path`` unless it is a regular file (see :func:`not_a_file`): asked before a
+    checkpoint file is opened."""
+    problem = not_a_file(path)
+    if problem is not None:
+        raise SourceError(
+            f"'{path}' {problem}; checkpoint files are read from regular files only",
+            fix="Put the checkpoint's own file there (copy the checkpoint folder again from where "
+            "it was saved)",
+        )
+
+
 def rows(index: Index | None) -> str:
     """``index`` as a message shows it: ``0:4, 2:``."""
     return ", ".join(
@@ -182,6 +224,8 @@ __all__ = [
     "TensorMeta",
     "checked_source",
     "listed",
+    "not_a_file",
     "reader",
+    "require_file",
     "rows",
 ]

@@ -4,21 +4,30 @@ the ``.metadata`` pickle is read admitting only DCP's metadata classes (no code 
 
 from __future__ import annotations
 
+import os
 import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor
 
 from fsdp_builder.errors import MaterializationError
-from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed
+from fsdp_builder.sources.base import (
+    Index,
+    SourceError,
+    TensorMeta,
+    listed,
+    not_a_file,
+    require_file,
+)
 from fsdp_builder.sources.hf_safetensors import inside_folder
 from fsdp_builder.versions import DCP_NO_DIST, require
 
@@ -92,6 +101,7 @@ class DCPSource:
         require(DCP_NO_DIST, "FromCheckpoint", "path")
         self.describe = f"the DCP folder '{folder}'"
         self.folder = folder
+        require_file(folder / ".metadata")  # a named pipe would block its read forever
         try:
             metadata = _SafeReader(str(folder)).read_metadata()
         except RefusedGlobal as exc:
@@ -111,21 +121,92 @@ class DCPSource:
                 f"{self.describe} has a .metadata that holds {type(metadata).__name__}, not "
                 "the Metadata torch.distributed.checkpoint.save writes"
             )
-        self._check_data_files(metadata)
+        self._check_data_files(self._check_records(metadata))
         self._meta = {
             key: TensorMeta(tuple(item.size), item.properties.dtype)
             for key, item in metadata.state_dict_metadata.items()
             if isinstance(item, dcp_metadata.TensorStorageMetadata)
         }
 
-    def _check_data_files(self, metadata: object) -> None:
-        """Every data file the metadata names exists and holds the bytes it points to."""
+    def _check_records(self, metadata: Any) -> dict[str, int]:
+        """Every record of the metadata is of the type ``dcp.save`` writes and ``dcp.load``
+        looks up, and every tensor chunk has its storage record; returns each data file named
+        with the bytes it must hold at least. Unchecked, a malformed record passes the opening
+        and fails inside ``dcp.load`` at the first unit, after the model was sharded."""
+        where = f"{self.describe} has a .metadata ('{self.folder / '.metadata'}')"
+        fix = "Save the checkpoint again with torch.distributed.checkpoint.save"
+
+        def refuse(problem: str) -> SourceError:
+            return SourceError(f"{where} {problem}", fix=fix)
+
+        records = getattr(metadata, "storage_data", None)
+        records = {} if records is None else records  # no data: each tensor chunk says so below
+        if not isinstance(records, dict):
+            raise refuse(
+                f"whose storage records (storage_data) are {_shown(records)}, not the dict "
+                "torch.distributed.checkpoint.save writes"
+            )
         needed: dict[str, int] = {}
-        for info in (getattr(metadata, "storage_data", None) or {}).values():
-            name = getattr(info, "relative_path", None)
-            if isinstance(name, str):
-                end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
-                needed[name] = max(needed.get(name, 0), end)
+        for key, info in records.items():
+            if not isinstance(key, dcp_metadata.MetadataIndex):
+                raise refuse(
+                    f"with a storage record key that is {_shown(key)}, not torch's MetadataIndex"
+                )
+            if not isinstance(info, _StorageInfo):
+                raise refuse(
+                    f"with the storage record of '{key.fqn}' that is {_shown(info)}, not "
+                    "torch's _StorageInfo"
+                )
+            for field in ("offset", "length"):
+                value = getattr(info, field, None)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise refuse(
+                        f"with the storage record of '{key.fqn}' whose {field} is "
+                        f"{_shown(value)}, not a count of bytes"
+                    )
+            descriptors = getattr(info, "transform_descriptors", None)
+            if descriptors is not None and not (
+                isinstance(descriptors, list | tuple)
+                and all(isinstance(d, str) for d in descriptors)
+            ):
+                raise refuse(
+                    f"with the storage record of '{key.fqn}' whose transform_descriptors are "
+                    f"{_shown(descriptors)}, not a list of names"
+                )
+            relative = getattr(info, "relative_path", None)
+            name = os.fspath(relative) if isinstance(relative, str | os.PathLike) else None
+            if not isinstance(name, str):
+                raise refuse(
+                    f"that names the data file of '{key.fqn}' by {_shown(relative)}, not a "
+                    "file name (a str or a path)"
+                )
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+        for fqn, entry in metadata.state_dict_metadata.items():
+            if not isinstance(fqn, str):
+                raise refuse(f"whose entry names are {_shown(fqn)}, not a str")
+            if isinstance(entry, dcp_metadata.BytesStorageMetadata):
+                continue  # never requested: only tensor entries are read
+            if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+                raise refuse(
+                    f"whose entry '{fqn}' is {_shown(entry)}, not torch's TensorStorageMetadata "
+                    "or BytesStorageMetadata"
+                )
+            problem = _tensor_entry_problem(entry)
+            if problem is not None:
+                raise refuse(f"whose entry '{fqn}' {problem}")
+            for chunk in entry.chunks:
+                if dcp_metadata.MetadataIndex(fqn, chunk.offsets) not in records:
+                    raise refuse(
+                        f"that has no storage record for the chunk at {list(chunk.offsets)} of "
+                        f"'{fqn}' (dcp.load would fail looking for it)"
+                    )
+        return needed
+
+    def _check_data_files(self, needed: dict[str, int]) -> None:
+        """Every data file named (with the bytes it must hold) is inside the folder, a regular
+        file, and that long."""
+        # Judged on the name, made normal (``a/../..`` climbs out), not on the resolved path: a
+        # folder of links to files kept elsewhere is a folder of its own files.
         outside = sorted(n for n in needed if not inside_folder(n))
         if outside:
             raise SourceError(
@@ -134,10 +215,19 @@ class DCPSource:
                 fix="Save the checkpoint again with torch.distributed.checkpoint.save, which "
                 "names its data files inside the folder",
             )
-        absent = sorted(n for n in needed if not (self.folder / n).is_file())
+        problems = {n: not_a_file(self.folder / n) for n in needed}
+        absent = sorted(n for n, problem in problems.items() if problem == "does not exist")
         if absent:
             raise SourceError(
                 f"{self.describe} lacks data file(s) its .metadata names: {listed(absent)}",
+                fix="Copy the whole folder again (every *.distcp file dcp.save wrote), or "
+                "save the checkpoint again",
+            )
+        others = sorted(f"{n} {problem}" for n, problem in problems.items() if problem)
+        if others:
+            raise SourceError(
+                f"{self.describe} has data file(s) that cannot be read: "
+                f"{listed(others, sep='; ')}; checkpoint files are read from regular files only",
                 fix="Copy the whole folder again (every *.distcp file dcp.save wrote), or "
                 "save the checkpoint again",
             )
@@ -201,8 +291,48 @@ class DCPSource:
         pass
 
 
+def _shown(value: object) -> str:
+    """``value`` as a refusal names it: its type and a short repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
+def _tensor_entry_problem(entry: dcp_metadata.TensorStorageMetadata) -> str | None:
+    """What is wrong with a tensor entry's dtype, size or chunks, if anything."""
+    dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return f"has the dtype {_shown(dtype)}, not a torch.dtype"
+    size = getattr(entry, "size", None)
+    if not _counts(size):
+        return f"has the size {_shown(size)}, not a torch.Size"
+    chunks = getattr(entry, "chunks", None)
+    if not isinstance(chunks, list):
+        return f"has chunks {_shown(chunks)}, not a list"
+    for chunk in chunks:
+        if not isinstance(chunk, dcp_metadata.ChunkStorageMetadata):
+            return f"has a chunk that is {_shown(chunk)}, not torch's ChunkStorageMetadata"
+        for field in ("offsets", "sizes"):
+            value = getattr(chunk, field, None)
+            if not _counts(value) or len(value) != len(size):
+                return (
+                    f"has a chunk whose {field} are {_shown(value)}, not {len(size)} counts "
+                    "(one per dim)"
+                )
+    return None
+
+
+def _counts(value: object) -> TypeGuard[tuple[int, ...]]:
+    """Whether ``value`` is a tuple (``torch.Size`` included) of non-negative ints."""
+    return isinstance(value, tuple) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
+    )
+
+
 def is_dcp_folder(path: Path) -> bool:
-    return path.is_dir() and (path / ".metadata").is_file()
+    # A .metadata that is no regular file (a named pipe) still marks the folder as DCP's, so
+    # that the opening refuses it by name.
+    metadata = path / ".metadata"
+    return path.is_dir() and metadata.exists() and not metadata.is_dir()
 
 
 __all__ = ["DCPSource", "RefusedGlobal", "is_dcp_folder", "read_metadata"]

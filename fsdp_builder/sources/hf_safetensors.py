@@ -19,7 +19,15 @@ from safetensors import safe_open
 
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.runtime.fast_storage import libc_madvise as _madvise
-from fsdp_builder.sources.base import Index, SourceError, TensorMeta, listed, rows
+from fsdp_builder.sources.base import (
+    Index,
+    SourceError,
+    TensorMeta,
+    listed,
+    not_a_file,
+    require_file,
+    rows,
+)
 
 log = get_logger(__name__)
 
@@ -187,6 +195,7 @@ class SafetensorsSource:
         absent: list[str] = []
         try:
             for path, keys in files.items():
+                require_file(path)  # a named pipe would block safe_open forever
                 try:
                     file = _File(path)
                     listing = list(file.handle.keys())
@@ -287,6 +296,8 @@ def refuse_a_shard(file: Path) -> None:
     """Refuse one shard of several (as the first index in its folder listing it says): loading
     it alone would report most of the model as missing, which hides the actual mistake."""
     for index in sorted(file.parent.glob("*.index.json")):
+        if not_a_file(index) is not None:
+            continue  # no index to read (a named pipe would block the read)
         try:
             weight_map = json.loads(index.read_text()).get("weight_map", {})
         except (OSError, ValueError, AttributeError):
@@ -312,6 +323,7 @@ def open_file(path: Path) -> SafetensorsSource:
 def read_weight_map(index: Path) -> dict[str, str]:
     """An index's ``weight_map``: tensor name → shard file name."""
     where = f"'{index}'"
+    require_file(index)
     try:
         data = json.loads(index.read_text())
     except (OSError, ValueError) as exc:
@@ -346,9 +358,18 @@ def shard_keys(index: Path) -> dict[str, list[str]]:
     files: dict[str, list[str]] = {}
     for key, name in read_weight_map(index).items():
         files.setdefault(name, []).append(key)
-    absent = sorted(n for n in files if not (index.parent / n).is_file())
+    problems = {n: not_a_file(index.parent / n) for n in files}
+    absent = sorted(n for n, problem in problems.items() if problem == "does not exist")
     if absent:
         raise SourceError(f"'{index}' names shard file(s) that do not exist: {listed(absent)}")
+    others = sorted(f"'{n}' {problem}" for n, problem in problems.items() if problem)
+    if others:
+        raise SourceError(
+            f"'{index}' names shard file(s) that cannot be read: {listed(others, sep='; ')}; "
+            "checkpoint files are read from regular files only",
+            fix="Put the checkpoint's own files there (copy the folder again from where it was "
+            "saved)",
+        )
     return files
 
 

@@ -18,7 +18,14 @@ import fsdp_builder.sources.memory as memory
 import fsdp_builder.sources.torch_files as torch_files
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import ConfigurationError, config_error
-from fsdp_builder.sources.base import CheckpointSource, MissingPath, SourceError, checked_source
+from fsdp_builder.sources.base import (
+    CheckpointSource,
+    MissingPath,
+    SourceError,
+    checked_source,
+    listed,
+    require_file,
+)
 
 log = get_logger(__name__)
 
@@ -150,6 +157,10 @@ def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> Checkpoin
                 )
             log.debug("checkpoint_opened", format=fmt.name, path=str(path))
             return checked_source(fmt.name, opened)
+    if path.is_dir():
+        refuse_two_checkpoints(path)
+    else:
+        require_file(path)  # a named pipe or a device: no format of ours can read it
     for fmt in _BUILT_IN:
         if fmt.detect(path):
             opened = fmt.open(path)
@@ -175,6 +186,34 @@ def _user_call(fmt: Format, step: str, path: Path) -> Any:
         ) from exc
 
 
+# Files of a Hugging Face checkpoint (what save_pretrained and save_hf_checkpoint write) that a
+# DCP folder has no use for.
+_HF_WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def hf_weights(folder: Path) -> list[str]:
+    """The names of the Hugging Face checkpoint files ``folder`` holds."""
+    return sorted({p.name for pattern in _HF_WEIGHTS for p in folder.glob(pattern)})
+
+
+def refuse_two_checkpoints(folder: Path) -> None:
+    """Refuse a folder holding both a DCP checkpoint and Hugging Face weights: the formats'
+    order would pick one without a word, though neither says which is current (an export into
+    the DCP folder a model was loaded from puts the trained weights beside the old ones). A
+    ``.bin`` file beside a DCP checkpoint is left alone: training state is often kept so."""
+    if not dcp_folder.is_dcp_folder(folder):
+        return
+    found = hf_weights(folder)
+    if found:
+        raise SourceError(
+            f"'{folder}' holds two checkpoints of different formats: a DCP checkpoint "
+            f"('.metadata' and its data files) and Hugging Face weights ({listed(found)}); "
+            "which of them to load cannot be told",
+            fix="Move one of them to a folder of its own and pass that folder (export with "
+            "save_hf_checkpoint into a fresh folder, not the DCP folder)",
+        )
+
+
 def _unknown_folder(path: Path) -> str:
     where = f"'{path}'"
     if any(path.glob("*.distcp")):
@@ -194,7 +233,9 @@ def _unknown_folder(path: Path) -> str:
 __all__ = [
     "Format",
     "formats",
+    "hf_weights",
     "open_source",
+    "refuse_two_checkpoints",
     "register_format",
     "registered_formats",
     "unregister_format",

@@ -10,13 +10,14 @@ from typing import Any
 
 import torch
 
-from fsdp_builder.sources.base import SourceError, listed
+from fsdp_builder.sources.base import SourceError, listed, require_file
 from fsdp_builder.sources.hf_safetensors import refuse_a_shard, shard_keys
 from fsdp_builder.sources.memory import StateDictSource, check_state_dict
 
 
 def load_state_dict_file(path: Path, describe: str) -> Mapping[str, torch.Tensor]:
     """The state dict a ``torch.save`` file holds (weights only: no code runs)."""
+    require_file(path)  # torch.load of a named pipe would wait for a writer forever
     try:
         try:
             loaded: Any = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -58,7 +59,11 @@ def open_index(index: Path) -> StateDictSource:
 
 def single_file_in(folder: Path) -> Path | None:
     """The one ``.bin`` / ``.pt`` / ``.pth`` file of a folder, if it holds exactly one."""
-    files = [f for ext in ("bin", "pt", "pth") for f in folder.glob(f"*.{ext}") if f.is_file()]
+    # Any entry but a folder counts, so that one that is no file (a named pipe) is refused by
+    # name when opened rather than the folder said to hold no checkpoint.
+    files = [
+        f for ext in ("bin", "pt", "pth") for f in folder.glob(f"*.{ext}") if not f.is_dir()
+    ]
     return files[0] if len(files) == 1 else None
 
 
