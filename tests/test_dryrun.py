@@ -42,6 +42,7 @@ from fsdp_builder import (
     KeepAsIs,
     ShardingBuilder,
 )
+from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.tools.cli import main
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 from fsdp_builder.tools.dryrun import simulate
@@ -379,3 +380,63 @@ def test_cli_text_report_lists_each_ranks_shards_and_reads(
         for line in read_lines:
             key, nbytes = line[1], int(line[-2].lstrip("("))
             assert nbytes == math.prod(rows(key, rank)) * plain[key].element_size()
+
+
+# -- (5) bad inputs, refused once and clearly; a shared builder is no false alarm ---------------
+
+
+def test_a_world_size_beyond_torchs_process_groups_is_refused_naming_the_limit() -> None:
+    # Before: torch's raw TypeError from ProcessGroup's constructor (its size is a C int).
+    too_many = r"`world_size`: 1,099,511,627,776 .*at most 2,147,483,647"
+    with pytest.raises(ConfigurationError, match=too_many):
+        simulate(FullyShardBuilder, llama, 2**40)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("argument", ["builder_factory", "model_factory"])
+def test_a_factory_that_is_not_callable_is_refused_once(argument: str) -> None:
+    factories: dict[str, Any] = {"builder_factory": FullyShardBuilder, "model_factory": llama}
+    factories[argument] = "FullyShardBuilder" if argument == "builder_factory" else "llama"
+    with pytest.raises(ConfigurationError, match=rf"`{argument}`: expected a function"):
+        simulate(factories["builder_factory"], factories["model_factory"], 4, ranks=(0, 1))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_a_factory_returning_one_module_level_builder_simulates_every_rank(backend: str) -> None:
+    # A real job's processes each build once, so `return BUILDER` is fine there; the dry run
+    # builds once per simulated rank and must not report the second build as the job's error.
+    shared = BUILDERS[backend]()
+    world = 4
+    run = simulate(lambda: shared, llama, world, ranks=range(world))
+    assert [(r.rank, r.error) for r in run.runs] == [(r, None) for r in range(world)]
+    plain = dict(llama().named_parameters())
+    if backend == "fsdp2":
+        for r in run.runs:
+            expected = {
+                n: tuple(torch.chunk(torch.empty(p.shape, device="meta"), world)[r.rank].shape)
+                for n, p in plain.items()
+            }
+            assert {s.name: s.local_shape for s in r.shards} == expected
+    else:
+        total = sum(p.numel() for p in plain.values())
+        assert all(world * r.param_bytes >= total * 4 for r in run.runs)
+    # The job's own builder is left as it was: unbuilt, its device not replaced.
+    assert shared._result is None and shared.config.device is None
+
+
+def test_cli_builder_without_a_colon_names_the_expected_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    LlamaConfig(**TINY_LLAMA, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path), "--simulate", "2"]
+    with pytest.raises(SystemExit, match=r"--builder: expected the form module:function"):
+        main([*args, "--builder", "make_builder"])
+    # A name that is not a function: refused once, naming it, not a TypeError per rank.
+    (tmp_path / "dryrun_job_settings.py").write_text("BACKEND = 'fsdp2'\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        SystemExit, match=r"--builder dryrun_job_settings:BACKEND: BACKEND is a str"
+    ):
+        main([*args, "--builder", "dryrun_job_settings:BACKEND"])
+    assert not dist.is_initialized()

@@ -163,11 +163,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_factory(spec: str) -> Any:
-    """Resolve ``module:callable``, importing from the current directory first."""
+def load_factory(spec: str, option: str = "MODULE:FACTORY", returns: str = "the model") -> Any:
+    """Resolve ``module:function``, importing from the current directory first; ``option`` and
+    ``returns`` name the argument and what its function returns in the messages."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise SystemExit(f"expected MODULE:FACTORY (e.g. mymodel:make), got {spec!r}")
+        raise SystemExit(
+            f"{option}: expected the form module:function, a function returning {returns} "
+            f"(e.g. {'myjob:make_builder' if option == '--builder' else 'mymodel:make'}), "
+            f"got {spec!r}"
+        )
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
@@ -179,9 +184,15 @@ def load_factory(spec: str) -> Any:
             "it, or install it"
         ) from None
     try:
-        return getattr(module, attr)
+        found = getattr(module, attr)
     except AttributeError:
         raise SystemExit(f"{module_name!r} has no attribute {attr!r}") from None
+    if not callable(found):
+        raise SystemExit(
+            f"{option} {spec}: {attr} is a {type(found).__name__}, not a function; name a "
+            f"function returning {returns}"
+        )
+    return found
 
 
 def wrap_classes(model: torch.nn.Module, names: list[str] | None) -> list[type[torch.nn.Module]]:

@@ -7,6 +7,7 @@ headers. What it checks and what it cannot: docs/before_you_launch.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import math
@@ -42,6 +43,9 @@ from fsdp_builder.sources.hf_safetensors import RECORDER
 
 # What a rank reports when its build needed a value that only other ranks would have sent.
 NOT_SIMULATED = "not simulated"
+
+# torch's process groups hold the world size and ranks as C ints.
+MAX_WORLD_SIZE = 2**31 - 1
 
 # ShardingStrategy -> its name on the command line (both hybrid strategies: "hybrid").
 _STRATEGY_NAMES = {s: name.removesuffix("_zero2") for name, s in _STRATEGY_ALIASES.items()}
@@ -297,15 +301,20 @@ def local_shards(module: nn.Module) -> list[Shard]:
 
 
 def on_cpu(builder: ShardingBuilder) -> ShardingBuilder:
-    """``builder`` computing on the CPU: the one setting a dry run replaces (the job's CUDA
-    devices do not exist here; nothing is computed on them during a build anyway)."""
+    """An unbuilt copy of ``builder`` computing on the CPU: the one setting a dry run replaces
+    (the job's CUDA devices do not exist here; nothing is computed on them during a build
+    anyway). A copy, because a factory may return one builder made once at import, as a real job
+    may (each of its processes builds once), while the dry run builds once per simulated rank;
+    and the caller's builder is left as it was."""
     if not isinstance(builder, ShardingBuilder):
         raise config_error(
             "simulate", "builder_factory", f"it returned {type(builder).__name__}",
             "Return the job's configured builder, e.g. FullyShardBuilder().wrap(Block)",
         )  # fmt: skip
-    builder._config = attrs.evolve(builder._config, device=ExplicitDevice("cpu"))
-    return builder
+    fresh = copy.copy(builder)  # the configuration is frozen: sharing it is safe
+    fresh._result = None
+    fresh._config = attrs.evolve(builder._config, device=ExplicitDevice("cpu"))
+    return fresh
 
 
 def simulate_rank(
@@ -350,7 +359,7 @@ def simulate_rank(
                 text = (
                     "the build checks that its hybrid groups form a grid by gathering every "
                     "rank's shard group, which a fake process group cannot answer; pass a "
-                    "DeviceMesh to .groups(...) to simulate a hybrid FSDP2 build"
+                    "DeviceMesh to .groups(...) to simulate a hybrid build"
                 )
             return RankRun(rank, backend, seconds, kind, text, plan, reads=tuple(reads))
         env = builder.environment
@@ -420,13 +429,32 @@ def simulate(
     reports the error instead of results; nothing is raised for it.
 
     Raises:
-        ConfigurationError: ``world_size`` or ``ranks`` invalid, or a process group already
-            initialized in this process.
+        ConfigurationError: a factory not callable, ``world_size`` or ``ranks`` invalid, or a
+            process group already initialized in this process.
     """
+    for argument, factory, what in (
+        ("builder_factory", builder_factory, "the job's configured builder"),
+        ("model_factory", model_factory, "the job's model"),
+    ):
+        if not callable(factory):
+            raise config_error(
+                "simulate", argument,
+                f"expected a function returning {what}, got {type(factory).__name__} "
+                f"{factory!r:.80}",
+                "Pass the function itself (e.g. lambda: FullyShardBuilder().wrap(Block)), "
+                "which the dry run calls once per simulated rank",
+            )  # fmt: skip
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise config_error(
             "simulate", "world_size", f"expected a whole number of 1 or more, got {world_size!r}",
             "Pass the job's world size, e.g. simulate(..., world_size=1024)",
+        )  # fmt: skip
+    if world_size > MAX_WORLD_SIZE:
+        raise config_error(
+            "simulate", "world_size",
+            f"{world_size:,} is more ranks than torch's process groups support (at most "
+            f"{MAX_WORLD_SIZE:,}: world sizes and ranks are 32-bit integers)",
+            "Pass the job's world size",
         )  # fmt: skip
     chosen = list(ranks)
     bad = [
@@ -528,21 +556,22 @@ def cli_builder(args: Any, model: nn.Module) -> Callable[[], ShardingBuilder]:
     return make
 
 
-def run_cli(args: Any, load_factory: Callable[[str], Any]) -> int:
+def run_cli(args: Any, load_factory: Callable[..., Any]) -> int:
     """``fsdp-builder plan ... --simulate WORLD``: prints the dry run (or its JSON); exits 1
     when a simulated rank's build raises."""
     from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
 
     spec = args.factory
+    # The builder's spec first: a malformed one is named before the model is made.
+    if args.builder:
+        builder_factory = load_factory(args.builder, "--builder", "the job's configured builder")
     model_factory: Callable[[], nn.Module]
     if is_config_path(spec):
         meta_model_from_config(spec)  # a bad config is named once, before any rank
         model_factory = functools.partial(meta_model_from_config, spec)
     else:
         model_factory = load_factory(spec)
-    if args.builder:
-        builder_factory = load_factory(args.builder)
-    else:
+    if not args.builder:
         with torch.device("meta"):
             builder_factory = cli_builder(args, model_factory())
     try:
