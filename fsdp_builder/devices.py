@@ -186,6 +186,43 @@ class InferredDevice(BaseDeviceResolver):
         return CPU
 
 
+def checked_device(resolver: DeviceResolver, returned: object) -> torch.device:
+    """What a resolver's ``resolve`` returned, refused unless it is a device this rank can
+    compute on: the CPU, or this machine's accelerator (an index it has). Local."""
+    where = f"`{type(resolver).__name__}.resolve`"
+    if not isinstance(returned, torch.device):
+        text = repr(returned)
+        shown = text[:80] + ("..." if len(text) > 80 else "")
+        raise ConfigurationError(
+            f"{where} returned {type(returned).__name__} {shown}, not a torch.device. Return "
+            "torch.device(...), e.g. torch.device('cpu') or torch.device('cuda', local_rank)."
+        )
+    if returned.type == "cpu":
+        return returned
+    if returned.type == "meta":
+        raise ConfigurationError(
+            f"{where} returned {returned!r}: meta is where a model waits for its values, not a "
+            "device to compute on. Return the device this rank computes on (the model may "
+            "still be on meta; its states are made real there)."
+        )
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != returned.type:
+        has = "no accelerator" if accelerator is None else f"only {accelerator.type} devices"
+        raise ConfigurationError(
+            f"{where} returned {returned!r}, but this machine has no {returned.type} devices "
+            f"({has}). Return torch.device('cpu') here (with the gloo backend), or a device "
+            "this machine has."
+        )
+    count = torch.accelerator.device_count()
+    if returned.index is not None and returned.index >= count:
+        raise ConfigurationError(
+            f"{where} returned {returned!r}, but this machine has {count} {returned.type} "
+            f"device(s) ({returned.type}:0 to {returned.type}:{count - 1}). Return an index "
+            "below the device count, e.g. the LOCAL_RANK torchrun sets."
+        )
+    return returned
+
+
 def check_single_device(params: Iterable[nn.Parameter], explicit: bool) -> None:
     """One device, or CPU + one other when the device is explicit (the CPU part is moved)."""
     devices = {p.device for p in params if p.device.type != "meta"}

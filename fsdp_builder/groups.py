@@ -57,6 +57,90 @@ class ProcessGroups:
         return self.world_size * self.replicate_size
 
 
+def hybrid_layout(
+    shard: dist.ProcessGroup, replicate: dist.ProcessGroup, where: str
+) -> torch.Tensor:
+    """The global ranks as a (replicate, shard) grid; refused unless the i-th ranks of every
+    shard group form one replicate group. Collective over the replicate group."""
+    rows: list[list[int] | None] = [None] * replicate.size()
+    dist.all_gather_object(rows, dist.get_process_group_ranks(shard), group=replicate)
+    layout = torch.tensor(rows, dtype=torch.int)
+    column = layout[:, shard.rank()].tolist()
+    if column != dist.get_process_group_ranks(replicate):
+        raise config_error(
+            where,
+            "groups",
+            f"the shard groups {layout.tolist()} and the replicate group "
+            f"{dist.get_process_group_ranks(replicate)} do not form a grid",
+            "Pass groups where the i-th ranks of every shard group form one replicate group.",
+        )
+    return layout
+
+
+def _returned(value: object) -> str:
+    """``value`` for a message: a container by its items' types (a group's repr is an address)."""
+    if isinstance(value, tuple | list):
+        items = ", ".join("None" if v is None else type(v).__name__ for v in value)
+        return f"{type(value).__name__} ({items})"
+    if value is None or isinstance(value, bool | int | float | str):
+        return f"{type(value).__name__} {value!r}"
+    return type(value).__name__
+
+
+def checked_groups(factory: GroupFactory, returned: object) -> ProcessGroups:
+    """What a factory's ``create`` returned, refused unless it is ProcessGroups of groups (and a
+    mesh) whose data-parallel ranks are exactly the ranks that build together: fewer would
+    leave replicas that never exchange gradients, more would count a rank twice. Local; the
+    same on every rank for a factory that answers alike."""
+    where = f"{type(factory).__name__}.create"
+    if not isinstance(returned, ProcessGroups):
+        raise ConfigurationError(
+            f"`{where}` returned {_returned(returned)}, not ProcessGroups. Return "
+            "ProcessGroups(shard_group=...) (and replicate_group=... for hybrid sharding, or "
+            "mesh=... for a device mesh) from fsdp_builder.groups."
+        )
+    for name, expected in (
+        ("shard_group", (dist.ProcessGroup,)),
+        ("replicate_group", (dist.ProcessGroup, type(None))),
+        ("mesh", (DeviceMesh, type(None))),
+    ):
+        value = getattr(returned, name)
+        if not isinstance(value, expected):
+            kinds = " or ".join("None" if k is type(None) else k.__name__ for k in expected)
+            raise ConfigurationError(
+                f"`{where}` returned ProcessGroups with {name}={_returned(value)}, not {kinds}. "
+                "Create groups with torch.distributed.new_group(...) and meshes with "
+                "init_device_mesh(...)."
+            )
+    mesh = returned.mesh
+    if not dist.is_initialized() or (mesh is not None and _root_mesh(mesh) is not mesh):
+        # A data-parallel slice next to other dims: check_placed_on_other_dims decides.
+        return returned
+    building = dist.get_world_size(factory.agreement_group())
+    spanned = returned.data_parallel_size
+    if spanned != building:
+        replicate = (
+            ""
+            if returned.replicate_group is None
+            else f" and a replicate group of {returned.replicate_size} rank(s)"
+        )
+        effect = (
+            "the replicas on the other ranks would never exchange gradients"
+            if spanned < building
+            else "they do not form a (replicate, shard) grid of those ranks, so a rank would "
+            "take more than one place in it"
+        )
+        raise ConfigurationError(
+            f"`{where}` returned a shard group of {returned.world_size} rank(s){replicate}, "
+            f"which span {spanned} data-parallel rank(s), but {building} ranks build together "
+            f"(its agreement group): {effect}. Return groups whose shard size times replicate "
+            "size is the number of ranks that build (for hybrid sharding, a grid: shard groups "
+            "of one node each and replicate groups across them), or return the smaller group "
+            "from agreement_group() too, so only its ranks build together."
+        )
+    return returned
+
+
 @runtime_checkable
 class GroupFactory(Protocol):
     """Creates the groups for a strategy. ``validate`` is local; ``create`` may communicate."""

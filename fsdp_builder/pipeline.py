@@ -17,7 +17,7 @@ import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
 
-from fsdp_builder.backends import Backend, capabilities
+from fsdp_builder.backends import Backend, capabilities, resolved_settings
 from fsdp_builder.common.describe import describe_settings
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
@@ -25,9 +25,16 @@ from fsdp_builder.devices import (
     InferredDevice,
     check_compute_device,
     check_single_device,
+    checked_device,
 )
 from fsdp_builder.errors import ConfigurationError, FSDPBuilderError, MaterializationError
-from fsdp_builder.groups import DefaultGroups, GroupFactory, check_placed_on_other_dims
+from fsdp_builder.groups import (
+    DefaultGroups,
+    GroupFactory,
+    check_placed_on_other_dims,
+    checked_groups,
+    other_dim_groups,
+)
 from fsdp_builder.materializers.initializers import (
     Materializer,
     MaterializerRun,
@@ -162,6 +169,9 @@ class _Build:
         self.bound.add(groups.shard_group, groups.replicate_group)
         if groups.mesh is not None:
             self.bound.add(*(groups.mesh.get_group(d) for d in range(groups.mesh.ndim)))
+            # The mesh's other dims (tensor parallelism): synchronizers broadcast and compare
+            # over them too.
+            self.bound.add(*other_dim_groups(groups.mesh))
         backend, strategy = self.backend.name, env.strategy.name
         report = BuildReport(env.rank, env.world_size, backend, strategy, str(env.device))
         env.logger.debug(
@@ -228,7 +238,7 @@ class _Build:
             planned = plan_model(model, wrap, cfg.ignored_modules, cfg.ignored_states)
             plan, ignored, managed = planned.plan, planned.ignored, list(planned.managed)
             check_single_device(managed, self.resolver.explicit)
-            device = self.resolver.resolve(model, managed, self.rank)
+            device = checked_device(self.resolver, self.resolver.resolve(model, managed, self.rank))
             self.check_roles(
                 ConfigureContext(
                     model=model,
@@ -240,7 +250,8 @@ class _Build:
                     world_size=dist.get_world_size() if dist.is_initialized() else 1,
                 )
             )
-            description = {"config": self.settings(), "plan": plan.signature()}
+            resolved = resolved_settings(self.backend, plan, cfg.options, device)
+            description = {"config": self.settings() + resolved, "plan": plan.signature()}
             configured = _Configured(plan, ignored, device)
         except Exception as exc:
             error = exc
@@ -282,7 +293,9 @@ class _Build:
         which also settles whether units are sharded first)."""
 
         def create() -> tuple[ShardingOptions, Any]:
-            groups = self.factory.create(self.config.options.strategy, configured.device)
+            groups = checked_groups(
+                self.factory, self.factory.create(self.config.options.strategy, configured.device)
+            )
             options, groups = effective_strategy(self.config.options, groups)
             groups = self.backend.prepare_groups(
                 groups, options, configured.device, configured.plan

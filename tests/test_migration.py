@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_builder import (
     BroadcastFromRank0,
+    ConfigurationError,
     FSDPBuilder,
     FullyShardBuilder,
     InitFn,
@@ -188,6 +189,10 @@ def check1_sharding_strategy() -> None:
 
 
 def check1_cpu_offload() -> None:
+    if not torch.accelerator.is_available():  # FSDP1's offload would fail at the first forward
+        with pytest.raises(ConfigurationError, match="no accelerator"):
+            FSDPBuilder().device(CPU).cpu_offload(CPUOffload(offload_params=True)).build(model())
+        return
     _, built = both1(
         lambda m: {"cpu_offload": CPUOffload(offload_params=True)},
         lambda b, m: b.cpu_offload(CPUOffload(offload_params=True)),

@@ -78,6 +78,17 @@ def capabilities(backend: Backend) -> BackendCapabilities:
     )
 
 
+def resolved_settings(
+    backend: Backend, plan: UnitPlan, options: ShardingOptions, device: torch.device
+) -> list[tuple[str, str]]:
+    """What user code answered in configure that ranks must share, as ``(setting, text)`` pairs
+    for the configure agreement: the settings describe a resolver or a function, not what it
+    returned on this rank. A backend may add its own (``resolved_settings(plan, options)``)."""
+    own = getattr(backend, "resolved_settings", None)
+    extra: list[tuple[str, str]] = own(plan, options) if callable(own) else []
+    return [("resolved device type", repr(device.type)), *extra]
+
+
 def check_model(
     backend: Backend,
     plan: UnitPlan,
@@ -97,4 +108,4 @@ def check_model(
     )
 
 
-__all__ = ["Backend", "capabilities", "check_model"]
+__all__ = ["Backend", "capabilities", "check_model", "resolved_settings"]

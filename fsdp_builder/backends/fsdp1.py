@@ -12,6 +12,7 @@ import torch
 from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp import (
+    CPUOffload,
     FullyShardedDataParallel,
     MixedPrecision,
     MixedPrecisionPolicy,
@@ -35,7 +36,7 @@ from fsdp_builder.config import (
     to_sharding_strategy,
 )
 from fsdp_builder.errors import ConfigurationError, config_error
-from fsdp_builder.groups import ProcessGroups
+from fsdp_builder.groups import ProcessGroups, hybrid_layout
 from fsdp_builder.materializers.initializers import Materializer, ResetParameters
 from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit, UnitPlan
@@ -103,6 +104,25 @@ def check_fsdp2_only_options(options: ShardingOptions) -> None:
             )
 
 
+def check_fsdp1_offload(offload: Any, where: str, unit: str | None = None) -> None:
+    """FSDP1's parameter offload moves shards between the CPU and an accelerator; without one
+    the build succeeds and the first forward or state_dict raises torch's own error."""
+    if not isinstance(offload, CPUOffload) or not offload.offload_params:
+        return
+    if torch.accelerator.is_available():
+        return
+    of_unit = "" if unit is None else f" for unit '{unit}'"
+    raise config_error(
+        where,
+        "offload_params",
+        f"CPUOffload(offload_params=True){of_unit} moves parameters between an accelerator and "
+        "the CPU, and this machine has no accelerator (FullyShardedDataParallel would fail at "
+        "the first forward or state_dict)",
+        "Drop cpu_offload(...) (on the CPU the parameters already live in host memory), or run "
+        "on a machine with a GPU.",
+    )
+
+
 def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]:
     """The checked ``FullyShardedDataParallel`` arguments this unit overrides."""
     checked: dict[str, Any] = {}
@@ -140,6 +160,7 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
             "(FSDP2)",
             "Return CPUOffload(offload_params=True) or a bool.",
         )
+    check_fsdp1_offload(checked.get("cpu_offload"), f"{_WHERE}.per_unit", unit.label)
     strategy = checked.get("sharding_strategy")
     if strategy is not None and (strategy in HYBRID_STRATEGIES) != options.is_hybrid:
         raise per_unit_error(
@@ -205,7 +226,9 @@ class FSDP1Backend:
         check_fsdp2_only_options(options)
 
     def check_context(self, context: ConfigureContext) -> None:
-        """Refuse now, locally, what FullyShardedDataParallel would refuse at shard time."""
+        """Refuse now, locally, what FullyShardedDataParallel would refuse at shard time (or
+        fail at in the first forward: offload on a machine without an accelerator)."""
+        check_fsdp1_offload(context.options.cpu_offload, f"{_WHERE}.cpu_offload")
         check_root_not_wrapped(context.plan, _WHERE)
         check_fsdp1_plan(context.plan, context.options)
         check_per_unit(
@@ -239,6 +262,10 @@ class FSDP1Backend:
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device, plan: UnitPlan
     ) -> ProcessGroups:
+        """The groups as given; a hybrid pair must form a (replicate, shard) grid, else torch
+        would average each shard with other shards' positions (collective over the pair)."""
+        if options.is_hybrid and groups.mesh is None and groups.replicate_group is not None:
+            hybrid_layout(groups.shard_group, groups.replicate_group, f"{_WHERE}.groups")
         return groups
 
     def shard(self, unit: Unit, env: Environment) -> nn.Module:

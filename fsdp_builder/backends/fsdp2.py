@@ -42,7 +42,7 @@ from fsdp_builder.config import (
     check_reshard_after_forward,
 )
 from fsdp_builder.errors import config_error
-from fsdp_builder.groups import ProcessGroups, check_mesh
+from fsdp_builder.groups import ProcessGroups, check_mesh, hybrid_layout
 from fsdp_builder.materializers.initializers import Materializer
 from fsdp_builder.materializers.streams import StreamInit
 from fsdp_builder.planning.context import ConfigureContext
@@ -214,22 +214,6 @@ def ignored_params_kwargs(
     return {"ignored_params": mine}
 
 
-def _hybrid_layout(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> torch.Tensor:
-    """The global ranks as a (replicate, shard) grid. Collective over the replicate group."""
-    rows: list[list[int] | None] = [None] * replicate.size()
-    dist.all_gather_object(rows, dist.get_process_group_ranks(shard), group=replicate)
-    layout = torch.tensor(rows, dtype=torch.int)
-    column = layout[:, shard.rank()].tolist()
-    if column != dist.get_process_group_ranks(replicate):
-        raise _groups_error(
-            "groups",
-            f"the shard groups {layout.tolist()} and the replicate group "
-            f"{dist.get_process_group_ranks(replicate)} do not form a grid",
-            "Pass groups where the i-th ranks of every shard group form one replicate group.",
-        )
-    return layout
-
-
 def _named_mesh(
     groups: list[dist.ProcessGroup], device_type: str, layout: torch.Tensor
 ) -> DeviceMesh:
@@ -280,7 +264,7 @@ def build_mesh(groups: ProcessGroups, options: ShardingOptions, device_type: str
                 f"{strategy.name} needs a replicate group, but the group factory gave none",
                 "Use AutoHybridGroups, HybridGroups or a 2-D mesh.",
             )
-        layout = _hybrid_layout(groups.shard_group, groups.replicate_group)
+        layout = hybrid_layout(groups.shard_group, groups.replicate_group, f"{_WHERE}.groups")
         return _named_mesh([groups.replicate_group, groups.shard_group], device_type, layout)
     return DeviceMesh.from_group(groups.shard_group, device_type)
 
@@ -336,14 +320,18 @@ def unit_fully_shard_overrides(unit: Unit, options: ShardingOptions) -> dict[str
     return overrides
 
 
-def check_placements(plan: UnitPlan, options: ShardingOptions, shard_size: int = 0) -> None:
+def check_placements(
+    plan: UnitPlan, options: ShardingOptions, shard_size: int = 0
+) -> dict[str, int]:
     """What ``fully_shard`` refuses of ``shard_placement_fn``'s answers (the build's or a unit's):
     a raise, anything but ``Shard(dim)`` or None, a dim the parameter lacks and, given the shard
-    group's size, an uneven split of a dim other than 0 (torch splits only dim 0 unevenly)."""
+    group's size, an uneven split of a dim other than 0 (torch splits only dim 0 unevenly).
+    Returns the dim each parameter a placement function answered for is split along."""
     where = f"{_WHERE}.shard_placement_fn"
+    answers: dict[str, int] = {}
     if options.shard_placement_fn is None and options.per_unit is None:
         if not any("shard_placement_fn" in unit.overrides for unit in plan):
-            return  # the default path: no unit's overrides are worked out again
+            return answers  # the default path: no unit's overrides are worked out again
     for unit in plan:
         fn = unit_fully_shard_overrides(unit, options).get(
             "shard_placement_fn", options.shard_placement_fn
@@ -362,6 +350,7 @@ def check_placements(plan: UnitPlan, options: ShardingOptions, shard_size: int =
                     "Make it return Shard(dim) or None for every parameter.",
                 ) from exc
             if placement is None:
+                answers[info.name] = 0  # fully_shard's default
                 continue
             ndim = len(info.shape)
             if not isinstance(placement, Shard) or not -ndim <= placement.dim < ndim:
@@ -382,6 +371,8 @@ def check_placements(plan: UnitPlan, options: ShardingOptions, shard_size: int =
                     "Return Shard(0) or None for it (dim 0 may split unevenly), or a dim whose "
                     "size the shard group divides.",
                 )
+            answers[info.name] = placement.dim % ndim
+    return answers
 
 
 def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
@@ -447,6 +438,14 @@ class FullyShardBackend:
 
         check_per_unit(context.plan, options, per_unit)
         check_composition(context)
+
+    def resolved_settings(self, plan: UnitPlan, options: ShardingOptions) -> list[tuple[str, str]]:
+        """``shard_placement_fn``'s answers, which ranks must share: a weight split along
+        different dims on two ranks gathers into one rank's rows and the other's columns."""
+        return [
+            (f"shard_placement_fn({name!r})", f"Shard(dim={dim})")
+            for name, dim in check_placements(plan, options).items()
+        ]
 
     def keyword_mixed_precision(self, given: dict[str, Any]) -> MixedPrecisionPolicy:
         """MixedPrecisionPolicy with fully_shard's defaults (inputs cast)."""
