@@ -24,15 +24,32 @@ the loaders read, and the documented contract of each materializer and synchroni
   (``distribute_tensor`` with no source rank); FSDP1 gathers such rows from every rank, which
   only the ranks' own values define.
 
-Values drawn at random by an initializer have no exact oracle: such a state must be real,
-finite, and hold the same value on every rank wherever the contract above says the ranks agree.
-A state whose eager value does not depend on the seed (BatchNorm statistics, LayerNorm weights,
-RoPE tables) is held to that value exactly.
+Values drawn at random by an initializer have no single eager value, and each is checked by
+what its materializer promises (:class:`Drawn`): ``DeterministicInit`` and ``StreamInit`` (and
+FSDP2's default, which is ``StreamInit``) promise the same full weights at any world size, on
+both backends and in every group layout, so their draws must be equal across every cell of the
+same model (:func:`judge_across`); the other initializers promise eager init's distribution,
+so each drawn tensor must fall within the per-tensor statistics of eager construction under many
+seeds (:func:`distribution_verdict`). Elements whose eager value does not depend on the seed
+(BatchNorm statistics, LayerNorm weights, RoPE tables, an embedding's padding row) are held to
+that value exactly, in every cell. Every state's dtype is the plain model's.
+
+Real models run forwards in train mode before they are built, so BatchNorm statistics are
+away from their defaults and a synchronizer or loader that skips buffers is seen. After the
+build, every rank trains one SGD step; each rank's result is compared with the same step in
+plain PyTorch, taken from the states the rank gathered before its step (gradients averaged over
+the data-parallel ranks, an ignored parameter's kept local, as FSDP does).
+
+A refusal is pinned by exception type and message on every rank; the ranks must leave the
+model untouched and issue no collective but the agreement's before it (counted by wrapping
+``torch.distributed``'s collectives in the ranks).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -241,14 +258,28 @@ def variant(cell: Cell) -> str:
     return "net0" if cell.ignore == "param" else "net1"
 
 
-def eager(model: str, seed: int) -> nn.Module:
-    """The model as plain PyTorch / transformers builds it, under ``seed``."""
+def eager(model: str, seed: int, warmed: bool = False) -> nn.Module:
+    """The model as plain PyTorch / transformers builds it, under ``seed``; ``warmed``: after
+    forwards in train mode, as a model that has trained holds them (BatchNorm statistics away
+    from their defaults)."""
     torch.manual_seed(seed)
     if model.startswith("net"):
-        return Net(scalar=model == "net0")
+        net = Net(scalar=model == "net0")
+        if warmed:
+            warm(net, seed)
+        return net
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM(llama_config())
+
+
+def warm(model: nn.Module, seed: int) -> None:
+    """Two forwards in train mode on seed-dependent inputs: the statistics then differ between
+    models of different seeds, and ``num_batches_tracked`` counts 2."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randint(0, Net.VOCAB, (2, 6), generator=generator))
 
 
 def on_meta(model: str) -> nn.Module:
@@ -286,9 +317,9 @@ def built(cell: Cell, rank: int) -> nn.Module:
     if cell.state == "meta" or (cell.state == "rank0" and rank != 0):
         return on_meta(kind)
     if cell.state != "part":
-        return eager(kind, seed)
+        return eager(kind, seed, warmed=True)
     model = on_meta(kind)
-    real = eager(kind, seed)
+    real = eager(kind, seed, warmed=True)
     for name in real_modules(kind):
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
@@ -306,13 +337,74 @@ def real_states(cell: Cell, rank: int) -> dict[str, torch.Tensor | None]:
 def checkpoint(model: str) -> dict[str, torch.Tensor]:
     """What the loaders read: an eager model's persistent states under another seed, each
     tensor its own copy (tied ones too, as ``save_pretrained`` writes them)."""
-    return {k: v.detach().clone() for k, v in eager(model, CHECKPOINT_SEED).state_dict().items()}
+    state = eager(model, CHECKPOINT_SEED, warmed=True).state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def seed_free(model: str) -> dict[str, torch.Tensor]:
     """The states whose eager values do not depend on the seed, with those values."""
     a, b = states_of(eager(model, 1)), states_of(eager(model, 2))
     return {k: v for k, v in a.items() if torch.equal(v, b[k])}
+
+
+DISTRIBUTION_SEEDS = 48
+
+
+@functools.cache
+def eager_statistics(model: str) -> dict[str, Statistics]:
+    """Per state, what eager construction gives under ``DISTRIBUTION_SEEDS`` seeds: the range
+    of its per-tensor mean and standard deviation, of its values, and the elements that every
+    seed gives the same value (with that value)."""
+    samples = [states_of(eager(model, seed)) for seed in range(DISTRIBUTION_SEEDS)]
+    out = {}
+    for name, first in samples[0].items():
+        values = torch.stack([s[name].double() for s in samples])
+        fixed = (values == values[0]).all(dim=0)
+        flat = values.reshape(len(samples), -1)
+        means = flat.mean(dim=1)
+        stds = flat.std(dim=1) if flat.shape[1] > 1 else torch.zeros(len(samples))
+        out[name] = Statistics(
+            (float(means.min()), float(means.max())),
+            (float(stds.min()), float(stds.max())),
+            (float(values.min()), float(values.max())),
+            fixed,
+            first.clone(),
+        )
+    return out
+
+
+class Statistics(NamedTuple):
+    mean: tuple[float, float]
+    std: tuple[float, float]
+    support: tuple[float, float]
+    fixed: torch.Tensor  # elements equal under every seed
+    value: torch.Tensor  # one seed's value (the fixed elements' value)
+
+
+def distribution_verdict(model: str, name: str, got: torch.Tensor) -> str | None:
+    """None when ``got`` could be a draw of eager construction: its seed-independent elements
+    equal, its per-tensor mean and standard deviation and its values inside eager's ranges
+    (widened by half of each range, so honest draws pass and zeros, a constant, a scaled or
+    shifted distribution fail)."""
+    stats = eager_statistics(model)[name]
+    if got.shape != stats.value.shape:
+        return f"{name} has shape {tuple(got.shape)}, eager construction {tuple(stats.value.shape)}"
+    if not torch.equal(got[stats.fixed], stats.value.to(got.dtype)[stats.fixed]):
+        return f"{name}: elements that eager construction fixes (any seed) differ"
+    values = got.double().reshape(-1)
+    checks = [("mean", float(values.mean()), stats.mean)]
+    if values.numel() > 1:
+        checks.append(("standard deviation", float(values.std()), stats.std))
+    checks += [("minimum", float(values.min()), stats.support)]
+    checks += [("maximum", float(values.max()), stats.support)]
+    for what, found, (low, high) in checks:
+        slack = (high - low) / 2 + 1e-12
+        if not low - slack <= found <= high + slack:
+            return (
+                f"{name}: {what} {found:.4g} is outside eager construction's "
+                f"[{low:.4g}, {high:.4g}] over {DISTRIBUTION_SEEDS} seeds"
+            )
+    return None
 
 
 def ignored_names(cell: Cell) -> set[str]:
@@ -325,23 +417,56 @@ def ignored_names(cell: Cell) -> set[str]:
 
 # -- the oracle ----------------------------------------------------------------------------------
 
-Drawn = None  # a value an initializer draws at random: no exact oracle
+class Drawn(NamedTuple):
+    """A value an initializer draws at random, and what holds it: ``"deterministic"`` or
+    ``"stream"`` (the same full value in every cell of that materializer and model, see
+    :func:`judge_across`), or ``"distribution"`` (:func:`distribution_verdict`)."""
+
+    how: str
+
+
+# A state's expected full value on one rank: exact, drawn, or None where the ranks hold it apart
+# and only each rank's own rows of its own value are defined (``Expected.local``).
+Value = torch.Tensor | Drawn | None
+
+
+class Refusal(NamedTuple):
+    """An error the build must raise on every rank: its type (``ConfigurationError`` and its
+    subclasses by their own names; ``RankDisagreementError`` on a rank that saw no fault of its
+    own but learnt of another's through the agreement) and the part of its message that tells
+    this refusal from every other."""
+
+    types: tuple[str, ...]
+    message: str
 
 
 class Expected(NamedTuple):
-    """What a cell must give: ``refusal`` (a regex the error must match on every rank), or per
-    rank, per state, the exact value (``Drawn`` where it is drawn at random) and whether every
-    rank must hold the same full value (``agree``); ``local``: per rank, exact local shards
-    (plain ``fully_shard``'s rows of the rank's own value) for states the ranks hold apart."""
+    """What a cell must give: ``refusals`` (any one of them, on every rank), or per rank, per
+    state, its full value (:data:`Value`) and whether every rank must hold the same full value
+    (``agree``); ``local``: per rank, exact local shards (plain ``fully_shard``'s rows of the
+    rank's own value) for states the ranks hold apart; ``dtypes``: the plain model's."""
 
-    refusal: str | None
-    values: list[dict[str, torch.Tensor | None]]
+    refusals: list[Refusal]
+    values: list[dict[str, Value]]
     agree: set[str]
     local: list[dict[str, torch.Tensor]]
+    dtypes: dict[str, torch.dtype]
 
 
 LOADERS = ("FromStateDict", "FromCheckpoint")
 REINITIALIZE = ("DeterministicInit", "InitWeights")
+AGREED = ("RankDisagreementError",)
+
+
+def drawn(cell: Cell) -> Drawn:
+    """How the cell's materializer's random draws are checked."""
+    if cell.materializer == "DeterministicInit":
+        return Drawn("deterministic")
+    if cell.materializer == "StreamInit" or (
+        cell.materializer == "default" and cell.backend == "fsdp2"
+    ):
+        return Drawn("stream")
+    return Drawn("distribution")
 
 
 def expected(cell: Cell) -> Expected:
@@ -349,6 +474,7 @@ def expected(cell: Cell) -> Expected:
     world = cell.world
     pre = [real_states(cell, r) for r in range(world)]
     names = list(pre[0])
+    dtypes = {n: t.dtype for n, t in states_of(on_meta(variant(cell))).items()}
     fixed = seed_free(variant(cell))
     materializer = cell.materializer
     # Every reason the cell must be refused for; the build names one of them (the checks run in
@@ -356,31 +482,41 @@ def expected(cell: Cell) -> Expected:
     reasons = []
     if cell.ignore == "module" and any(p["side.weight"] is None for p in pre):
         # Ignored modules are the user's, as in plain FSDP: left as they are, so not on meta.
-        reasons.append("Ignored states are on the meta device")
+        reasons.append(
+            Refusal(("ConfigurationError", *AGREED), "Ignored states are on the meta device")
+        )
     if materializer == "KeepAsIs" and any(v is None for p in pre for v in p.values()):
-        reasons.append("on the meta device")
+        reasons.append(
+            Refusal(("MaterializationError", *AGREED), r"`KeepAsIs`.*on the meta device")
+        )
     if materializer == "InitWeights" and cell.backend == "fsdp1":
-        reasons.append("InitWeights.*cannot shard a unit on meta")
+        reasons.append(Refusal(("ConfigurationError",), "InitWeights.*cannot shard a unit on meta"))
     if materializer == "InitWeights" and cell.synchronizer != "none":
-        reasons.append("InitWeights` initializes the whole model on local shards")
+        reasons.append(
+            Refusal(
+                ("ConfigurationError",), "InitWeights` initializes the whole model on local shards"
+            )
+        )
     if reasons:
-        return Expected("|".join(f"(?:{r})" for r in reasons), [], set(), [])
+        return Expected(reasons, [], set(), [], dtypes)
     overwrites = cell.synchronizer in ("BroadcastFromRank0", "Chain")
     ignored = ignored_names(cell)
     source = checkpoint(variant(cell)) if materializer in LOADERS else {}
+    draw = drawn(cell)
 
-    # Each rank's states after its own materialization; Drawn marks random draws.
-    post: list[dict[str, torch.Tensor | None]] = []
+    # Each rank's states after its own materialization.
+    post: list[dict[str, torch.Tensor | Drawn]] = []
     for r in range(world):
-        mine: dict[str, torch.Tensor | None] = {}
+        mine: dict[str, torch.Tensor | Drawn] = {}
         for name in names:
+            before = pre[r][name]
             if materializer in LOADERS:
-                mine[name] = source.get(name, fixed.get(name))
-            elif pre[r][name] is None or (materializer in REINITIALIZE and name not in ignored):
+                mine[name] = source.get(name, fixed.get(name, draw))
+            elif before is None or (materializer in REINITIALIZE and name not in ignored):
                 # A real ignored state is the user's: kept even by a reinitializing materializer.
-                mine[name] = fixed.get(name)
+                mine[name] = fixed.get(name, draw)
             else:
-                mine[name] = pre[r][name]
+                mine[name] = before
         post.append(mine)
 
     # Whether each state holds one value on every rank after materialization. Random draws agree
@@ -389,13 +525,14 @@ def expected(cell: Cell) -> Expected:
     differs = {n for n in names if any(_differ(post[0][n], post[r][n]) for r in range(world))}
     # A Chain broadcasts before it verifies, so only VerifyReplicas alone can find a difference.
     if cell.synchronizer == "VerifyReplicas" and differs - ignored:
-        return Expected("VerifyReplicas` found different values across ranks", [], set(), [])
+        found = Refusal(("StateMismatchError",), "`VerifyReplicas` found different values")
+        return Expected([found], [], set(), [], dtypes)
     if overwrites:
-        values = [
+        values: list[dict[str, Value]] = [
             {n: (post[r][n] if n in ignored else post[0][n]) for n in names} for r in range(world)
         ]
         agree = set(names) - ignored
-        return Expected(None, values, agree, [{} for _ in range(world)])
+        return Expected([], values, agree, [{} for _ in range(world)], dtypes)
     agree = set(names) - differs
     values = [dict(p) for p in post]
     local: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
@@ -403,18 +540,18 @@ def expected(cell: Cell) -> Expected:
         for r in range(world):
             # Full values of a state the ranks hold apart are only defined rank by rank: a
             # parameter's local shard (FSDP2), a buffer or ignored state's own value.
-            values[r][n] = post[r][n] if (n in ignored or _is_buffer(cell, n)) else None
             value = post[r][n]
-            if cell.backend == "fsdp2" and value is not None and n not in ignored:
+            values[r][n] = value if (n in ignored or _is_buffer(cell, n)) else None
+            if cell.backend == "fsdp2" and isinstance(value, torch.Tensor) and n not in ignored:
                 if not _is_buffer(cell, n):
                     local[r][n] = value  # compared through the rank's placements
-    return Expected(None, values, agree, local)
+    return Expected([], values, agree, local, dtypes)
 
 
-def _differ(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None and b is None:
-        return False  # both drawn, from the same RNG state
-    if a is None or b is None:
+def _differ(a: torch.Tensor | Drawn, b: torch.Tensor | Drawn) -> bool:
+    if isinstance(a, Drawn) and isinstance(b, Drawn):
+        return False  # both drawn, from the same RNG state or seed
+    if isinstance(a, Drawn) or isinstance(b, Drawn):
         return True
     return not torch.equal(a, b)
 
@@ -518,8 +655,10 @@ def gathered(model: nn.Module, backend: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def local_shards(model: nn.Module, wanted: dict[str, torch.Tensor]) -> dict[str, bool]:
-    """For each FSDP2 parameter in ``wanted``: whether its local shard equals the rows plain
+def local_shards(
+    model: nn.Module, wanted: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """For each FSDP2 parameter in ``wanted``: its local shard, and the rows plain
     ``distribute_tensor`` (no source rank: each rank's own value) gives this rank."""
     from torch.distributed.tensor import distribute_tensor
 
@@ -528,8 +667,62 @@ def local_shards(model: nn.Module, wanted: dict[str, torch.Tensor]) -> dict[str,
     for name, value in wanted.items():
         t = found[name]
         plain = distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None)
-        result[name] = torch.equal(plain.to_local(), t.to_local())
+        result[name] = (t.to_local().detach().clone(), plain.to_local())
     return result
+
+
+# torch.distributed's collectives, as the library calls them (through the module).
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
+_AGREEMENT = os.path.join("runtime", "agreement.py")
+
+
+class Collectives:
+    """Counts the collectives issued through ``torch.distributed`` while it is entered, each
+    with whether the rank agreement issued it (the one kind a refusal may follow)."""
+
+    def __init__(self) -> None:
+        self.issued: list[tuple[str, bool]] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> Collectives:
+        import sys
+
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counted(*args: Any, _name: str = name, _fn: Any = original, **kw: Any) -> Any:
+                # The agreement's own calls, not the steps it runs (those are its callees too).
+                by_agreement = sys._getframe(1).f_code.co_filename.endswith(_AGREEMENT)
+                self.issued.append((_name, by_agreement))
+                return _fn(*args, **kw)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    def outside_agreement(self) -> list[str]:
+        return [name for name, by_agreement in self.issued if not by_agreement]
 
 
 def _named(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -544,12 +737,22 @@ def _untouched(model: nn.Module, before: list[tuple[str, int, bool]]) -> bool:
     )
 
 
-def train_step(model: nn.Module, cell: Cell) -> float:
+LR = 0.01
+
+
+def train_ids(cell: Cell) -> torch.Tensor:
     vocab = Net.VOCAB if cell.model == "net" else 32
-    ids = torch.arange(12).remainder(vocab).view(2, 6)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    out = model(ids)
-    loss = out if cell.model == "net" else out.logits.float().mean()
+    return torch.arange(12).remainder(vocab).view(2, 6)
+
+
+def loss_of(model: nn.Module, cell: Cell) -> torch.Tensor:
+    out = model(train_ids(cell))
+    return out if cell.model == "net" else out.logits.float().mean()
+
+
+def train_step(model: nn.Module, cell: Cell) -> float:
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss = loss_of(model, cell)
     loss.backward()
     optimizer.step()
     return float(loss.detach())
@@ -562,31 +765,40 @@ def run_cell(cell: Cell, layouts: Layouts, path: Path, wanted_local: dict[str, A
     before = [(n, id(t), t.is_meta) for n, t in _named(model)]
     b = builder_for(cell, model, layouts, path)
     torch.manual_seed(BUILD_SEED)
-    try:
-        result = b.build(model)
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "untouched": _untouched(model, before)}
+    with Collectives() as collectives:
+        try:
+            result = b.build(model)
+        except Exception as exc:
+            return {
+                "error": f"{type(exc).__name__}: {exc}",
+                "untouched": _untouched(model, before),
+                "collectives": collectives.outside_agreement(),
+                "agreements": len(collectives.issued) - len(collectives.outside_agreement()),
+            }
     full = gathered(result, cell.backend)
     local = local_shards(result, wanted_local) if wanted_local else {}
     loss = train_step(result, cell)
-    return {"error": None, "full": full, "local": local, "loss": loss}
+    post = gathered(result, cell.backend)
+    return {
+        "error": None,
+        "full": full,
+        "local": local,
+        "loss": loss,
+        "post": post,
+        "collectives": collectives.outside_agreement(),
+        "agreements": len(collectives.issued) - len(collectives.outside_agreement()),
+    }
 
 
 # -- judging -------------------------------------------------------------------------------------
 
 
 def judge(cell: Cell, want: Expected, ranks: list[dict[str, Any]]) -> str | None:
-    """None when the ranks' results are the oracle's; otherwise what differs."""
+    """None when the ranks' results are the oracle's; otherwise what differs. Draws that must
+    be equal across cells are judged by :func:`judge_across`."""
     errors = [r["error"] for r in ranks]
-    if want.refusal is not None:
-        import re
-
-        for rank, (error, result) in enumerate(zip(errors, ranks, strict=True)):
-            if error is None or not re.search(want.refusal, error):
-                return f"rank {rank}: expected a refusal matching {want.refusal!r}, got {error!r}"
-            if "untouched" in result and not result["untouched"] and "VerifyReplicas" not in error:
-                return f"rank {rank}: refused after changing the model: {error}"
-        return None
+    if want.refusals:
+        return _judge_refusal(want.refusals, ranks)
     for rank, error in enumerate(errors):
         if error is not None:
             return f"rank {rank} raised: {error}"
@@ -599,18 +811,152 @@ def judge(cell: Cell, want: Expected, ranks: list[dict[str, Any]]) -> str | None
             )
         for name, value in want.values[rank].items():
             got = full[name]
+            if got.dtype != want.dtypes[name]:
+                return f"rank {rank}: {name} is {got.dtype}, the plain model's {want.dtypes[name]}"
             if got.is_meta or not torch.isfinite(got.float()).all():
                 return f"rank {rank}: {name} is not real and finite"
-            if value is not None and not torch.equal(got, value.to(got.dtype)):
+            if isinstance(value, torch.Tensor) and not torch.equal(got, value):
                 return f"rank {rank}: {name} differs from the oracle"
+            if isinstance(value, Drawn):
+                wrong = distribution_verdict(variant(cell), name, got)
+                if wrong is not None:
+                    return f"rank {rank}: {wrong}"
             if name in want.agree and not torch.equal(got, ranks[0]["full"][name]):
                 return f"rank {rank}: {name} differs from rank 0's, where every rank must agree"
-        bad = [n for n, same in result["local"].items() if not same]
-        if bad:
-            return f"rank {rank}: local shards of {bad} are not this rank's own rows"
-        if not torch.isfinite(torch.tensor(result["loss"])):
-            return f"rank {rank}: the training step's loss is not finite"
+        for name, (shard, plain) in result["local"].items():
+            if not torch.equal(shard, plain):
+                return f"rank {rank}: the local shard of {name} is not this rank's own rows"
+    return _judge_step(cell, ranks)
+
+
+def _judge_refusal(refusals: list[Refusal], ranks: list[dict[str, Any]]) -> str | None:
+    import re
+
+    for rank, result in enumerate(ranks):
+        error = result["error"]
+        kind, _, message = (error or "").partition(": ")
+        if error is None or not any(
+            kind in r.types and re.search(r.message, message) for r in refusals
+        ):
+            wanted = " or ".join(f"{'/'.join(r.types)} matching {r.message!r}" for r in refusals)
+            return f"rank {rank}: expected {wanted}, got {error!r}"
+        if "VerifyReplicas" in message:
+            continue  # it refuses what it compared, unit by unit: after collectives, by design
+        if not result.get("untouched", False):
+            return f"rank {rank}: refused after changing the model: {error}"
+        if result.get("collectives"):
+            return (
+                f"rank {rank}: refused after issuing collectives {result['collectives']} "
+                "outside the agreement"
+            )
     return None
+
+
+def reference_step(cell: Cell, ranks: list[dict[str, Any]]) -> list[tuple[float, dict]]:
+    """Per rank, the training step in plain PyTorch from the states the rank gathered before its
+    step: its loss and states after it. Gradients are averaged over all ranks (every rank is a
+    data-parallel replica of one batch), an ignored parameter's kept local."""
+    ignored = ignored_names(cell)
+    models, losses = [], []
+    for result in ranks:
+        model = eager(variant(cell), 0)  # to_empty would break the tie
+        with torch.no_grad():
+            for name, t in _named(model):
+                t.copy_(result["full"][name])
+        loss = loss_of(model, cell)
+        loss.backward()
+        models.append(model)
+        losses.append(float(loss.detach()))
+    grads = [{n: p.grad for n, p in m.named_parameters()} for m in models]
+    out = []
+    for rank, model in enumerate(models):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                step: torch.Tensor | None = grads[rank][name]
+                if name not in ignored:
+                    found = [g for mine in grads if (g := mine[name]) is not None]
+                    step = torch.stack(found).mean(0) if found else None
+                if step is not None:
+                    p.add_(step, alpha=-LR)
+        out.append((losses[rank], states_of(model)))
+    return out
+
+
+def _judge_step(cell: Cell, ranks: list[dict[str, Any]]) -> str | None:
+    """The training step against the same step in plain PyTorch (reductions in another order:
+    equal within float32 rounding)."""
+    for rank, (loss, states) in enumerate(reference_step(cell, ranks)):
+        got = ranks[rank]
+        if not math.isclose(got["loss"], loss, rel_tol=1e-5, abs_tol=1e-6):
+            return f"rank {rank}: the step's loss {got['loss']} is not plain PyTorch's {loss}"
+        for name, want in states.items():
+            after = got["post"].get(name)
+            if after is None or after.dtype != want.dtype or after.shape != want.shape:
+                return f"rank {rank}: after the training step, {name} is not plain PyTorch's"
+            if not torch.allclose(after, want, rtol=1e-5, atol=1e-6):
+                worst = float((after.double() - want.double()).abs().max())
+                return (
+                    f"rank {rank}: after the training step, {name} differs from plain "
+                    f"PyTorch's step by up to {worst:.3g}"
+                )
+    return None
+
+
+def anchors() -> list[Cell]:
+    """Per model and materializer whose draws must be the same in every cell: a world-size-1
+    FSDP1 build and an FSDP2 one from meta, so that every such cell has others to equal."""
+    out = []
+    for backend in BACKENDS:
+        for materializer in ("DeterministicInit", "StreamInit"):
+            for model, ignore in (("net", "none"), ("net", "param"), ("llama", "none")):
+                out.append(Cell(backend, materializer, "none", "meta", "default", 1, model, ignore))
+    return out
+
+
+def judge_across(judged: dict[Cell, tuple[Expected, list[dict[str, Any]] | None]]) -> dict[
+    Cell, str
+]:
+    """Draws promised equal everywhere (``Drawn("deterministic")``, ``Drawn("stream")``) against
+    each other: per model and state, every cell's full value equals the first cell's (by key).
+    Returns the cells found wrong, with why; cells that raised are left to :func:`judge`."""
+    groups: dict[tuple[str, str, str], list[tuple[Cell, torch.Tensor]]] = {}
+    for cell in sorted(judged, key=lambda c: c.key):
+        want, ranks = judged[cell]
+        if want.refusals or ranks is None or any(r["error"] is not None for r in ranks):
+            continue
+        for rank, values in enumerate(want.values):
+            for name, value in values.items():
+                if isinstance(value, Drawn) and value.how != "distribution":
+                    key = (value.how, variant(cell), name)
+                    groups.setdefault(key, []).append((cell, ranks[rank]["full"][name]))
+    wrong: dict[Cell, str] = {}
+    for (how, _, name), members in groups.items():
+        first_cell, first = members[0]
+        for cell, value in members[1:]:
+            if cell not in wrong and not torch.equal(value, first):
+                wrong[cell] = (
+                    f"{name} ({how} draws) differs from cell {first_cell.key}'s: the same "
+                    "full value is promised at any world size, backend and layout"
+                )
+    return wrong
+
+
+def checks(judged: dict[Cell, Expected]) -> dict[str, int]:
+    """How each cell's seed-dependent states are held: cells with draws checked by equality
+    across cells, by distribution, and cells with no drawn state (every value exact)."""
+    counts = {"across cells": 0, "distribution": 0, "exact only": 0, "refused": 0}
+    for want in judged.values():
+        if want.refusals:
+            counts["refused"] += 1
+            continue
+        kinds = {v.how for vs in want.values for v in vs.values() if isinstance(v, Drawn)}
+        if kinds & {"deterministic", "stream"}:
+            counts["across cells"] += 1
+        if "distribution" in kinds:
+            counts["distribution"] += 1
+        if not kinds:
+            counts["exact only"] += 1
+    return counts
 
 
 def rank_cells(cells: list[tuple[Cell, list[dict[str, torch.Tensor]]]], paths: dict) -> Any:
@@ -641,7 +987,7 @@ def rank_cells(cells: list[tuple[Cell, list[dict[str, torch.Tensor]]]], paths: d
 
 def run_matrix(cells: list[Cell], folder: Path, chunk: int = 400) -> dict[Cell, str | None]:
     """Every cell's verdict (None: equal to its oracle or refused as it says), world size by
-    world size, ``chunk`` cells per spawn."""
+    world size, ``chunk`` cells per spawn; then the draws promised equal across cells."""
     from safetensors.torch import save_file
 
     from fsdp_builder.tools.launch import run_ranks
@@ -651,6 +997,7 @@ def run_matrix(cells: list[Cell], folder: Path, chunk: int = 400) -> dict[Cell, 
         paths[kind] = str(folder / f"{kind}.safetensors")
         save_file(checkpoint(kind), paths[kind])
     verdicts: dict[Cell, str | None] = {}
+    kept: dict[Cell, tuple[Expected, list[dict[str, Any]] | None]] = {}
     for world in WORLDS:
         mine = [c for c in cells if c.world == world]
         for start in range(0, len(mine), chunk):
@@ -667,39 +1014,58 @@ def run_matrix(cells: list[Cell], folder: Path, chunk: int = 400) -> dict[Cell, 
             for c in part:
                 outcomes = [r[c.key] for r in ranks]
                 failed = [o.error for o in outcomes if o.error is not None]
+                results = [o.value for o in outcomes]
                 verdicts[c] = (
-                    f"did not complete: {failed[0]}"
-                    if failed
-                    else judge(c, wants[c], [o.value for o in outcomes])
+                    f"did not complete: {failed[0]}" if failed else judge(c, wants[c], results)
                 )
+                kept[c] = (wants[c], None if failed else [_drawn_only(r) for r in results])
+    for cell, why in judge_across(kept).items():
+        verdicts[cell] = verdicts[cell] or why
     return verdicts
+
+
+def _drawn_only(result: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`judge_across` reads of a rank's result (the full product keeps thousands)."""
+    return {"error": result["error"], "full": result.get("full")}
 
 
 def summary(cells: list[Cell], verdicts: dict[Cell, str | None], seconds: float) -> str:
     """The result table: cells, equal to the oracle, refused as the oracle says (by reason),
-    wrong, and what did not complete (a hang ends in the build's bound or the spawn's)."""
+    wrong, and what did not complete (a hang ends in the build's bound or the spawn's); then
+    how the cells' random draws were checked."""
     refused: dict[str, int] = {}
     equal = 0
+    wants = {c: expected(c) for c in cells}
     for c in cells:
-        want = expected(c)
+        want = wants[c]
         if verdicts[c] is None:
-            if want.refusal is None:
+            if not want.refusals:
                 equal += 1
             else:
-                refused[want.refusal] = refused.get(want.refusal, 0) + 1
+                reason = _readable(want.refusals)
+                refused[reason] = refused.get(reason, 0) + 1
     wrong = [c for c in cells if "did not complete" not in (verdicts[c] or "did not complete")]
     hung = [c for c in cells if "did not complete" in (verdicts[c] or "")]
+    counts = checks(wants)
     lines = [
         "| cells | equal to the oracle | refused as the oracle says | wrong | did not complete |",
         "|---|---|---|---|---|",
         f"| {len(cells)} | {equal} | {sum(refused.values())} | {len(wrong)} | {len(hung)} |",
         "",
-        "Refusals, by the error the oracle expects (raised on every rank, before any collective "
-        "except VerifyReplicas' own comparison, model untouched):",
+        "How the built cells' seed-dependent states are checked (a cell can count twice: "
+        "draws of its own and exact values): equal across cells (`DeterministicInit`, "
+        f"`StreamInit`) {counts['across cells']}, by distribution against eager draws "
+        f"{counts['distribution']}, no drawn state (every value exact) "
+        f"{counts['exact only']}. Every built cell's training step is compared with plain "
+        "PyTorch's.",
         "",
-        "| expected error (regex) | cells |",
+        "Refusals, by the error the oracle expects (raised on every rank, with no collective "
+        "but the agreement's before it and the model untouched, except VerifyReplicas' own "
+        "comparison):",
+        "",
+        "| expected error | cells |",
         "|---|---|",
-        *(f"| {_readable(reason)} | {n} |" for reason, n in sorted(refused.items())),
+        *(f"| {reason} | {n} |" for reason, n in sorted(refused.items())),
         "",
         f"Wall time: {seconds:.0f} s on this machine.",
     ]
@@ -739,10 +1105,9 @@ def header(args: Any) -> str:
     )
 
 
-def _readable(refusal: str) -> str:
-    """A refusal's alternatives, each in backticks."""
-    parts = refusal.removeprefix("(?:").removesuffix(")").split(")|(?:")
-    return " or ".join(f"`{p}`" for p in parts)
+def _readable(refusals: list[Refusal]) -> str:
+    """Each alternative as its types and message pattern, in backticks."""
+    return " or ".join(f"{'/'.join(r.types)} `{r.message}`" for r in refusals)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -769,6 +1134,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.keys is not None:
         keys = set(args.keys.read_text().split())
         cells = [c for c in cells if c.key in keys]
+    # Draws promised equal across cells need others to equal: the world-size-1 anchors.
+    cells += [c for c in anchors() if c not in cells and c in {*cells, *full_product()}]
+    cells = [c for c in cells if args.world is None or c.world == args.world]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         verdicts = run_matrix(cells, Path(folder))
