@@ -1,6 +1,7 @@
 """Which derived-tensor rules a model's checkpoints get, by its ``config.model_type``: rules
 registered with :func:`register_checkpoint_rules`, else transformers' own conversion mapping
-where this library can express it, else the built-in Mixtral and Qwen-MoE rules."""
+(its renames always; a converter this library cannot apply refuses only the keys it acts on),
+else the built-in Mixtral and Qwen-MoE rules."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+from attrs import field, frozen
+
 from fsdp_builder.common.logs import get_logger
 from fsdp_builder.errors import config_error
+from fsdp_builder.sources.base import SourceError, listed
 from fsdp_builder.sources.derived import MergeExperts, Rename, Rule
 
 log = get_logger(__name__)
@@ -90,9 +94,81 @@ def unregister_checkpoint_rules(model_type: str) -> None:
     _USER.pop(model_type, None)
 
 
+@frozen
+class _Transformers(Rename):
+    """One of transformers' renames, applied by transformers itself: its scope (a sub-model's
+    prefix, with or without the base model's), capture groups and name boundaries are then
+    exactly as ``from_pretrained`` reads them. ``pattern``/``replacement`` only describe it."""
+
+    transform: Any = field(default=None, eq=False, repr=False)
+
+    def apply(self, name: str) -> str:
+        renamed, _ = self.transform.rename_source_key(name)
+        return str(renamed)
+
+
+@frozen
+class _Unexpressed(Rename):
+    """Transformers' converters in their order, some of which this loader cannot apply
+    (``unexpressed``): a name the first matching converter of which is one of those is refused,
+    naming the converter; every other name is kept. It comes after every rename, as the
+    converters act on renamed names in transformers too."""
+
+    converters: tuple[Any, ...] = field(default=(), eq=False, repr=False)
+    unexpressed: frozenset[int] = field(default=frozenset(), eq=False, repr=False)
+    model: str = ""
+
+    def apply(self, name: str) -> str:
+        for i, converter in enumerate(self.converters):
+            if converter.rename_source_key(name)[1] is None:
+                continue
+            if i in self.unexpressed:
+                raise SourceError(
+                    f"holds '{name}', which transformers' conversion mapping for {self.model} "
+                    f"converts into {listed([repr(t) for t in converter.target_patterns])} with "
+                    f"{_describe(converter)}; this loader cannot apply that transform (every "
+                    f"key matching {listed([repr(s) for s in converter.source_patterns])} "
+                    "needs it)",
+                    fix="Load the folder with transformers' from_pretrained and pass the "
+                    "model's state_dict() to FromCheckpoint, or save the tensors under the "
+                    "model's own names (torch.save or safetensors of its state_dict())",
+                )
+            break
+        return name
+
+
+def _describe(converter: Any) -> str:
+    ops = ", ".join(repr(op) for op in getattr(converter, "operations", ())) or "no operation"
+    scope = getattr(converter, "scope_prefix", None)
+    where = f" within '{scope}'" if scope else ""
+    return f"{type(converter).__name__}({ops}){where}"
+
+
+def _merge(t: Any, merge_list: Any, concatenate: Any) -> MergeExperts | None:
+    """A converter as a MergeExperts rule; None where it is not one (or is scoped to a
+    sub-model, which MergeExperts cannot express)."""
+    sources, targets = list(t.source_patterns), list(t.target_patterns)
+    if getattr(t, "scope_prefix", None) or len(targets) != 1:
+        return None
+    ops = list(t.operations)
+    originals = list(getattr(t, "_original_source_patterns", sources))
+    stacked = bool(ops) and type(ops[0]) is merge_list and ops[0].dim == 0
+    if not stacked or any(s.count("*") != 1 for s in originals):
+        return None
+    last = ops[-1]
+    if len(originals) == 1 and len(ops) == 1:
+        return MergeExperts((originals[0],), targets[0])
+    if len(originals) > 1 and len(ops) == 2 and type(last) is concatenate and last.dim >= 1:
+        return MergeExperts(tuple(originals), targets[0], last.dim)
+    return None
+
+
 def _from_transformers(model: Any) -> tuple[Rule, ...] | None:
-    """transformers' conversion mapping for ``model`` as rules; None if it has none or some
-    transform in it cannot be expressed."""
+    """transformers' conversion mapping for ``model`` as rules (None if it has none): every
+    rename, prefix changes among them; the converters that stack experts as MergeExperts; and
+    a check that refuses a name only where a converter this loader cannot apply would act on
+    it. A transform that is neither a rename nor a converter leaves the mapping out (as before
+    transformers had such transforms): nothing partial is applied then."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
@@ -105,29 +181,29 @@ def _from_transformers(model: Any) -> tuple[Rule, ...] | None:
         transforms = get_model_conversion_mapping(model, add_legacy=False)
     except Exception:  # an older transformers, or a model it does not know
         return None
-    rules: list[Rule] = []
+    renames: list[Rule] = []
+    merges: list[Rule] = []
+    converters: list[Any] = []
+    unexpressed: set[int] = set()
     for t in transforms:
-        sources, targets = list(t.source_patterns), list(t.target_patterns)
-        if getattr(t, "scope_prefix", None) or len(targets) != 1:
-            return None
-        if type(t) is WeightRenaming and len(sources) == 1:
-            rules.append(Rename(sources[0], targets[0]))
-            continue
-        if type(t) is not WeightConverter:
-            return None
-        ops = list(t.operations)
-        originals = list(getattr(t, "_original_source_patterns", sources))
-        stacked = bool(ops) and type(ops[0]) is MergeModulelist and ops[0].dim == 0
-        if not stacked or any(s.count("*") != 1 for s in originals):
-            return None
-        last = ops[-1]
-        if len(originals) == 1 and len(ops) == 1:
-            rules.append(MergeExperts((originals[0],), targets[0]))
-        elif len(originals) > 1 and len(ops) == 2 and type(last) is Concatenate and last.dim >= 1:
-            rules.append(MergeExperts(tuple(originals), targets[0], last.dim))
+        if isinstance(t, WeightRenaming):
+            renames.append(_Transformers(t.compiled_sources.pattern, str(t.target_patterns[0]), t))
+        elif isinstance(t, WeightConverter):
+            merge = _merge(t, MergeModulelist, Concatenate)
+            if merge is None:
+                unexpressed.add(len(converters))
+            else:
+                merges.append(merge)
+            converters.append(t)
         else:
+            log.debug("conversion_mapping_skipped", transform=type(t).__name__)
             return None
-    return tuple(rules)
+    if unexpressed:
+        check = _Unexpressed(
+            "", "", tuple(converters), frozenset(unexpressed), type(model).__name__
+        )
+        renames.append(check)
+    return (*renames, *merges)
 
 
 def checkpoint_rules(model: Any, *, complete: bool = False) -> tuple[Rule, ...]:
