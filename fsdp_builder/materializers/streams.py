@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
 )
@@ -183,10 +184,20 @@ def _truncated(mean: float, std: float, a: float, b: float) -> _Draw:
     low, high = 2 * cdf((a - mean) / std) - 1, 2 * cdf((b - mean) / std) - 1
 
     def draw(out: torch.Tensor, g: torch.Generator) -> None:
-        out.uniform_(low, high, generator=g).erfinv_()
-        out.mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
+        # In 16 bits the uniforms near +-1 are too coarse for erfinv: bf16 gave nothing beyond
+        # 2.9 std. Drawn in float32 and rounded once, like torch's own normal_ in 16 bits; the
+        # rounded values stay within torch's bounds (a and b rounded to the dtype).
+        wide = out.dtype in _WIDE
+        work = out if wide else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        work.uniform_(low, high, generator=g).erfinv_()
+        work.mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
+        if work is not out:
+            out.copy_(work)
 
     return draw
+
+
+_WIDE = (torch.float32, torch.float64)
 
 
 _TRUNC_NORMAL = nn.init.trunc_normal_.__code__
@@ -217,6 +228,16 @@ def _sampler(method: str, *spec: tuple[str, Any]) -> _Answer:
     def answer(streams: _Streams, func: Any, tensor: torch.Tensor, rest: Any, kw: Any) -> Any:
         truncated = _trunc_normal_args(tensor)
         if truncated is not None:
+            # Answered only where the substitution is exact: torch draws ``normal_`` and redraws
+            # the values outside [a, b]; ours are all inside, so none is redrawn and the result
+            # is the truncated normal. Where it draws ``uniform_`` (bounds keeping <= 30 % of
+            # the mass: candidates kept with probability pdf(x) / pdf(mode)), its acceptance
+            # test would thin our values again, a wrong distribution (mean 1.40 instead of
+            # 1.51 for a=1, b=3). There torch's own sampler runs on the whole tensor (a shard
+            # is stopped at its first op on a DTensor and initialized again whole), from the
+            # generator seeded by the module's name: the same values at any world size.
+            if method != "normal_":
+                return None
             return streams.draw(tensor, _truncated(*truncated))
         x, y = _args(rest, kw, *spec)
         return streams.draw(tensor, lambda out, g: getattr(out, method)(x, y, generator=g))
@@ -281,6 +302,20 @@ _ANSWERS: dict[Any, _Answer] = {
 }
 
 
+# ``param.data = tensor`` on a DTensor replaces the wrapper's data, not its local shard: the
+# shard keeps what it held (here: nothing written) and no dispatch mode sees it.
+_SET_DATA: Any = torch.Tensor.data.__set__  # type: ignore[attr-defined]
+
+
+def _stop_on_shard(operation: str) -> None:
+    """Stop an initializer at ``operation`` on a shard, as ``_ShardWatch`` stops the ops it sees,
+    so the module is initialized again on whole tensors; nothing to stop outside a watch."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _ShardWatch):
+            mode.stopped = mode.stopped or operation
+            raise _ShardOp(operation)
+
+
 class _StreamMode(TorchFunctionMode):
     """On this thread, answers the initializers of tensors ``streams`` names from their stream."""
 
@@ -292,6 +327,8 @@ class _StreamMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func == _SET_DATA and isinstance(args[0], DTensor):
+            _stop_on_shard("Tensor.data = ...")
         answer = _ANSWERS.get(func)
         if answer is not None:
             tensor = args[0] if args else kwargs.get("tensor")
