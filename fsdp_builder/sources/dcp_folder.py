@@ -16,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor
 
 from fsdp_builder.errors import MaterializationError
@@ -34,12 +33,14 @@ from fsdp_builder.versions import DCP_NO_DIST, require
 # A failed DCP read raises CheckpointException, a BaseException rather than an Exception.
 _READ_ERRORS = (Exception, CheckpointException)
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# DCP's storage record, by the name its pickles give it (a private class of torch's).
+_RECORD = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 _PATHS = ("Path", "PurePath", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 # Names outside the metadata module that DCP's metadata pickles refer to.
 _ADMITTED = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a lookup of a layout by its name
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    _RECORD,
     ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),
@@ -152,10 +153,10 @@ class DCPSource:
                 raise refuse(
                     f"with a storage record key that is {_shown(key)}, not torch's MetadataIndex"
                 )
-            if not isinstance(info, _StorageInfo):
+            if (type(info).__module__, type(info).__qualname__) != _RECORD:
                 raise refuse(
                     f"with the storage record of '{key.fqn}' that is {_shown(info)}, not "
-                    "torch's _StorageInfo"
+                    f"torch's {_RECORD[1]}"
                 )
             for field in ("offset", "length"):
                 value = getattr(info, field, None)
@@ -293,7 +294,10 @@ class DCPSource:
 
 def _shown(value: object) -> str:
     """``value`` as a refusal names it: its type and a short repr."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # a record unpickled without a field its repr shows
+        text = "(no repr)"
     return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
