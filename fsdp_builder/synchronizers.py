@@ -344,38 +344,71 @@ class VerifyReplicas(BaseSynchronizer):
     @override
     def synchronize(self, unit: Unit, env: Environment) -> int:
         states = checked_states(unit, env, "VerifyReplicas")
-        total = 0
-        for stages, members in by_stages(states):
-            sums = [checksum(s.tensor) for s in members]
-            for group, _ in stages:
-                total += self._compare(unit, members, sums, group)
-        return total
-
-    def _compare(
-        self, unit: Unit, states: list[SyncState], sums: list[int], group: dist.ProcessGroup | None
-    ) -> int:
-        world = dist.get_world_size(group)
-        device = collective_device(group)
-        mine = torch.tensor(sums, dtype=torch.int64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
+        entries = by_stages(states)
+        # One row per rank: each stage's source rank (which names the rank's group along that
+        # stage), then a checksum per state. Gathered once over the build's ranks, every rank
+        # judges every group alike: comparing per group instead, ranks whose group differs
+        # would raise while the others wait for them in the next group's comparison.
+        row: list[int] = []
+        for stages, members in entries:
+            row += [src for _, src in stages]
+            row += [checksum(s.tensor) for s in members]
+        group = env.agreement_group
+        mine = torch.tensor(row, dtype=torch.int64, device=collective_device(group))
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         table = torch.stack(gathered).cpu()
-        differs = (table != table[0]).any(dim=0)
-        if bool(differs.any()):
-            index = int(differs.nonzero()[0])
-            values = [int(v) for v in table[:, index]]
-            ranks = [
-                dist.get_global_rank(group, r) if group is not None else r for r in range(world)
-            ]
-            agreeing = [r for r, v in zip(ranks, values, strict=True) if v == values[0]]
-            odd = [r for r in ranks if r not in agreeing]
-            count = int(differs.sum())
-            raise StateMismatchError(
-                f"`VerifyReplicas` found different values across ranks in unit '{unit.label}': "
-                f"the first differing state is '{states[index].name}', where rank(s) "
-                f"{', '.join(map(str, odd))} differ from rank(s) "
-                f"{', '.join(map(str, agreeing))} ({count} state(s) of this unit differ). "
-                "Synchronize before verifying, e.g. .synchronize(BroadcastFromRank0(), "
-                "VerifyReplicas()), or seed every rank alike before building."
-            )
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        found = _first_mismatch(entries, table, ranks)
+        if found is not None:
+            raise found.error(unit)
         return int(table.numel() * table.element_size())
+
+
+@frozen
+class _Mismatch:
+    """The first state whose replicas differ, by global rank, and how many states differ."""
+
+    name: str
+    odd: list[int]
+    agreeing: list[int]
+    count: int
+
+    def error(self, unit: Unit) -> StateMismatchError:
+        return StateMismatchError(
+            f"`VerifyReplicas` found different values across ranks in unit '{unit.label}': "
+            f"the first differing state is '{self.name}', where rank(s) "
+            f"{', '.join(map(str, self.odd))} differ from rank(s) "
+            f"{', '.join(map(str, self.agreeing))} ({self.count} state(s) of this unit differ). "
+            "Synchronize before verifying, e.g. .synchronize(BroadcastFromRank0(), "
+            "VerifyReplicas()), or seed every rank alike before building."
+        )
+
+
+def _first_mismatch(
+    entries: list[tuple[Stages, list[SyncState]]], table: torch.Tensor, ranks: list[int] | None
+) -> _Mismatch | None:
+    """The first difference in ``table`` (a row per rank: each stage's source rank, then each
+    state's checksum), in stage order, then group order (by source rank); the same on every
+    rank, which all hold the whole table."""
+    first: _Mismatch | None = None
+    differing: set[tuple[int, int]] = set()
+    offset = 0
+    for e, (stages, members) in enumerate(entries):
+        sums = table[:, offset + len(stages) : offset + len(stages) + len(members)]
+        for j in range(len(stages)):
+            sources = table[:, offset + j]
+            for src in sorted({int(v) for v in sources}):
+                rows = (sources == src).nonzero().flatten()
+                block = sums[rows]
+                differs = (block != block[0]).any(dim=0)
+                differing |= {(e, int(i)) for i in differs.nonzero().flatten()}
+                if first is None and bool(differs.any()):
+                    index = int(differs.nonzero()[0])
+                    named = [int(r) if ranks is None else ranks[int(r)] for r in rows]
+                    values = [int(v) for v in block[:, index]]
+                    agreeing = [r for r, v in zip(named, values, strict=True) if v == values[0]]
+                    odd = [r for r in named if r not in agreeing]
+                    first = _Mismatch(members[index].name, odd, agreeing, 0)
+        offset += len(stages) + len(members)
+    return None if first is None else attrs.evolve(first, count=len(differing))
