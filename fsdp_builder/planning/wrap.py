@@ -12,7 +12,7 @@ from attrs import frozen
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
 
-from fsdp_builder.common.logs import build_logger
+from fsdp_builder.common.logs import build_logger, warn_user
 from fsdp_builder.config import CheckpointPredicate, PerUnitFn
 from fsdp_builder.errors import config_error
 from fsdp_builder.planning.ignored import NamedModules, is_wrapped
@@ -134,6 +134,9 @@ class WrapPolicy:
             return _legacy_select(root, self.legacy_policy, ignored_modules)
         # torch's and legacy policies walk the model themselves: the list is taken only here.
         named = list(root.named_modules()) if named is None else named
+        if self.is_default():
+            warn_one_unit(root, ignored_modules, named)
+            return set()
         selected: set[nn.Module] = set()
         # Whether the model has a module of the classes at all (the root and ignored ones too):
         # none at all is a policy written for another model.
@@ -215,6 +218,43 @@ class WrapPolicy:
         if self.predicate is not None:
             return getattr(self.predicate, "__name__", "predicate")
         return "root-only"
+
+
+# Above this many bytes of parameters, a model that would be one unit because nothing chose
+# units (no .wrap, no _no_split_modules) is warned about: every rank would gather all of it.
+ONE_UNIT_WARNING_BYTES = 8 * 2**20
+
+
+def warn_one_unit(
+    root: nn.Module, ignored_modules: frozenset[nn.Module], named: NamedModules
+) -> None:
+    """Warn (a ``one_unit_model`` event and a UserWarning) that ``root`` will be a single unit
+    when its parameters, ignored ones aside, exceed :data:`ONE_UNIT_WARNING_BYTES`.
+
+    A size-based default wrap (FSDP's ``size_based_auto_wrap_policy``) is not taken instead:
+    its units cut through modules that share a parameter (a tied embedding and head, which the
+    plan then refuses) and change with the threshold; which modules are blocks is the user's
+    knowledge, so the warning names the classes that look like blocks."""
+    ignored = {id(p) for m in ignored_modules for p in m.parameters()}
+    params = {id(p): p for p in root.parameters() if id(p) not in ignored}
+    size = sum(p.numel() * p.element_size() for p in params.values())
+    if size <= ONE_UNIT_WARNING_BYTES:
+        return
+    model = type(root).__name__
+    blocks = block_like_classes(root)
+    example = f"`.wrap({blocks[0]})`" if blocks else "`.wrap(Block)`"
+    looks = f" (classes of {model} that look like blocks: {', '.join(blocks[:6])})"
+    looks = looks if blocks else ""
+    build_logger(__name__).warning(
+        "one_unit_model", model=model, parameter_bytes=size, block_like=blocks[:6]
+    )
+    warn_user(
+        f"{model} ({size / 2**20:.1f} MiB of parameters) declares no _no_split_modules and no "
+        f"`.wrap(...)` was given, so the whole model is one shard unit: every rank gathers all "
+        f"of its parameters in forward and backward. Pass the classes of its blocks to "
+        f"`.wrap(...)`, e.g. {example}{looks}, or a callable (module, fqn) -> bool; "
+        "`.wrap(lambda module, fqn: False)` keeps one unit on purpose, without this warning."
+    )
 
 
 def _tied_outside(named: NamedModules, chosen: set[nn.Module]) -> dict[nn.Module, str]:
@@ -400,6 +440,7 @@ def _legacy_select(
 
 
 __all__ = [
+    "ONE_UNIT_WARNING_BYTES",
     "ChosenClasses",
     "NoSplitModules",
     "WrapPolicy",
@@ -409,4 +450,5 @@ __all__ = [
     "checkpoint_predicate",
     "checkpoint_unit",
     "unit_overrides",
+    "warn_one_unit",
 ]
