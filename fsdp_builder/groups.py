@@ -117,12 +117,18 @@ def checked_groups(factory: GroupFactory, returned: object) -> ProcessGroups:
         # A data-parallel slice next to other dims: check_placed_on_other_dims decides.
         return returned
     building = dist.get_world_size(factory.agreement_group())
-    spanned = returned.data_parallel_size
+    # With a mesh, the mesh is what FSDP shards over (its dims are the backend's to check).
+    spanned = returned.data_parallel_size if mesh is None else mesh.size()
     if spanned != building:
         replicate = (
             ""
             if returned.replicate_group is None
             else f" and a replicate group of {returned.replicate_size} rank(s)"
+        )
+        what = (
+            f"a shard group of {returned.world_size} rank(s){replicate}, which span"
+            if mesh is None
+            else f"a mesh ({describe_mesh(mesh)}) of"
         )
         effect = (
             "the replicas on the other ranks would never exchange gradients"
@@ -131,9 +137,9 @@ def checked_groups(factory: GroupFactory, returned: object) -> ProcessGroups:
             "take more than one place in it"
         )
         raise ConfigurationError(
-            f"`{where}` returned a shard group of {returned.world_size} rank(s){replicate}, "
-            f"which span {spanned} data-parallel rank(s), but {building} ranks build together "
-            f"(its agreement group): {effect}. Return groups whose shard size times replicate "
+            f"`{where}` returned {what} {spanned} data-parallel rank(s), but {building} ranks "
+            f"build together (its agreement group): {effect}. Return groups whose shard size "
+            "times replicate "
             "size is the number of ranks that build (for hybrid sharding, a grid: shard groups "
             "of one node each and replicate groups across them), or return the smaller group "
             "from agreement_group() too, so only its ranks build together."
