@@ -36,6 +36,7 @@ from fsdp_builder.groups import (
     other_dim_groups,
 )
 from fsdp_builder.materializers.initializers import (
+    BaseMaterializer,
     Materializer,
     MaterializerRun,
     check_materializer,
@@ -435,10 +436,19 @@ def _left_on_meta(materializer: Materializer, unit: Unit, env: Environment) -> M
         for n, t in [*m._parameters.items(), *m._buffers.items()]
         if t is not None and t.is_meta and not env.ignored.ignores(t)
     ]
+    fix = "fix its materialize()"
+    if isinstance(materializer, BaseMaterializer) and type(materializer).wants is not (
+        BaseMaterializer.wants
+    ):
+        # Only modules its `wants` visits (and those below them) are given storage.
+        fix = (
+            "its `wants` skipped their modules, and no module it visits is above them: let "
+            "`wants` return True for them, or write them from an ancestor's init_module"
+        )
     return MaterializationError(
         f"`{type(materializer).__name__}` left states of unit '{unit.label}' on the meta device "
         f"on rank {env.rank}: {listed(left)}. A "
-        "materializer gives every state of its unit storage and values: fix its materialize(), "
+        f"materializer gives every state of its unit storage and values: {fix}, "
         "or use a ready-made one such as ResetParameters()."
     )
 

@@ -1,10 +1,12 @@
-"""Faults around synchronizers: a replica differing under tensor parallelism, and a rank late in
-a tensor-parallel collective. Each ends the same way on every rank, within the build's bound."""
+"""Faults around synchronizers and materializers: a replica differing under tensor parallelism,
+a rank late in a tensor-parallel collective, and a materializer that skips modules. Each ends
+the same way on every rank, within the build's bound."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -12,15 +14,20 @@ import torch.distributed as dist
 from isolated import START_METHOD
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdp_builder import (
     BroadcastFromRank0,
     CPUDevice,
+    FSDPBuilder,
     FullyShardBuilder,
     KeepAsIs,
+    MaterializationError,
     VerifyReplicas,
 )
+from fsdp_builder.materializers.initializers import BaseMaterializer
 from fsdp_builder.tools.launch import run_ranks
 
 DIM = 8
@@ -128,3 +135,65 @@ def test_the_build_timeout_bounds_waits_on_tensor_parallel_groups() -> None:
     # Rank 0 stopped waiting at the bound and met ranks 2 and 3 in the next agreement: only
     # rank 1 was missing there.
     assert "rank(s) 1 did not arrive" in results[0][1], results[0][1]
+
+
+# -- a materializer that skips modules ------------------------------------------------------
+
+
+@pytest.fixture
+def meta_stack() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(Mlp(), Mlp())
+
+
+class LinearsOnly(BaseMaterializer):
+    """Initializes the Linear layers alone: the norms are skipped."""
+
+    communicates: ClassVar[bool] = False
+
+    def wants(self, module: nn.Module, owned: list[nn.Module]) -> bool:
+        return isinstance(module, nn.Linear)
+
+    def init_module(self, module: nn.Module, fqn: str) -> None:
+        assert isinstance(module, nn.Linear)
+        module.reset_parameters()
+
+
+class BlocksWriteAll(BaseMaterializer):
+    """Visits each block alone, which writes its children's states itself."""
+
+    communicates: ClassVar[bool] = False
+
+    def wants(self, module: nn.Module, owned: list[nn.Module]) -> bool:
+        return isinstance(module, Mlp)
+
+    def init_module(self, module: nn.Module, fqn: str) -> None:
+        for p in module.parameters():
+            p.data.fill_(0.5)  # through .data, as many initializers do
+
+
+@pytest.mark.parametrize("builder", [FSDPBuilder, FullyShardBuilder])
+def test_states_a_materializer_skipped_are_refused_at_their_unit(
+    world1: None, meta_stack: nn.Module, builder: Any
+) -> None:
+    # Before: the build returned the norms' uninitialized memory.
+    b = builder().device(CPUDevice()).wrap(Mlp).materialize(LinearsOnly())
+    with pytest.raises(MaterializationError) as caught:
+        b.build(meta_stack)
+    text = str(caught.value)
+    assert "`LinearsOnly` left states of unit '0'" in text, text
+    assert "on rank 0: 0.norm.weight, 0.norm.bias." in text, text
+    assert "its `wants` skipped their modules" in text, text
+
+
+@pytest.mark.parametrize("builder", [FSDPBuilder, FullyShardBuilder])
+def test_a_module_a_materializer_skips_may_be_written_by_its_parent(
+    world1: None, meta_stack: nn.Module, builder: Any
+) -> None:
+    b = builder().device(CPUDevice()).wrap(Mlp).materialize(BlocksWriteAll())
+    model = b.build(meta_stack)
+    fsdp1 = builder is FSDPBuilder
+    with FullyShardedDataParallel.summon_full_params(model) if fsdp1 else nullcontext():
+        for name, p in model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            assert torch.equal(full, torch.full_like(full, 0.5)), name

@@ -280,17 +280,29 @@ class BaseMaterializer(DeclaredHooks):
             return 0
         found = unit_lineages(model if model is not None else root, root, root_fqn, modules)
 
-        def init(module: nn.Module, fqn: str) -> None:
-            lineage = found.get(id(module), NO_LINEAGE)
+        def visits(module: nn.Module) -> bool:
             # A library's model-level initializer may set a child's states from its parent
             # (GPT-2 scales c_proj from its attention block), so it visits stateless modules.
-            library = self.library_conventions and lineage.library_init is not None
-            if library or self.wants(module, modules):
-                self.init_owned(module, fqn, lineage)
+            lineage = found.get(id(module), NO_LINEAGE)
+            return (self.library_conventions and lineage.library_init is not None) or self.wants(
+                module, modules
+            )
+
+        # A `wants` of one's own may skip modules: only what a visit can write gets storage, so
+        # a skipped module keeps its meta states (refused at the unit), not uninitialized memory.
+        visited: set[int] | None = None
+        if type(self).wants is not BaseMaterializer.wants:
+            visited = {id(m) for m in modules if visits(m)}
+
+        def init(module: nn.Module, fqn: str) -> None:
+            wanted = visits(module) if visited is None else id(module) in visited
+            if wanted:
+                self.init_owned(module, fqn, found.get(id(module), NO_LINEAGE))
 
         storage = self.storage_device or device
+        given = modules if visited is None else _written_by_visits(modules, visited)
         with settling_ignored(modules, ignored, storage, device, model or root):
-            allocated = allocate_empty(modules, storage, only_meta=not self.reinitialize)
+            allocated = allocate_empty(given, storage, only_meta=not self.reinitialize)
             initialize_modules(
                 root,
                 root_fqn,
@@ -322,6 +334,19 @@ class BaseMaterializer(DeclaredHooks):
             self.materialize_modules(unit.module, unit.fqn, device, modules, ignored, model=model)
             fill_buffers(modules, computed, device)
         return model
+
+
+def _written_by_visits(modules: list[nn.Module], visited: set[int]) -> list[nn.Module]:
+    """The ``modules`` a visit may write: those visited, those below one (a parent's initializer
+    may set its children's states), and those sharing a state with either (ties)."""
+    covered = set(visited)
+    for m in modules:  # breadth-first: a parent comes before its children
+        if id(m) in covered:
+            covered.update(id(c) for c in m.children())
+    shared = {id(t) for m in modules if id(m) in covered for t in direct_states(m)}
+    return [
+        m for m in modules if id(m) in covered or any(id(t) in shared for t in direct_states(m))
+    ]
 
 
 def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) -> list[str]:
