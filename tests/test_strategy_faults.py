@@ -126,6 +126,21 @@ class OneRankShards(BaseGroupFactory):
         return ProcessGroups(shard_group=own)
 
 
+class CrossedPairs(BaseGroupFactory):
+    """On 4 ranks, shard groups [0, 1] and [2, 3] but replicate groups [0, 3] and [1, 2]: the
+    sizes cover the world, yet each replicate group pairs a shard's first rank with the other
+    shard's second, whose halves differ."""
+
+    @override
+    def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+        shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replicas = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+        rank = dist.get_rank()
+        shard, replicate = shards[rank // 2], replicas[0 if rank in (0, 3) else 1]
+        assert shard is not None and replicate is not None
+        return ProcessGroups(shard_group=shard, replicate_group=replicate)
+
+
 class PairFactory(BaseGroupFactory):
     """Returns a (shard, replicate) tuple instead of ProcessGroups."""
 
@@ -140,6 +155,10 @@ def with_factory(builder: ShardingBuilder, factory: BaseGroupFactory) -> dict[st
 
 def world_twice(builder: type[ShardingBuilder]) -> dict[str, Any]:
     return with_factory(builder().sharding("hybrid"), WorldTwice())
+
+
+def crossed(builder: type[ShardingBuilder]) -> dict[str, Any]:
+    return with_factory(builder().sharding("hybrid"), CrossedPairs())
 
 
 # -- device resolvers of one's own ------------------------------------------------------------
@@ -204,6 +223,10 @@ def offload_fsdp1_per_unit() -> dict[str, Any]:
 
 def fault_ranks() -> Results:
     def cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
+        if dist.get_world_size() == 4:
+            for name, builder in (("fsdp1", FSDPBuilder), ("fsdp2", FullyShardBuilder)):
+                yield f"crossed_{name}", partial(crossed, builder)
+            return
         yield "placement_per_rank", placement_per_rank
         yield "placement_alike", placement_alike
         for name, builder in (("fsdp1", FSDPBuilder), ("fsdp2", FullyShardBuilder)):
@@ -223,8 +246,10 @@ def fault_ranks() -> Results:
 SPAWNS = Spawns(fault_ranks, timeout=180)
 
 
-def _refused_alike(key: str, kind: str, pattern: str, stage: str | None = None) -> list[Any]:
-    got = values(SPAWNS(2), key)
+def _refused_alike(
+    key: str, kind: str, pattern: str, stage: str | None = None, world: int = 2
+) -> list[Any]:
+    got = values(SPAWNS(world), key)
     for rank in got:
         assert rank["type"] == kind, rank
         assert re.search(pattern, rank["message"], re.S), rank["message"]
@@ -257,6 +282,18 @@ def test_a_hybrid_factory_giving_the_world_twice_is_refused(backend: str) -> Non
         r"`WorldTwice.create` returned a shard group of 2 rank\(s\) and a replicate group of 2 "
         r"rank\(s\), which span 4 data-parallel rank\(s\), but 2 ranks build together.*"
         r"do not form a \(replicate, shard\) grid",
+    )
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_hybrid_groups_of_the_right_sizes_that_form_no_grid_are_refused(backend: str) -> None:
+    builder = "FSDPBuilder" if backend == "fsdp1" else "FullyShardBuilder"
+    _refused_alike(
+        f"crossed_{backend}",
+        "ConfigurationError",
+        rf"`{builder}.groups` got an invalid `groups`: the shard groups \[\[0, 1\], \[2, 3\]\] "
+        r"and the replicate group \[\d, \d\] do not form a grid",
+        world=4,
     )
 
 
