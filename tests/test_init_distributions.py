@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+import threading
+from typing import Any, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 from isolated import Results, Spawns, run_each, values
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from benchmarks.init_table import (
@@ -24,6 +27,7 @@ from benchmarks.init_table import (
     MATERIALIZERS,
     TAIL_Z,
     Case,
+    digest,
     eager_weight,
     judge,
     run_case,
@@ -32,14 +36,93 @@ from benchmarks.init_table import (
 STREAMS = [m for m in MATERIALIZERS if m.startswith("StreamInit")]
 
 
+# -- another thread drawing from torch's generator during the build (a data loader) -----------
+
+THREADS = ("none", "between the draws", "in a loop")
+_interfere = "none"
+
+
+def _draw_elsewhere() -> None:
+    torch.rand(1000)
+    torch.randn(10)
+
+
+class Replicated(nn.Module):
+    """A weight and a buffer drawn with tensor methods, not from a stream: each rank draws its
+    replica of the buffer. On rank 0 another thread draws between its two halves."""
+
+    noise: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(64, 64))
+        self.register_buffer("noise", torch.empty(1024))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.noise[:512].normal_()
+            if _interfere == "between the draws" and dist.get_rank() == 0:
+                other = threading.Thread(target=_draw_elsewhere)
+                other.start()
+                other.join()
+            self.noise[512:].normal_()
+            self.weight.copy_(torch.randn(64, 64))
+
+
+class ReplicatedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = Replicated()
+
+
+def _loop(stop: threading.Event) -> None:
+    for _ in range(100_000):  # bounded; joined after the build
+        if stop.is_set():
+            return
+        torch.rand(16)
+
+
+def _replicas(materializer: str, interfere: str) -> dict[str, str]:
+    """Build while another thread draws (on rank 0); the digests of the full weight and of
+    this rank's buffer."""
+    import fsdp_builder as fb
+
+    global _interfere
+    _interfere = interfere
+    with torch.device("meta"):
+        model = ReplicatedModel()
+    builder = fb.FullyShardBuilder().device(fb.CPUDevice()).wrap(Replicated)
+    builder = builder.materialize(MATERIALIZERS[materializer]())
+    stop = threading.Event()
+    loop = threading.Thread(target=_loop, args=(stop,))
+    if interfere == "in a loop" and dist.get_rank() == 0:
+        loop.start()
+    try:
+        built = cast(ReplicatedModel, builder.build(model))
+    finally:
+        stop.set()
+        if loop.is_alive():
+            loop.join()
+        _interfere = "none"
+    weight = built.layer.weight
+    full = weight.full_tensor() if isinstance(weight, DTensor) else weight
+    return {"weight": digest(full.detach()), "noise": digest(built.layer.noise)}
+
+
 def _all_cases() -> Results:
-    """One spawn per world size: every case with every materializer, then the issue's build
-    (``FullyShardBuilder``'s default materializer)."""
+    """One spawn per world size: every case with every materializer, the issue's build
+    (``FullyShardBuilder``'s default materializer), then builds beside another thread."""
     scenarios: list[tuple[str, str | None]] = [(k, m) for k in CASES for m in MATERIALIZERS]
-    return run_each(
+    cases = [
         ((key, m), functools.partial(run_case, CASES[key], m))
         for key, m in [*scenarios, (ISSUE_CASE, None)]
-    )
+    ]
+    threads = [
+        (("thread", m, t), functools.partial(_replicas, m, t))
+        for m in MATERIALIZERS
+        for t in THREADS
+    ]
+    return run_each([*cases, *threads])
 
 
 SPAWN = Spawns(_all_cases, timeout=280)
@@ -159,3 +242,19 @@ def test_the_judge_rejects_16_bit_truncated_normals_drawn_in_16_bits() -> None:
     verdict = judge(case, planted, eager)
     assert not verdict.passed
     assert verdict.tail > TAIL_Z
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("materializer", list(MATERIALIZERS))
+def test_another_thread_drawing_during_the_build_changes_no_replica(
+    world: int, materializer: str
+) -> None:
+    # Another thread draws from torch's generator on rank 0 only, between the module's draws
+    # or all along the build: every rank's replica of the buffer and the full weight must be
+    # those of the build without it.
+    alone = values(SPAWN(world), ("thread", materializer, "none"))
+    assert all(r == alone[0] for r in alone), "replicas differ without another thread"
+    for interfere in THREADS[1:]:
+        for rank, got in enumerate(values(SPAWN(world), ("thread", materializer, interfere))):
+            assert got == alone[0], f"rank {rank}, another thread drawing {interfere}"

@@ -5,7 +5,6 @@ objects stay immutable and shareable."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, cast, runtime_checkable
@@ -41,6 +40,7 @@ from fsdp_builder.materializers.conventions import (
     initializer_of,
     library_gap_error,
     lineages,
+    shallow_copy,
     torch_initializer,
     unit_lineages,
 )
@@ -81,6 +81,73 @@ def seed_generators(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)
+
+
+class PrivateDraws(TorchDispatchMode):
+    """On this thread, torch's random ops given no generator draw from private ones seeded by
+    ``reseed``: another thread drawing from torch's process-wide generators meanwhile (a data
+    loader) cannot change them, nor they its draws. A private generator gives the numbers the
+    process-wide one gives after the same seed. Ops without a generator overload (none that
+    draw, in torch 2.13) still draw from torch's, which the callers seed alike."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def reseed(self, seed: int) -> None:
+        self.seed = seed
+        for generator in self.generators.values():
+            generator.manual_seed(seed)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        drawing = _with_generator(func)
+        if drawing is not None and kwargs.get("generator") is None:
+            device = _device_of(args, kwargs)
+            if device.type in ("cpu", "cuda"):
+                generator = self.generators.get(device)
+                if generator is None:
+                    generator = torch.Generator(device=device).manual_seed(self.seed)
+                    self.generators[device] = generator
+                return drawing(*args, **{**kwargs, "generator": generator})
+        return func(*args, **kwargs)
+
+
+_NO_OVERLOAD = object()
+_OVERLOADS: dict[Any, Any] = {}
+
+
+def _with_generator(func: Any) -> Any:
+    """``func`` if it takes a generator, else its overload that does with the same other
+    arguments (``randn`` -> ``randn.generator``), else None."""
+    found = _OVERLOADS.get(func, _NO_OVERLOAD)
+    if found is _NO_OVERLOAD:
+        names = [a.name for a in func._schema.arguments]
+        found = func if "generator" in names else None
+        if found is None:
+            packet = func.overloadpacket
+            for overload in packet.overloads():
+                other = getattr(packet, overload)
+                others = [a.name for a in other._schema.arguments]
+                if "generator" in others and [n for n in others if n != "generator"] == names:
+                    found = other
+                    break
+        _OVERLOADS[func] = found
+    return found
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    """Where a random op draws: its ``device`` argument, else its first tensor's; a factory
+    given none draws on the CPU (torch's default device is filled in above the dispatcher)."""
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+    return torch.device("cpu")
 
 
 def derived_seed(seed: int, fqn: str) -> int:
@@ -410,7 +477,7 @@ def _stand_in(module: nn.Module, memo: dict[int, Any], device: str = "cpu") -> n
     """A shallow copy of ``module``'s subtree, fresh states: its own on ``device``, others meta."""
     if id(module) in memo:
         return cast(nn.Module, memo[id(module)])
-    probe = copy.copy(module)
+    probe = shallow_copy(module)
     memo[id(module)] = probe
     for key in ("_parameters", "_buffers"):
         states = getattr(module, key).items()
@@ -758,8 +825,9 @@ class DeterministicInit(ResetParameters):
 
     @override
     def init_owned(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
-        with torch.random.fork_rng(devices=[]):
-            seed_generators(derived_seed(self.seed, fqn), torch.device("cpu"))
+        seed = derived_seed(self.seed, fqn)
+        with torch.random.fork_rng(devices=[]), PrivateDraws(seed):
+            seed_generators(seed, torch.device("cpu"))
             run_initializer(module, fqn, lineage)
 
 

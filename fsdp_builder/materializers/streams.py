@@ -38,6 +38,7 @@ from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.materializers.conventions import Lineage, lineages
 from fsdp_builder.materializers.initializers import (
     MaterializerRun,
+    PrivateDraws,
     ResetParameters,
     buffers_to_compute,
     check_seed,
@@ -438,11 +439,17 @@ class _StreamedInit:
             held.__exit__(None, None, None)
 
     def _seeded(self, done: list[_Done]) -> str | None:
-        """Run ``done``'s initializers seeded by name; the first op ``_ShardWatch`` stopped."""
+        """Run ``done``'s initializers seeded by name; the first op ``_ShardWatch`` stopped.
+        Draws not answered from a stream (a buffer's, a new tensor's) come from generators of
+        this thread's own (``PrivateDraws``): replicas must not depend on what another thread
+        drew meanwhile. Torch's are seeded alike for ops that take no generator."""
         watch = _ShardWatch()
-        with contextlib.suppress(_ShardOp), watch:
+        draws = PrivateDraws()
+        with contextlib.suppress(_ShardOp), draws, watch:
             for d in done:
-                seed_generators(derived_seed(self.seed, d.fqn), self.env.device)
+                seed = derived_seed(self.seed, d.fqn)
+                seed_generators(seed, self.env.device)
+                draws.reseed(seed)
                 run_initializer(d.module, d.fqn, d.lineage)
         return watch.stopped
 
