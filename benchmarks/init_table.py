@@ -527,6 +527,13 @@ def render(runs: dict[int, list[Row]]) -> str:
         "DTensor it replaces the wrapper's data, not the local shard, which kept unwritten "
         "memory. Now such a module is initialized again on whole tensors, like an op that is "
         "not element-wise on a shard.",
+        "- Draws not answered from a stream (a buffer drawn with a tensor method, `torch.randn`, "
+        "`sparse_`'s `randperm`), under `StreamInit` and `DeterministicInit`, came from torch's "
+        "process-wide generator, seeded per module: another thread drawing from it during the "
+        "build (a data loader) changed one rank's replicas. Now they come from generators of the "
+        "building thread's own, seeded alike: the same values, whatever other threads draw "
+        "(`tests/test_init_distributions.py`, a thread drawing on rank 0 between a module's "
+        "draws).",
         "",
     ]
     lines += [
