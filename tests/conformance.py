@@ -73,16 +73,21 @@ MATERIALIZERS = (
     "InitFn",
     "InitWeights",
     "FromStateDict",
-    "FromCheckpoint",
+    "FromCheckpoint",  # one .safetensors file
+    "FromCheckpoint:index",  # a folder of shards with model.safetensors.index.json
+    "FromCheckpoint:dcp",  # a torch.distributed.checkpoint folder
 )
 SYNCHRONIZERS = ("none", "BroadcastFromRank0", "VerifyReplicas", "Chain")
-STATES = ("meta", "equal", "differ", "rank0", "part")
+# "empty": built under accelerate.init_empty_weights() (parameters on meta, buffers real).
+STATES = ("meta", "empty", "equal", "differ", "rank0", "part")
 GROUPS = ("default", "mesh1d", "mesh2d", "hybrid", "auto")
-WORLDS = (1, 2, 4)
+WORLDS = (1, 2, 3, 4)
 MODELS = ("net", "llama")
 # The models built: the Llama, the net with a 0-dim parameter and with a one-element one.
 VARIANTS = ("net0", "net1", "llama")
 IGNORES = ("none", "module", "param")
+# "block": the first block's parameters frozen (requires_grad=False) before the build.
+FROZEN = ("none", "block")
 
 AXES: dict[str, tuple[Any, ...]] = {
     "backend": BACKENDS,
@@ -93,6 +98,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "world": WORLDS,
     "model": MODELS,
     "ignore": IGNORES,
+    "frozen": FROZEN,
 }
 
 # Seeds: the model's real values (rank r adds r in the "differ" state), the checkpoint's, and
@@ -111,6 +117,7 @@ class Cell(NamedTuple):
     world: int
     model: str
     ignore: str
+    frozen: str = "none"
 
     @property
     def key(self) -> str:
@@ -315,16 +322,46 @@ def built(cell: Cell, rank: int) -> nn.Module:
     seed = REAL_SEED + (rank if cell.state == "differ" else 0)
     kind = variant(cell)
     if cell.state == "meta" or (cell.state == "rank0" and rank != 0):
-        return on_meta(kind)
-    if cell.state != "part":
-        return eager(kind, seed, warmed=True)
-    model = on_meta(kind)
-    real = eager(kind, seed, warmed=True)
-    for name in real_modules(kind):
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, real.get_submodule(name))
+        model = on_meta(kind)
+    elif cell.state == "empty":
+        model = empty(kind)
+    elif cell.state != "part":
+        model = eager(kind, seed, warmed=True)
+    else:
+        model = on_meta(kind)
+        real = eager(kind, seed, warmed=True)
+        for name in real_modules(kind):
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, child, real.get_submodule(name))
+    for p in frozen_params(cell, model).values():
+        p.requires_grad_(False)
     return model
+
+
+def empty(model: str) -> nn.Module:
+    """The model as ``accelerate.init_empty_weights()`` builds it: parameters on meta, buffers
+    real (their constructors' values)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        if not model.startswith("net"):
+            from transformers import LlamaForCausalLM
+
+            return LlamaForCausalLM(llama_config())
+        net = Net(scalar=model == "net0")
+    # The context registers each assigned parameter anew, which unties the head; tied again
+    # after it, as transformers' tie_weights() does for its models.
+    net.head.weight = net.embed.weight
+    return net
+
+
+def frozen_params(cell: Cell, model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters the cell freezes, by their names in ``model``."""
+    if cell.frozen == "none":
+        return {}
+    block = "model.layers.0" if cell.model == "llama" else "blocks.0"
+    return {f"{block}.{n}": p for n, p in model.get_submodule(block).named_parameters()}
 
 
 def real_states(cell: Cell, rank: int) -> dict[str, torch.Tensor | None]:
@@ -339,6 +376,45 @@ def checkpoint(model: str) -> dict[str, torch.Tensor]:
     tensor its own copy (tied ones too, as ``save_pretrained`` writes them)."""
     state = eager(model, CHECKPOINT_SEED, warmed=True).state_dict()
     return {k: v.detach().clone() for k, v in state.items()}
+
+
+CHECKPOINT_FORMATS = ("file", "index", "dcp")
+
+
+def checkpoint_key(cell: Cell) -> str:
+    """Which written checkpoint the cell reads (``write_checkpoints``' keys)."""
+    _, _, form = cell.materializer.partition(":")
+    return f"{variant(cell)}:{form or 'file'}"
+
+
+def write_checkpoints(folder: Path) -> dict[str, str]:
+    """Every variant's checkpoint in every format, written with safetensors' and torch's own
+    calls: one file, an indexed folder of two shards, a DCP folder."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    paths = {}
+    for kind in VARIANTS:
+        state = checkpoint(kind)
+        paths[f"{kind}:file"] = str(folder / f"{kind}.safetensors")
+        save_file(state, paths[f"{kind}:file"])
+        index = folder / f"{kind}-index"
+        index.mkdir()
+        names = sorted(state)
+        half = len(names) // 2
+        halves = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
+        for file, keys in halves.items():
+            save_file({k: state[k] for k in keys}, str(index / file))
+        weight_map = {k: file for file, keys in halves.items() for k in keys}
+        (index / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
+        paths[f"{kind}:index"] = str(index)
+        dcp.save(state, checkpoint_id=str(folder / f"{kind}-dcp"), no_dist=True)
+        paths[f"{kind}:dcp"] = str(folder / f"{kind}-dcp")
+    return paths
 
 
 def seed_free(model: str) -> dict[str, torch.Tensor]:
@@ -453,7 +529,9 @@ class Expected(NamedTuple):
     dtypes: dict[str, torch.dtype]
 
 
-LOADERS = ("FromStateDict", "FromCheckpoint")
+def is_loader(materializer: str) -> bool:
+    return materializer == "FromStateDict" or materializer.startswith("FromCheckpoint")
+
 REINITIALIZE = ("DeterministicInit", "InitWeights")
 AGREED = ("RankDisagreementError",)
 
@@ -501,7 +579,7 @@ def expected(cell: Cell) -> Expected:
         return Expected(reasons, [], set(), [], dtypes)
     overwrites = cell.synchronizer in ("BroadcastFromRank0", "Chain")
     ignored = ignored_names(cell)
-    source = checkpoint(variant(cell)) if materializer in LOADERS else {}
+    source = checkpoint(variant(cell)) if is_loader(materializer) else {}
     draw = drawn(cell)
 
     # Each rank's states after its own materialization.
@@ -510,7 +588,7 @@ def expected(cell: Cell) -> Expected:
         mine: dict[str, torch.Tensor | Drawn] = {}
         for name in names:
             before = pre[r][name]
-            if materializer in LOADERS:
+            if is_loader(materializer):
                 mine[name] = source.get(name, fixed.get(name, draw))
             elif before is None or (materializer in REINITIALIZE and name not in ignored):
                 # A real ignored state is the user's: kept even by a reinitializing materializer.
@@ -601,7 +679,7 @@ def builder_for(cell: Cell, model: nn.Module, layouts: Layouts, path: Path) -> A
     m = cell.materializer
     if m == "FromStateDict":
         b = b.materialize(fb.FromStateDict(checkpoint(variant(cell)) if rank == 0 else None))
-    elif m == "FromCheckpoint":
+    elif m.startswith("FromCheckpoint"):
         b = b.materialize(fb.FromCheckpoint(str(path)))
     elif m == "InitFn":
         b = b.materialize(fb.InitFn(_init_fn))
@@ -653,6 +731,20 @@ def gathered(model: nn.Module, backend: str) -> dict[str, torch.Tensor]:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         out[name] = full.detach().clone()
     return out
+
+
+def frozen_names(model: nn.Module, backend: str) -> list[str]:
+    """The parameters with ``requires_grad=False``, by their plain names (FSDP1's: inside
+    ``summon_full_params``, where its flat parameters show as the module's own)."""
+    import contextlib
+
+    scope: Any = contextlib.nullcontext()
+    if backend == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        scope = FSDP.summon_full_params(model, writeback=False)
+    with scope:
+        return sorted(_clean(n) for n, p in model.named_parameters() if not p.requires_grad)
 
 
 def local_shards(
@@ -785,6 +877,7 @@ def run_cell(cell: Cell, layouts: Layouts, path: Path, wanted_local: dict[str, A
         "local": local,
         "loss": loss,
         "post": post,
+        "frozen": frozen_names(result, cell.backend),
         "collectives": collectives.outside_agreement(),
         "agreements": len(collectives.issued) - len(collectives.outside_agreement()),
     }
@@ -809,6 +902,9 @@ def judge(cell: Cell, want: Expected, ranks: list[dict[str, Any]]) -> str | None
                 f"rank {rank}: states {sorted(set(full) ^ set(want.values[rank]))} differ in "
                 "name from the plain model's (a tie broken or a state renamed)"
             )
+        frozen = sorted(frozen_params(cell, on_meta(variant(cell))))
+        if result["frozen"] != frozen:
+            return f"rank {rank}: frozen parameters {result['frozen']}, the plain model's {frozen}"
         for name, value in want.values[rank].items():
             got = full[name]
             if got.dtype != want.dtypes[name]:
@@ -860,6 +956,8 @@ def reference_step(cell: Cell, ranks: list[dict[str, Any]]) -> list[tuple[float,
     models, losses = [], []
     for result in ranks:
         model = eager(variant(cell), 0)  # to_empty would break the tie
+        for param in frozen_params(cell, model).values():
+            param.requires_grad_(False)
         with torch.no_grad():
             for name, t in _named(model):
                 t.copy_(result["full"][name])
@@ -975,7 +1073,8 @@ def rank_cells(cells: list[tuple[Cell, list[dict[str, torch.Tensor]]]], paths: d
         def run() -> dict:
             if trace:  # names the cell a crash of the spawn happened in
                 print(f"cell {cell.key}", flush=True)
-            return run_cell(cell, layouts, paths[variant(cell)], local[rank] if local else {})
+            path = paths[checkpoint_key(cell)]
+            return run_cell(cell, layouts, path, local[rank] if local else {})
 
         return run
 
@@ -988,14 +1087,9 @@ def rank_cells(cells: list[tuple[Cell, list[dict[str, torch.Tensor]]]], paths: d
 def run_matrix(cells: list[Cell], folder: Path, chunk: int = 400) -> dict[Cell, str | None]:
     """Every cell's verdict (None: equal to its oracle or refused as it says), world size by
     world size, ``chunk`` cells per spawn; then the draws promised equal across cells."""
-    from safetensors.torch import save_file
-
     from fsdp_builder.tools.launch import run_ranks
 
-    paths = {}
-    for kind in VARIANTS:
-        paths[kind] = str(folder / f"{kind}.safetensors")
-        save_file(checkpoint(kind), paths[kind])
+    paths = write_checkpoints(folder)
     verdicts: dict[Cell, str | None] = {}
     kept: dict[Cell, tuple[Expected, list[dict[str, Any]] | None]] = {}
     for world in WORLDS:

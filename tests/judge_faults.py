@@ -22,7 +22,6 @@ from conformance import (
     Drawn,
     Expected,
     anchors,
-    checkpoint,
     eager,
     expected,
     judge,
@@ -32,6 +31,7 @@ from conformance import (
     reference_step,
     states_of,
     variant,
+    write_checkpoints,
 )
 
 Results = list[dict[str, Any]]  # one cell's result per rank, as ``run_cell`` returns it
@@ -217,12 +217,8 @@ FAULTS = [
 def honest_results(folder: Path, timeout: float = 600) -> dict[Cell, Results]:
     """Every cell of :data:`CELLS` and :data:`ANCHORS`, run once (one spawn per world size)."""
     from isolated import Spawns, values
-    from safetensors.torch import save_file
 
-    paths = {}
-    for kind in ("net1",):
-        paths[kind] = str(folder / f"{kind}.safetensors")
-        save_file(checkpoint(kind), paths[kind])
+    paths = write_checkpoints(folder)
     spawns = Spawns(rank_cells, timeout=timeout)
     out = {}
     for world in (1, 2):

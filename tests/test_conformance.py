@@ -10,20 +10,18 @@ from pathlib import Path
 
 import pytest
 from conformance import (
-    VARIANTS,
     Cell,
     Expected,
     anchors,
-    checkpoint,
     expected,
     full_product,
     judge,
     judge_across,
     pairwise,
     rank_cells,
+    write_checkpoints,
 )
 from isolated import Spawns, values
-from safetensors.torch import save_file
 
 PAIRWISE = pairwise()
 FULL = full_product()
@@ -47,11 +45,7 @@ class Matrix:
 
     def paths(self, folder: Path) -> dict[str, str]:
         if self._paths is None:
-            self._paths = {}
-            for model in VARIANTS:
-                path = folder / f"{model}.safetensors"
-                save_file(checkpoint(model), str(path))
-                self._paths[model] = str(path)
+            self._paths = write_checkpoints(folder)
         return self._paths
 
     def results(self, cell: Cell, folder: Path) -> list[dict]:
@@ -111,6 +105,7 @@ def test_full_cell_equals_its_oracle(cell: Cell, folder: Path) -> None:
 
 def test_the_cover_holds_every_pair() -> None:
     """The default run's cells cover every pair of axis values that some valid cell has."""
-    every = {(i, c[i], j, c[j]) for c in FULL for i in range(8) for j in range(i + 1, 8)}
-    covered = {(i, c[i], j, c[j]) for c in PAIRWISE for i in range(8) for j in range(i + 1, 8)}
+    n = len(Cell._fields)
+    every = {(i, c[i], j, c[j]) for c in FULL for i in range(n) for j in range(i + 1, n)}
+    covered = {(i, c[i], j, c[j]) for c in PAIRWISE for i in range(n) for j in range(i + 1, n)}
     assert every == covered
