@@ -5,6 +5,12 @@
    falling back to ``reset_parameters`` for what it leaves unwritten;
 3. ``reset_parameters()`` (or a known private initializer).
 
+A parametrized tensor (``weight_norm``'s ``parametrizations.weight.original0/1``) gets what
+construction gives it: the module's own initializer writes the plain tensor, on a stand-in of
+the module before it was parametrized, and the parametrizations' ``right_inverse`` turns it into
+the originals, as ``register_parametrization`` does. (A later ``_init_weights`` write to
+``conv.weight`` goes to a computed tensor, in eager too, and changes nothing.)
+
 A tie target (``lm_head.weight``) is never written through its slot: eager construction
 initializes untied and then ties, so it keeps its source's values. While an initializer runs,
 each reachable target slot holds a meta stand-in that takes those writes.
@@ -12,15 +18,17 @@ each reachable target slot holds a meta stand-in that takes those writes.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextvars import ContextVar
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
 from attrs import frozen
 from torch import nn
+from torch.nn.utils import parametrize
 
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.runtime.tree import local_tensor
@@ -47,8 +55,20 @@ def _multihead_attention(module: nn.Module) -> None:
     module._reset_parameters()
 
 
+def _parametrization_list(module: nn.Module) -> None:
+    """Reached only without the module it belongs to (see ``initializer_of``)."""
+    raise MaterializationError(
+        f"{type(module).__name__} holds the original tensors of a parametrization and is "
+        "initialized by the module it parametrizes, which was not found above it. Register an "
+        f"initializer: `register_initializer({type(module).__name__}, fn)`, or load the values "
+        "with FromCheckpoint(...)."
+    )
+
+
 _REGISTERED: dict[type[nn.Module], ModuleInitializer] = {
     nn.MultiheadAttention: _multihead_attention,
+    # Registered so that no _init_weights is asked for its originals: its owner sets them.
+    parametrize.ParametrizationList: _parametrization_list,
 }
 # What _REGISTERED answers for each concrete module type; emptied by every registration.
 _REGISTERED_BY_TYPE: dict[type[nn.Module], ModuleInitializer | None] = {}
@@ -155,6 +175,8 @@ class Lineage:
     rules: tuple[SubtreeRule, ...] = ()
     tied: frozenset[Slot] = frozenset()
     tied_below: TiedBelow = attrs.field(factory=dict, eq=False, repr=False)
+    # The nearest parametrized module above (its ParametrizationLists are initialized by it).
+    parametrized: nn.Module | None = attrs.field(default=None, eq=False, repr=False)
 
 
 NO_LINEAGE = Lineage()
@@ -188,15 +210,20 @@ def _step(
                 key: (*inherited.tied_below.get(key, ()), *slots) for key, slots in below.items()
             }
         lineage = Lineage(
-            model_init, inherited.rules, inherited.tied | tied, {**inherited.tied_below, **below}
+            model_init,
+            inherited.rules,
+            inherited.tied | tied,
+            {**inherited.tied_below, **below},
+            inherited.parametrized,
         )
+    children = lineage
+    if _parametrizations(module) is not None:
+        children = attrs.evolve(lineage, parametrized=module)
     # One isinstance for the common module (no rule) instead of one per registered class.
     if not isinstance(module, ruled):
-        return lineage, lineage
+        return lineage, children
     own = tuple(rule for cls, rule in _SUBTREE_RULES.items() if isinstance(module, cls))
-    return lineage, Lineage(
-        lineage.library_init, inherited.rules + own, lineage.tied, lineage.tied_below
-    )
+    return lineage, attrs.evolve(children, rules=inherited.rules + own)
 
 
 def unit_lineages(
@@ -323,6 +350,12 @@ def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable
     tie targets is skipped; other initializers reaching a tie target write a stand-in."""
     library = lineage.library_init
     init: Callable[[], Any] | None
+    if _registered(module) is _parametrization_list and lineage.parametrized is not None:
+        owner = lineage.parametrized
+        plists = _parametrizations(owner) or {}
+        name = next((n for n, p in plists.items() if p is module), None)
+        if name is not None:
+            return partial(_init_parametrized, owner, name, library)
     if library is not None and _registered(module) is None:
         init = partial(_library_then_torch, module, library)
     else:
@@ -335,3 +368,116 @@ def initializer_of(module: nn.Module, lineage: Lineage = NO_LINEAGE) -> Callable
     if own and len(own) == len(_direct(module)):
         return lambda: None
     return partial(_untied_while, slots, init)
+
+
+def _parametrizations(module: nn.Module) -> dict[str, Any] | None:
+    """The ParametrizationList of each parametrized tensor of ``module``, or None."""
+    found = module._modules.get("parametrizations")  # the dict: no Module.__getattr__ miss
+    if found is None or not parametrize.is_parametrized(module):
+        return None
+    return dict(found._modules.items())
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """``copy.copy(module)``, a parametrized module too: its class refuses ``copy.copy``
+    (torch's ``__getstate__`` allows only ``state_dict()``), so its ``__dict__`` is copied."""
+    if _parametrizations(module) is None:
+        return copy.copy(module)
+    probe: nn.Module = type(module).__new__(type(module))
+    probe.__dict__.update(module.__dict__)
+    return probe
+
+
+def _originals(plist: Any) -> list[torch.Tensor]:
+    """A ParametrizationList's original tensors, in the order its first step takes them."""
+    if plist.is_tensor:
+        return [plist.original]
+    return [getattr(plist, f"original{i}") for i in range(plist.ntensors)]
+
+
+def _unparametrized_meta(plist: Any) -> torch.Tensor:
+    """What ``plist`` computes from its originals, on meta: the plain tensor's shape and dtype."""
+    metas = [torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for t in _originals(plist)]
+    steps = list(plist.children())
+    with torch.no_grad():
+        value = steps[0](*metas)
+        for step in steps[1:]:
+            value = step(value)
+    return cast(torch.Tensor, value)
+
+
+def _fresh(template: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``like``'s shape and dtype on ``template``'s (local) device, a
+    Parameter when ``template`` is one."""
+    out = torch.empty(tuple(like.shape), dtype=like.dtype, device=local_tensor(template).device)
+    if isinstance(template, nn.Parameter):
+        return nn.Parameter(out, requires_grad=template.requires_grad)
+    return out
+
+
+def _class_before_parametrizations(module: nn.Module) -> Any:
+    """The class ``module`` had before ``register_parametrization`` derived one from it, also
+    when ``fully_shard`` derived another from that (torch's own lookup takes the first base)."""
+    for cls in type(module).__mro__:
+        if cls.__module__ == parametrize.__name__ and cls.__name__.startswith("Parametrized"):
+            return cls.__bases__[0]
+    return parametrize.type_before_parametrizations(module)
+
+
+def _init_parametrized(owner: nn.Module, name: str, library: ModuleInitializer | None) -> None:
+    """Set the originals of ``owner``'s parametrized tensor ``name`` as construction does: the
+    module's initializer writes plain tensors on a stand-in of ``owner`` as it was before it was
+    parametrized (its other states fresh, so nothing real is written twice), and the
+    parametrizations' ``right_inverse``, last registered first, gives the originals."""
+    plists = _parametrizations(owner) or {}
+    plist = plists[name]
+    before = _class_before_parametrizations(owner)
+    # Not copy.copy: a parametrized module refuses to be copied (its class's __getstate__).
+    probe: nn.Module = before.__new__(before)
+    probe.__dict__.update(owner.__dict__)
+    states: dict[str, torch.Tensor | None] = {
+        n: None if t is None else _fresh(t, t) for n, t in owner._parameters.items()
+    }
+    for tensor_name, other in plists.items():
+        states[tensor_name] = _fresh(_originals(other)[0], _unparametrized_meta(other))
+    probe.__dict__["_parameters"] = states
+    probe.__dict__["_modules"] = {
+        k: m for k, m in owner._modules.items() if k != "parametrizations"
+    }
+    plain = cast(torch.Tensor, states[name])
+    written = plain._version
+    own = torch_initializer(probe)
+    if own is not None:
+        own()
+    elif library is not None:
+        library(probe)
+    if plain._version == written:
+        raise MaterializationError(
+            f"The original tensors of the parametrized {before.__name__}.{name} are set from "
+            f"its plain value, which neither {before.__name__}'s reset_parameters() nor its "
+            "model's _init_weights writes. Register an initializer: "
+            f"`register_initializer({before.__name__}, fn)`, or load the values with "
+            "FromCheckpoint(...)."
+        )
+    value: Any = plain.detach()
+    for step in reversed(list(plist.children())):
+        if hasattr(step, "right_inverse"):
+            try:
+                value = step.right_inverse(value)
+            except NotImplementedError:  # torch's rule: the identity then
+                pass
+    values = [value] if isinstance(value, torch.Tensor) else list(value)
+    for target, full in zip(_originals(plist), values, strict=True):
+        _write(target, full)
+
+
+def _write(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` into ``target``, into this rank's part when ``target`` is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_builder.runtime.shards import local_slices
+
+    if isinstance(target, DTensor):
+        local_tensor(target).copy_(full[local_slices(target)])
+    else:
+        target.copy_(full)
