@@ -88,6 +88,13 @@ def placement_per_rank() -> dict[str, Any]:
     return attempt(lambda: builder.shard_placement_fn(_rank_dim), _model())
 
 
+def placement_per_rank_per_unit() -> dict[str, Any]:
+    """The same through a unit's own override (per_unit), not the build's function."""
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(nn.Linear)
+    per_unit = builder.per_unit(lambda m, fqn: {"shard_placement_fn": _rank_dim} if fqn else None)
+    return attempt(lambda: per_unit, _model())
+
+
 def placement_alike() -> dict[str, Any]:
     """The same answers on every rank build, and the gathered weights are the model's own."""
     model = _model()
@@ -228,6 +235,7 @@ def fault_ranks() -> Results:
                 yield f"crossed_{name}", partial(crossed, builder)
             return
         yield "placement_per_rank", placement_per_rank
+        yield "placement_per_rank_per_unit", placement_per_rank_per_unit
         yield "placement_alike", placement_alike
         for name, builder in (("fsdp1", FSDPBuilder), ("fsdp2", FullyShardBuilder)):
             yield f"world_twice_{name}", partial(world_twice, builder)
@@ -259,9 +267,10 @@ def _refused_alike(
     return got
 
 
-def test_placement_answers_that_differ_between_ranks_are_refused_in_configure() -> None:
+@pytest.mark.parametrize("key", ["placement_per_rank", "placement_per_rank_per_unit"])
+def test_placement_answers_that_differ_between_ranks_are_refused_in_configure(key: str) -> None:
     got = _refused_alike(
-        "placement_per_rank",
+        key,
         "RankDisagreementError",
         r"rank 1 has shard_placement_fn\('first\.weight'\)=Shard\(dim=1\) but rank 0 has "
         r"shard_placement_fn\('first\.weight'\)=Shard\(dim=0\)",
