@@ -209,3 +209,29 @@ def test_shard_first_init_gives_the_same_originals_on_one_and_two_ranks(world1: 
         assert torch.equal(got[name], value), f"{name} depends on the world size"
     v = one[f"wav2vec2.{POS}.{V}"]
     assert torch.equal(one[f"wav2vec2.{POS}.{G}"], torch.norm_except_dim(v, 2, 2))
+
+
+class Plain(nn.Module):
+    """Plain torch: a weight-norm layer with no state of its own besides the originals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.utils.parametrizations.weight_norm(nn.Linear(8, 6, bias=False))
+        self.out = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def test_a_plain_weight_norm_model_on_meta_is_eagers_draw_for_draw(world1: None) -> None:
+    """ResetParameters draws in construction's order: the same seed gives eager's values."""
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        want = Plain().state_dict()
+        with torch.device("meta"):
+            model = Plain()
+        torch.manual_seed(seed)
+        got = full_state_dict(FSDPBuilder().materialize(ResetParameters()).build(model))
+        assert set(got) == set(want)
+        for name, value in want.items():
+            assert torch.equal(got[name], value), f"seed {seed}: {name} differs from eager's"
