@@ -273,6 +273,8 @@ def built_weight(case: Case, materializer: str | None) -> torch.Tensor:
         warnings.simplefilter("ignore")
         if materializer is not None:
             builder = builder.materialize(MATERIALIZERS[materializer]())
+        else:
+            torch.manual_seed(SEED)  # the default StreamInit takes its seed from torch's
         built = cast(Holder, builder.build(model))
     weight = built.layer.weight
     full = weight.full_tensor() if isinstance(weight, DTensor) else weight
