@@ -527,7 +527,10 @@ class StreamInit(ResetParameters):
     from block-seeded streams: every rank fills only its shards (a unit with fewer than
     ``whole_below`` parameter bytes whole, before it is sharded: less work, the same values),
     and the full weights are bit-identical at any world size and on both backends (eager
-    init's distributions, not its numbers). ``FullyShardBuilder``'s default.
+    init's distributions, not its numbers). A module whose initializer is not element-wise on a
+    shard (``orthogonal_``, ``sparse_``, ``trunc_normal_`` with bounds that keep under 30 % of
+    the mass, ``param.data = ...``) is initialized on whole tensors, each rank keeping its
+    slice. ``FullyShardBuilder``'s default.
 
     ``seed=None`` takes the first rank's ``torch.initial_seed()``, so ``torch.manual_seed(s)``
     before the build changes the weights. Torch's generators are restored after the build.
