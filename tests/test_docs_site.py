@@ -77,6 +77,90 @@ def test_every_private_torch_import_is_in_the_private_names_table() -> None:
     assert not unlisted, unlisted
 
 
+def _defined_in_library(trees: list[ast.Module]) -> set[str]:
+    """Underscore names the library gives itself: functions, classes, variables, arguments,
+    attributes set on ``self``/``cls``, import aliases."""
+    own: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, ast.alias):
+                own.add(node.asname or node.name.split(".")[0])
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                own.add(node.attr)
+    return own
+
+
+def _private(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and name.startswith("_")
+        and not name.startswith("__")
+        and name.isidentifier()
+    )
+
+
+def private_names_read(trees: list[ast.Module]) -> set[str]:
+    """Underscore names of other code the library reads: attributes (``x._name``), names asked
+    of ``getattr``/``hasattr``/``setattr``, and names in module-level tuples of names to probe."""
+    found: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                found.add(node.attr)
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and _private(node.args[1].value)
+            ):
+                found.add(str(node.args[1].value))
+        for statement in tree.body:
+            if isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Tuple):
+                found |= {
+                    str(e.value)
+                    for e in statement.value.elts
+                    if isinstance(e, ast.Constant) and _private(e.value)
+                }
+    return found - _defined_in_library(trees)
+
+
+def test_every_private_name_the_library_reads_is_in_the_table() -> None:
+    """Not only imports: every underscore attribute or probed name of torch, transformers or
+    Python that the library's source reads is named in docs/private_names.md."""
+    trees = [ast.parse(p.read_text()) for p in sorted((REPO / "fsdp_builder").rglob("*.py"))]
+    table = (DOCS / "private_names.md").read_text()
+    unlisted = sorted(n for n in private_names_read(trees) if f"{n}" not in table)
+    assert not unlisted, unlisted
+
+
+def test_the_private_name_scan_sees_what_it_must() -> None:
+    """The scan finds an attribute read, a probed name and a tuple of names, and leaves the
+    library's own underscore names alone."""
+    source = (
+        "PROBED = ('_probed',)\n"
+        "def _mine(x):\n"
+        "    x._own = 1\n"
+        "    return x._read, getattr(x, '_asked'), _mine\n"
+        "class _Own:\n"
+        "    def f(self):\n"
+        "        self._own = 2\n"
+    )
+    assert private_names_read([ast.parse(source)]) == {"_probed", "_read", "_asked"}
+
+
 def test_the_docs_site_is_built_by_the_test_command() -> None:
     readme = (REPO / "README.md").read_text()
     command = next(line for line in readme.splitlines() if "pytest -q" in line)

@@ -56,6 +56,7 @@ from fsdp_builder.backends.fsdp2 import (
     offload_policy,
 )
 from fsdp_builder.materializers.sharded import ShardFirstReset, local_bytes
+from fsdp_builder.runtime import fast_storage, tree
 from fsdp_builder.tools.cli import DEMO_SEED
 from fsdp_builder.tools.cli import main as cli_main
 from fsdp_builder.tools.demo import (
@@ -815,9 +816,19 @@ class _TiedNormBlock(nn.Module):
         return self.norm(self.b(torch.relu(self.a(x))))
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "to_empty"])
+# Each private FSDP2 name the direct way reads, by the tuple of fast_storage that lists it.
+HIDDEN = [
+    (group, name)
+    for group in ("MODULE_NAMES", "GROUP_NAMES", "RECORD_NAMES", "SHARDED_NAMES")
+    for name in getattr(fast_storage, group)
+]
+
+
+@pytest.mark.parametrize(
+    "hidden", [None, *HIDDEN, ("STATE_NAMES", "*")], ids=lambda h: "direct" if h is None else h[1]
+)
 def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(
-    world1: None, direct: bool, monkeypatch: pytest.MonkeyPatch
+    world1: None, hidden: tuple[str, str] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default FSDP2 build gives shards storage without ``to_empty``: each Parameter object
     stays the one ``fully_shard`` made and FSDP2 records (as ``to_empty`` keeps them), tied
@@ -825,10 +836,20 @@ def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(
     shard layouts share one sharding spec, and the model trains like plain ``fully_shard`` +
     ``to_empty`` + ``reset_parameters`` given the same weights. The same through ``to_empty``,
     the way taken on a torch whose FSDP2 lacks what the direct way uses."""
-    if not direct:
-        monkeypatch.setattr(
-            "fsdp_builder.runtime.fast_storage._FSDP_PARAM_API", "not_in_this_torch"
-        )
+    taken: list[str] = []
+    if hidden is not None:
+        # A torch without that name: the public to_empty way, with the same results.
+        group, name = hidden
+        every = getattr(fast_storage, group)
+        names = tuple("not_in_this_torch" if name in (n, "*") else n for n in every)
+        monkeypatch.setattr(fast_storage, group, names)
+        to_empty = tree._to_empty_unit
+
+        def counted(*args: Any) -> int:
+            taken.append("to_empty")
+            return to_empty(*args)
+
+        monkeypatch.setattr(tree, "_to_empty_unit", counted)
 
     def make() -> nn.Sequential:
         with torch.device("meta"):
@@ -838,6 +859,7 @@ def test_shard_storage_keeps_parameters_ties_and_buffers_as_to_empty_does(
     with pytest.warns(UserWarning, match="NO_SHARD"):
         built = builder.build(make())
     assert builder.report.records[0].stage == "shard"
+    assert taken == ([] if hidden is None else ["to_empty"] * 2)  # each block's unit
     for block in cast(list[_TiedNormBlock], list(built.children())):
         assert block.b.weight is block.a.weight
         norm = block.norm

@@ -98,25 +98,46 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else tensor.to_local()
 
 
+# The private FSDP2 names the direct way reads, by the object that holds them: the unit's
+# FSDPModule, its state, a parameter group, a parameter record, a sharded parameter. Each is
+# probed before use; a torch that lacks any of them takes to_empty (``has_direct_api``).
+MODULE_NAMES = ("_get_fsdp_state",)
+# One group per module in some torch releases, a list of groups in others.
+STATE_NAMES = ("_fsdp_param_groups", "_fsdp_param_group")
+GROUP_NAMES = ("fsdp_params",)
+RECORD_NAMES = ("sharded_param", "reset_sharded_param", "to_sharded_dtensor")
+SHARDED_NAMES = ("_local_tensor",)
+
+
+def _has(obj: object, names: tuple[str, ...]) -> bool:
+    # Not getattr(obj, name, None): a missing name must not read as a present None.
+    return all(hasattr(obj, name) for name in names)
+
+
 def fsdp2_params(root: nn.Module) -> list[Any] | None:
-    """The ``FSDPParam``s of the unit ``root`` shards; None when ``root`` is not FSDP2."""
-    get_state = getattr(root, "_get_fsdp_state", None)
-    if get_state is None:
+    """The ``FSDPParam``s of the unit ``root`` shards; None when ``root`` is not FSDP2 or this
+    torch's FSDP2 names its records otherwise (then ``to_empty`` is the way)."""
+    if not _has(root, MODULE_NAMES):
         return None
-    state = get_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch releases with one group per module
-        single = getattr(state, "_fsdp_param_group", None)
+    state = root._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, STATE_NAMES[0], None)
+    if groups is None:
+        if not hasattr(state, STATE_NAMES[1]):
+            return None
+        single = getattr(state, STATE_NAMES[1])
         groups = [] if single is None else [single]
+    if not all(_has(group, GROUP_NAMES) for group in groups):
+        return None
     return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
 
 
-_FSDP_PARAM_API = "to_sharded_dtensor"
-
-
 def has_direct_api(params: list[Any]) -> bool:
-    """Whether this torch's FSDP2 parameter records have what ``give_fsdp2_shards`` calls."""
-    return not params or hasattr(params[0], _FSDP_PARAM_API)
+    """Whether this torch's FSDP2 parameter records have all that ``give_fsdp2_shards`` and
+    ``settle_fsdp2_shards`` use."""
+    return all(
+        _has(record, RECORD_NAMES) and _has(record.sharded_param, SHARDED_NAMES)
+        for record in params[:1]
+    )
 
 
 def give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any, Any]) -> int:

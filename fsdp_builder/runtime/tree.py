@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name
 from fsdp_builder.planning.plan import unit_modules as unit_modules
@@ -175,13 +176,13 @@ def allocate_unit(
 ) -> int:
     """``allocate_empty`` for a unit whose ``root`` may be FSDP2-sharded on meta: local shards
     are made directly (DTensor's dispatch is most of a small unit's cost), sharing ``specs``."""
-    params = fsdp2_params(root)
-    if params is None:
+    if not isinstance(root, FSDPModule):
         return allocate_empty(modules, device)
-    if "plain_to_empty" in AB_SWITCHES:
-        return _to_empty_unit(root, modules, device)
+    params = fsdp2_params(root)
     # Without the direct API (a torch whose FSDP2 names these differently) all goes to to_empty.
-    allocated = give_fsdp2_shards(params, device, specs) if has_direct_api(params) else 0
+    if params is None or not has_direct_api(params) or "plain_to_empty" in AB_SWITCHES:
+        return _to_empty_unit(root, modules, device)
+    allocated = give_fsdp2_shards(params, device, specs)
     if any(t.is_meta for m in modules for t in direct_states(m)):
         # Buffers and unmanaged parameters; to_empty may also replace FSDP2 parameters (shards
         # offloaded to the CPU), so FSDP2 is pointed at what it holds now.
