@@ -117,10 +117,39 @@ def _configs() -> dict[str, tuple[Any, type[nn.Module]]]:
             t.Dinov2Config(**VISION, **VISION_IMAGE),
             t.Dinov2Model,
         ),
+        "qwen3_vl_moe": (
+            t.Qwen3VLMoeConfig(
+                text_config={
+                    **TEXT,
+                    "head_dim": 16,
+                    "moe_intermediate_size": 16,
+                    "num_experts": 4,
+                    "num_experts_per_tok": 2,
+                    "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+                },
+                vision_config={
+                    "depth": 1,
+                    "hidden_size": 32,
+                    "intermediate_size": 48,
+                    "num_heads": 2,
+                    "patch_size": 2,
+                    "temporal_patch_size": 2,
+                    "spatial_merge_size": 1,
+                    "out_hidden_size": 32,
+                    "num_position_embeddings": 16,
+                    "deepstack_visual_indexes": [0],
+                },
+                **TOKENS,
+            ),
+            t.Qwen3VLMoeForConditionalGeneration,
+        ),
     }
 
 
 FAMILIES = list(_configs())
+# save_pretrained writes this one under the model's own names (its fused experts too): its
+# mapping's converters (a Transpose) are for other checkpoints and must not be asked for.
+NATIVE = {"qwen3_vl_moe"}
 
 
 def make(family: str, meta: bool = True, **changes: Any) -> nn.Module:
@@ -165,7 +194,7 @@ def test_a_save_pretrained_folder_loads_with_no_key_map_like_from_pretrained(
     folder, cls = saved(family, tmp_path / family)
     want: Any = cls.from_pretrained(folder)
     # The folder holds transformers' original names, not the model's: it needs converting.
-    assert saved_names(folder) != set(want.state_dict())
+    assert (saved_names(folder) == set(want.state_dict())) == (family in NATIVE)
     model = make(family)
     got = full_state_dict(FullyShardBuilder().materialize(FromCheckpoint(folder)).build(model))
     check_equal(got, want.state_dict(), family)
