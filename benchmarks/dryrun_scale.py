@@ -13,9 +13,11 @@ also FSDP2 with its 3-D expert tensors sharded on dim 1. Written to
     python -m benchmarks.dryrun_scale --models mixtral-8x7b --block moe --max-local 1e12
     python -m benchmarks.dryrun_scale --peaks   # predicted vs measured build peaks, 2 and 4 ranks
     python -m benchmarks.dryrun_scale --timings  # the tests' large dry runs and plans, timed
+    python -m benchmarks.dryrun_scale --per-rank --models 405b --worlds 1024,4096,16384
 
-``--timings`` writes to ``benchmarks/results/dryrun_scale.md``: how long the dry runs and
-plans that the tests check (for their results only) take, in wall and CPU seconds.
+``--timings`` and ``--per-rank`` write to ``benchmarks/results/dryrun_scale.md``: how long the
+dry runs and plans that the tests check (for their results only) take, and one simulated rank's
+time (first and last rank, FSDP2) by world size, in wall and CPU seconds.
 """
 
 from __future__ import annotations
@@ -342,10 +344,22 @@ def main() -> None:
         help="only the tests' large dry runs and plans, timed (benchmarks/results/dryrun_scale.md)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each timed piece of work")
+    parser.add_argument(
+        "--per-rank",
+        action="store_true",
+        help="only one FSDP2 rank's time (first and last rank) for --models at --worlds "
+        "(benchmarks/results/dryrun_scale.md, the block --block, default per_rank)",
+    )
     args = parser.parse_args()
-    if args.timings:
+    if args.timings or args.per_rank:
         out = SCALE_RESULTS if args.out == RESULTS else args.out
-        write_block(out, "timings", timing_rows(args.repeats))
+        if args.timings:
+            write_block(out, "timings", timing_rows(args.repeats))
+        if args.per_rank:
+            models = [m for m in args.models.split(",") if m]
+            worlds = [int(w) for w in args.worlds.split(",")]
+            block = "per_rank" if args.block == "table" else args.block
+            write_block(out, block, per_rank_rows(models, worlds))
         return
     if args.peaks:
         write_block(args.out, "peaks", peak_rows([2, 4]))
@@ -477,6 +491,42 @@ def timing_rows(repeats: int) -> list[str]:
             f"| {cpus[0]:.1f} / {cpus[len(cpus) // 2]:.1f} / {cpus[-1]:.1f} |"
         )
         print(lines[-1], flush=True)
+    return lines
+
+
+def _simulate_into(
+    runs: list[RankRun], make: Callable[[], nn.Module], world: int, rank: int
+) -> None:
+    runs.extend(simulate(fsdp2, make, world, ranks=(rank,)).runs)
+
+
+def per_rank_rows(models: list[str], worlds: list[int]) -> list[str]:
+    """One simulated rank's time, FSDP2 with its default materializer, the first and the last
+    rank each simulated alone (the model made on meta for each, as the dry run does)."""
+    lines = [
+        "| model | layout | world | rank | wall (s) | CPU (s) | params, rank (GiB) "
+        "| build peak, rank (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for size in models:
+        make = model_factory(size)
+        for world in worlds:
+            for rank in (0, world - 1):
+                made: list[RankRun] = []
+                wall, cpu = timed(partial(_simulate_into, made, make, world, rank))
+                (run,) = made
+                if not run.ok:
+                    lines.append(
+                        f"| {size} | FSDP2 | {world} | {rank} | {wall:.1f} | {cpu:.1f} "
+                        f"| {run.error_type}: {run.error} | |"
+                    )
+                else:
+                    lines.append(
+                        f"| {size} | FSDP2 | {world} | {rank} | {wall:.1f} | {cpu:.1f} "
+                        f"| {gib(run.param_bytes)} | {gib(run.build_peak)} |"
+                    )
+                print(lines[-1], flush=True)
+                gc.collect()
     return lines
 
 

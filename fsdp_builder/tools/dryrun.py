@@ -54,6 +54,8 @@ _STRATEGY_NAMES = {s: name.removesuffix("_zero2") for name, s in _STRATEGY_ALIAS
 # block-seeded initializers call them once per 64 Ki elements).
 _FILLS = frozenset({"normal_", "uniform_", "fill_", "zero_", "bernoulli_", "exponential_"})
 
+_NEW_EMPTY = torch.ops.aten.new_empty.default
+
 # Allocations a real build does not hold until written (their pages are never touched): FSDP1
 # makes its unsharded flat buffers this way and frees them by resizing their storage.
 _UNWRITTEN = frozenset(
@@ -152,6 +154,7 @@ class _NoStorage(TorchDispatchMode):
         self.live = self.peak = 0
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._sizes: dict[int, int] = {}
+        self._empties: dict[Any, torch.Tensor] = {}
 
     def __torch_dispatch__(
         self,
@@ -160,6 +163,8 @@ class _NoStorage(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func is _NEW_EMPTY and args[0].device.type in ("meta", "cpu") and 0 in args[1]:
+            return self._empty(args, kwargs or {})
         made = self._run(func, args, kwargs or {})
         if not (func.is_view or func.overloadpacket in _UNWRITTEN):
             for t in pytree.tree_leaves(made):
@@ -168,19 +173,42 @@ class _NoStorage(TorchDispatchMode):
                     self._count(t.untyped_storage())
         return made
 
+    def _empty(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``tensor.new_empty(size)`` of no elements, made once per kind: FSDP2 makes one for
+        every rank past a parameter's last rows (``_chunk_with_empty``), so a rank of a large
+        world would otherwise pay a dispatch per rank and parameter. It has no data to share."""
+        like, size = args[0], args[1]
+        kind = (type(like), like.dtype, like.device, like.requires_grad)
+        key = (kind, tuple(size), tuple(sorted(kwargs.items(), key=str)))
+        made = self._empties.get(key)
+        if made is None:
+            made = self._empties[key] = self._run(_NEW_EMPTY, args, kwargs)
+        return made
+
     def _count(self, storage: torch.UntypedStorage) -> None:
-        if storage in self._storages:
+        nbytes = storage.nbytes()
+        if not nbytes or storage in self._storages:
+            # An empty storage holds no pages (FSDP2 makes one per rank past a parameter's
+            # last rows, thousands at large world sizes): counted once written, if ever.
             return
         self._storages[storage] = None
-        self._sizes[id(storage)] = storage.nbytes()
-        self.live += storage.nbytes()
+        self._sizes[id(storage)] = nbytes
+        self.live += nbytes
         weakref.finalize(storage, self._free, id(storage))
         if self.live > self.peak:
             # Sizes as they are now: torch frees some storages by resizing them to 0 (FSDP1's
-            # unsharded flat parameter once sharded), which no dispatched op shows.
-            self._sizes = {id(s): s.nbytes() for s in self._storages}
-            self.live = sum(self._sizes.values())
+            # unsharded flat parameter once sharded), which no dispatched op shows. Only a
+            # new high is checked, and only the storages that hold bytes.
+            self._resized()
             self.peak = max(self.peak, self.live)
+
+    def _resized(self) -> None:
+        for s in self._storages:
+            key = id(s)
+            now, was = s.nbytes(), self._sizes[key]
+            if now != was:
+                self._sizes[key] = now
+                self.live += now - was
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
