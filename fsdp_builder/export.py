@@ -27,13 +27,21 @@ from torch.distributed.tensor import DTensor
 from fsdp_builder.errors import ConfigurationError, ExportError, FSDPBuilderError, config_error
 from fsdp_builder.materializers.loading import KeyMap, Mapper, check_key_map, key_mapper, map_name
 from fsdp_builder.planning.ignored import clean_name
+from fsdp_builder.planning.wrap import is_diffusers_model
 from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.sources.dcp_folder import is_dcp_folder
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"  # a model that fits one file: no index, as transformers writes
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
-_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+# diffusers' file names (its SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME and shard names)
+DIFFUSERS_STEM = "diffusion_pytorch_model"
+_SHARD = re.compile(r"^(model|diffusion_pytorch_model)-\d{5}-of-\d{5}\.safetensors$")
+_EARLIER = frozenset(
+    f"{stem}{suffix}"
+    for stem in ("model", DIFFUSERS_STEM)
+    for suffix in (".safetensors", ".safetensors.index.json")
+)
 _FLAT_PARAM = "_flat_param"
 # The staging folder's name in the export folder; a rank 0 that was killed leaves it behind.
 _STAGING_PREFIX = ".save_hf_checkpoint-"
@@ -75,8 +83,11 @@ class _Writer:
     """Rank 0's file buffer, written when the next tensor would not fit, into a staging folder
     inside ``folder``; :meth:`commit` swaps the export in, :meth:`settle` undoes it."""
 
-    def __init__(self, folder: Path, max_shard_bytes: int, tally: _Tally) -> None:
+    def __init__(
+        self, folder: Path, max_shard_bytes: int, tally: _Tally, stem: str = "model"
+    ) -> None:
         self.folder = folder
+        self.stem = stem  # "model" as transformers names files, diffusers' for its models
         self.max_shard_bytes = max_shard_bytes
         self.tally = tally
         self.buffer: dict[str, torch.Tensor] = {}
@@ -142,10 +153,11 @@ class _Writer:
         new = self.staging / "new"
         count = len(self.parts)
         single = count == 1
+        stem = self.stem
         names = (
-            [SINGLE_NAME]
+            [f"{stem}.safetensors"]
             if single
-            else [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+            else [f"{stem}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
         )
         weight_map: dict[str, str] = {}
         for (path, keys), name in zip(self.parts, names, strict=True):
@@ -153,8 +165,12 @@ class _Writer:
             weight_map.update(dict.fromkeys(keys, name))
         if not single:
             index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-            _write_index(new / INDEX_NAME, index)
+            _write_index(new / self.index_name, index)
         return tuple(names)
+
+    @property
+    def index_name(self) -> str:
+        return f"{self.stem}.safetensors.index.json"
 
     def commit(self) -> None:
         """Move an earlier export's files aside and the new ones in (renames, index last)."""
@@ -162,12 +178,14 @@ class _Writer:
         new, old = self.staging / "new", self.staging / "old"
         incoming = sorted(p.name for p in new.iterdir())
         for present in sorted(self.folder.iterdir()):
-            ours = _SHARD.match(present.name) or present.name in (SINGLE_NAME, INDEX_NAME)
+            # An earlier export under either library's names: two would leave the folder
+            # with two checkpoints, of which a load cannot tell the current one.
+            ours = _SHARD.match(present.name) or present.name in _EARLIER
             if (ours or present.name in incoming) and not present.is_dir():
                 os.replace(present, old / present.name)
                 self.replaced.append(present)
         # The index last: a reader that opens it finds every shard it names.
-        for name in sorted(incoming, key=lambda n: n == INDEX_NAME):
+        for name in sorted(incoming, key=lambda n: n == self.index_name):
             os.replace(new / name, self.folder / name)
             self.placed.append(self.folder / name)
 
@@ -324,7 +342,8 @@ def save_hf_checkpoint(
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     agree("export (check)", _unbuilt(model) or _another_checkpoint(Path(folder)))
-    writer = _Writer(Path(folder), max_shard_bytes, _Tally())
+    stem = DIFFUSERS_STEM if is_diffusers_model(_unwrapped(model)) else "model"
+    writer = _Writer(Path(folder), max_shard_bytes, _Tally(), stem)
     try:
         outcome = _export(model, rank, distributed, mapper, writer)
     except BaseException as exc:
@@ -378,10 +397,7 @@ def _export(
         try:
             files = writer.finish()
             assert writer.staging is not None
-            # A transformers model's config.json, so that from_pretrained(folder) loads it.
-            save = getattr(getattr(model, "config", None), "save_pretrained", None)
-            if callable(save):
-                save(writer.staging / "new")
+            _save_config(model, writer.staging / "new")
             writer.commit()
         except (Exception, CheckpointException) as exc:
             writer.error = exc
@@ -394,6 +410,23 @@ def _export(
         # The last collective: a peer that dies here undoes rank 0's commit (in the caller).
         dist.broadcast_object_list(outcome, src=0)
     return outcome[0]
+
+
+def _save_config(model: nn.Module, folder: Path) -> None:
+    """The model's ``config.json``, so that ``from_pretrained(folder)`` loads the export: a
+    transformers config's ``save_pretrained``, a diffusers model's ``save_config``."""
+    save = getattr(getattr(model, "config", None), "save_pretrained", None)
+    if callable(save):
+        save(folder)
+    else:
+        inner: Any = _unwrapped(model)
+        if is_diffusers_model(inner):
+            inner.save_config(folder)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The user's model inside an FSDP1 root unit."""
+    return model.module if isinstance(model, FullyShardedDataParallel) else model
 
 
 def _peer_lost(folder: Path, rank: int, error: BaseException) -> ExportError:

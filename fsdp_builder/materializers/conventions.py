@@ -120,8 +120,24 @@ def _registered(module: nn.Module) -> ModuleInitializer | None:
     if cls not in _REGISTERED_BY_TYPE:  # asked once per module of every unit: resolved per type
         _REGISTERED_BY_TYPE[cls] = next(
             (_REGISTERED[base] for base in cls.__mro__ if base in _REGISTERED), None
-        )
+        ) or _known_by_name(cls)
     return _REGISTERED_BY_TYPE[cls]
+
+
+def _known_by_name(cls: type[nn.Module]) -> ModuleInitializer | None:
+    """An initializer the library knows for a class of another library (diffusers' positional
+    embeddings), by the class's module and name: that library is not imported to register it.
+    One registered for the class takes precedence."""
+    from fsdp_builder.materializers.buffers import KNOWN_BY_NAME
+
+    return next(
+        (
+            KNOWN_BY_NAME[key]
+            for base in cls.__mro__
+            if (key := f"{base.__module__}.{base.__qualname__}") in KNOWN_BY_NAME
+        ),
+        None,
+    )
 
 
 def library_initializer(module: nn.Module) -> ModuleInitializer | None:

@@ -34,12 +34,38 @@ class NoSplitModules:
 
 def no_split_class_names(model: nn.Module, named: NamedModules | None = None) -> tuple[str, ...]:
     """The ``_no_split_modules`` class names of ``model`` and every module below it, in
-    first-seen order (transformers' rule). ``named``: ``model.named_modules()``, if taken."""
+    first-seen order (transformers' and diffusers' rule; for a diffusers model declaring none,
+    :func:`diffusers_block_names`). ``named``: ``model.named_modules()``, if taken."""
     names: dict[str, None] = {}
     for _, module in model.named_modules() if named is None else named:
         declared = getattr(module, "_no_split_modules", None)
         if isinstance(declared, list | tuple | set):
             names.update((str(n), None) for n in declared)
+        elif declared is None and is_diffusers_model(module):
+            names.update(dict.fromkeys(diffusers_block_names(module)))
+    return tuple(names)
+
+
+def is_diffusers_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a diffusers ``ModelMixin`` (told without importing diffusers)."""
+    return any(
+        cls.__name__ == "ModelMixin" and cls.__module__.startswith("diffusers.")
+        for cls in type(module).__mro__
+    )
+
+
+def diffusers_block_names(model: nn.Module) -> tuple[str, ...]:
+    """The block classes of a diffusers model that declares no ``_no_split_modules`` (DiT):
+    its ``_repeated_blocks`` (the classes diffusers compiles one by one), else the classes of
+    the members of its ModuleLists named ``*blocks`` (``transformer_blocks``, ``down_blocks``
+    ...), diffusers' naming of the repeated parts of a model."""
+    repeated = getattr(model, "_repeated_blocks", None)
+    if isinstance(repeated, list | tuple | set) and repeated:
+        return tuple(dict.fromkeys(str(n) for n in repeated))
+    names: dict[str, None] = {}
+    for name, child in model._modules.items():
+        if isinstance(child, nn.ModuleList) and name.endswith("blocks"):
+            names.update((type(member).__name__, None) for member in child)
     return tuple(names)
 
 
@@ -445,6 +471,8 @@ __all__ = [
     "NoSplitModules",
     "WrapPolicy",
     "block_like_classes",
+    "diffusers_block_names",
+    "is_diffusers_model",
     "no_split_class_names",
     "WrapPredicate",
     "checkpoint_predicate",
