@@ -43,9 +43,10 @@ from fsdp_builder import (
     ShardingBuilder,
 )
 from fsdp_builder.errors import ConfigurationError
+from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.tools.cli import main
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
-from fsdp_builder.tools.dryrun import simulate
+from fsdp_builder.tools.dryrun import fake_world, simulate
 
 TINY_LLAMA: dict[str, Any] = dict(
     hidden_size=64,
@@ -335,6 +336,72 @@ def test_a_transformers_llama_at_1024_ranks() -> None:
     for r in fsdp1.runs:
         assert r.ok, r.error
         assert r.param_bytes == flat
+
+
+@pytest.mark.timeout(300)
+def test_a_transformers_llama_at_16384_ranks_first_and_last_rank() -> None:
+    # Each of the build's agreements used to gather `world` tensors, and the page accounting
+    # rechecked every live storage at each new high: hours at this size (timed in
+    # benchmarks/results/dryrun_scale.md, not here).
+    world = 16384
+    run = simulate(FullyShardBuilder, llama, world, ranks=(0, world - 1))
+    plain = dict(llama().named_parameters())
+    for r in run.runs:
+        assert r.ok, r.error
+        expected = {}
+        for name, p in plain.items():
+            chunks = torch.chunk(torch.empty(p.shape, device="meta"), world)
+            rows = tuple(chunks[r.rank].shape) if r.rank < len(chunks) else (0, *p.shape[1:])
+            expected[name] = rows
+        assert {s.name: s.local_shape for s in r.shards} == expected
+        # FSDP2 pads every rank's shard to ceil(rows / world) rows; the last rank holds padding
+        # only, as many bytes as rank 0.
+        padded = sum(
+            math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) * 4 for p in plain.values()
+        )
+        assert r.build_peak is not None and r.build_peak >= padded
+
+
+@pytest.mark.parametrize(
+    ("shape", "n", "dim"),
+    [((10, 3), 4, 0), ((7,), 8, 0), ((0, 5), 3, 0), ((5, 0), 3, 1), ((5, 9), 4, 1),
+     ((1,), 4096, 0), ((1024, 2), 4096, 0), ((100,), 7, 0), ((3,), 1, 0)],
+)  # fmt: skip
+def test_fsdp2s_chunks_made_on_demand_are_torchs(shape: tuple[int, ...], n: int, dim: int) -> None:
+    # The dry run hands FSDP2 these in place of torch's own _chunk_with_empty.
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from fsdp_builder.tools.dryrun import _Chunks
+
+    t = torch.randn(shape)
+    torchs, ours = _chunk_with_empty(t, n, dim), _Chunks(t, n, dim)
+    assert len(ours) == len(torchs)
+    for i in [*range(n), -1]:
+        a, b = torchs[i], ours[i]
+        layout = (a.shape, a.stride(), a.storage_offset())
+        assert layout == (b.shape, b.stride(), b.storage_offset())
+        assert torch.equal(a, b) and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
+    with pytest.raises(IndexError):
+        ours[n]
+
+
+def test_agreements_on_the_fake_process_group_gather_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch's fake group answers every rank's slot with this rank's own notes: the agreement's
+    # answer is known without gathering a world of copies (a million here).
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("gathered")
+
+    monkeypatch.setattr(dist, "all_gather", refuse)
+    monkeypatch.setattr(dist, "all_gather_object", refuse)
+    with fake_world(2**20, 7):
+        assert agree("stage", flag=True) is True
+        assert agree("stage") is False
+        mine = ValueError("this rank's error")
+        with pytest.raises(ValueError) as raised:
+            agree("stage", mine)
+        assert raised.value is mine
 
 
 def test_cli_simulates_a_config_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
