@@ -6,6 +6,7 @@ Hybrid layouts follow FSDP: shard inside a node (mesh dim 1), replicate across n
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -18,7 +19,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from fsdp_builder.common.hooks import DeclaredHooks
+from fsdp_builder.common.hooks import DeclaredHooks, former_hook
 from fsdp_builder.config import HYBRID_STRATEGIES
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.planning.context import ConfigureContext
@@ -149,10 +150,11 @@ def checked_groups(factory: GroupFactory, returned: object) -> ProcessGroups:
 
 @runtime_checkable
 class GroupFactory(Protocol):
-    """Creates the groups for a strategy. ``validate`` is local; ``create`` may communicate."""
-
-    def validate(self, strategy: ShardingStrategy) -> None:
-        """Raise a ConfigurationError if this factory cannot serve ``strategy``. No collectives."""
+    """Creates the groups for a strategy; ``create`` may communicate. A factory may also define
+    the check hook every role has, ``check_context(context)``: local, before any collective,
+    raising a ConfigurationError if it cannot serve ``context.options.strategy`` (or the model).
+    A ``validate(strategy)`` of an earlier release is still called after it, with a
+    DeprecationWarning."""
 
     def agreement_group(self) -> dist.ProcessGroup | None:
         """The group whose ranks build together (None: the default group)."""
@@ -162,12 +164,29 @@ class GroupFactory(Protocol):
 
 
 class BaseGroupFactory(DeclaredHooks):
-    """Optional base for custom factories: accepts every strategy, agrees on the default group."""
+    """Optional base for custom factories: accepts every strategy, agrees on the default group.
+    The ready-made factories refuse a strategy they cannot serve in ``_serves``, which
+    ``check_context`` runs."""
 
     __slots__ = ()
 
-    def validate(self, strategy: ShardingStrategy) -> None:
+    def check_context(self, context: ConfigureContext) -> None:
+        self._serves(context.options.strategy)
+
+    def _serves(self, strategy: ShardingStrategy) -> None:
         return None
+
+    @former_hook
+    def validate(self, strategy: ShardingStrategy) -> None:
+        """Deprecated: the builder calls ``check_context(context)``; this runs its strategy
+        check alone."""
+        warnings.warn(
+            f"`{type(self).__name__}.validate(strategy)` is deprecated: the builder calls "
+            "`check_context(context)` (the strategy is `context.options.strategy`).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self._serves(strategy)
 
     def agreement_group(self) -> dist.ProcessGroup | None:
         return None
@@ -237,7 +256,7 @@ class AutoHybridGroups(BaseGroupFactory):
         )
 
     @override
-    def validate(self, strategy: ShardingStrategy) -> None:
+    def _serves(self, strategy: ShardingStrategy) -> None:
         if strategy not in HYBRID_STRATEGIES:
             raise config_error(
                 "AutoHybridGroups",
@@ -294,10 +313,10 @@ class DefaultGroups(BaseGroupFactory):
     """
 
     @override
-    def validate(self, strategy: ShardingStrategy) -> None:
+    def _serves(self, strategy: ShardingStrategy) -> None:
         _require_initialized("DefaultGroups")
         if strategy in HYBRID_STRATEGIES:
-            AutoHybridGroups().validate(strategy)
+            AutoHybridGroups()._serves(strategy)
 
     @override
     def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
@@ -326,7 +345,7 @@ class GivenGroup(BaseGroupFactory):
         _check_group("GivenGroup", "group", self.group)
 
     @override
-    def validate(self, strategy: ShardingStrategy) -> None:
+    def _serves(self, strategy: ShardingStrategy) -> None:
         if strategy in HYBRID_STRATEGIES:
             raise config_error(
                 "GivenGroup",
@@ -362,7 +381,7 @@ class HybridGroups(BaseGroupFactory):
         _check_group("HybridGroups", "replicate_group", self.replicate_group)
 
     @override
-    def validate(self, strategy: ShardingStrategy) -> None:
+    def _serves(self, strategy: ShardingStrategy) -> None:
         if strategy not in HYBRID_STRATEGIES:
             raise config_error(
                 "HybridGroups",
@@ -570,11 +589,13 @@ class MeshGroups(BaseGroupFactory):
         check_mesh_ndim(self.mesh, "MeshGroups")
 
     @override
-    def validate(self, strategy: ShardingStrategy) -> None:
+    def _serves(self, strategy: ShardingStrategy) -> None:
         _require_initialized("MeshGroups")
         check_mesh(self.mesh, strategy, "MeshGroups")
 
+    @override
     def check_context(self, context: ConfigureContext) -> None:
+        super().check_context(context)
         check_placed_on_other_dims(self.mesh, context.model, "MeshGroups")
 
     @override

@@ -18,7 +18,8 @@ from attrs import define, frozen
 from torch import nn
 
 from fsdp_builder.backends import Backend, capabilities, resolved_settings
-from fsdp_builder.common.describe import describe_settings
+from fsdp_builder.common.describe import describe_settings, listed
+from fsdp_builder.common.hooks import check_role
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.devices import (
     DeviceResolver,
@@ -39,9 +40,8 @@ from fsdp_builder.materializers.initializers import (
     BaseMaterializer,
     Materializer,
     MaterializerRun,
-    check_materializer,
 )
-from fsdp_builder.planning.context import ChecksContext, ConfigureContext
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name, resolve_ignored
 from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_model, plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
@@ -57,7 +57,6 @@ from fsdp_builder.runtime.tree import (
     qualified,
     unit_modules,
 )
-from fsdp_builder.sources.base import listed
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
 UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
@@ -145,7 +144,7 @@ class _Build:
         self.synchronizer = config.synchronizer or NoSync()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agreement = Agreement(None)
-        self.shards_first = False  # decided in the groups stage
+        self.shard_first = False  # decided in the groups stage
         self.bound = GroupTimeouts(config.timeout)
 
     def run(self, model: nn.Module) -> BuildResult:
@@ -162,7 +161,7 @@ class _Build:
             ignored=configured.ignored,
             plan=configured.plan,
             agreement_group=self.agreement.group,
-            shards_first=self.shards_first,
+            shard_first=self.shard_first,
             # Optional on a shard-first materializer: smaller units are filled whole first.
             whole_below=getattr(self.materializer, "whole_below", 0),
             values_from_rank0=overwrites(self.synchronizer),
@@ -233,7 +232,6 @@ class _Build:
         description: Any = None
         error: BaseException | None = None
         try:
-            self.factory.validate(cfg.options.strategy)
             self.backend.check(cfg.options)
             wrap = cfg.wrap or WrapPolicy()
             planned = plan_model(model, wrap, cfg.ignored_modules, cfg.ignored_states)
@@ -268,16 +266,17 @@ class _Build:
         return configured
 
     def check_roles(self, context: ConfigureContext) -> None:
-        """Every role's local, pure check: the backend's first (what torch would refuse)."""
+        """Every role's local, pure check: the groups' first (whether they can serve the
+        strategy at all), then the backend's (what torch would refuse), then the others'."""
+        check_role(self.factory, context, former="validate")
         self.backend.check_context(context)
-        for role in (self.factory, self.resolver, self.synchronizer):
-            if isinstance(role, ChecksContext):
-                role.check_context(context)
-        check_materializer(self.materializer, context)
+        check_role(self.resolver, context)
+        check_role(self.synchronizer, context)
+        check_role(self.materializer, context, former="check")
         # Last: each role's own refusal says more than how two of them combine. A synchronizer
         # works per unit, which a materializer writing the whole model after the last unit
         # cannot serve.
-        if getattr(self.materializer, "needs_shard_first", False) and not isinstance(
+        if getattr(self.materializer, "shard_first_only", False) and not isinstance(
             self.synchronizer, NoSync
         ):
             name = type(self.materializer).__name__
@@ -307,14 +306,14 @@ class _Build:
             )
             return options, groups
 
-        shard_first = self.materializer.shard_first and self.backend.supports_shard_first
+        wanted = self.materializer.shard_first and self.backend.supports_shard_first
         # Units are sharded on meta before being filled only when no rank holds a real managed
         # state: else a synchronizer would lack full values, and initializers on DTensors on
         # some ranks only would run collectives on those alone.
         result, any_real = self.agreement.now_asking(
-            "groups", create, flag=shard_first and _holds_real_states(configured)
+            "groups", create, flag=wanted and _holds_real_states(configured)
         )
-        self.shards_first = shard_first and not any_real
+        self.shard_first = wanted and not any_real
         return result
 
     def prepare(self, env: Environment) -> _Runs:
@@ -396,7 +395,7 @@ class _Build:
             "synchronize": (synchronize, self.synchronizer.communicates),
             "shard": (shard, self.backend.shard_communicates),
         }
-        for name in SHARD_FIRST_STEPS if env.sharded_first(unit) else UNIT_STEPS:
+        for name in SHARD_FIRST_STEPS if env.shard_first_for(unit) else UNIT_STEPS:
             fn, communicates = steps[name]
             self.agreement.step(name, fn, unit.label, communicates)
         if self.config.timeout is not None:
@@ -460,7 +459,7 @@ def _check_no_meta(model: nn.Module) -> None:
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise FSDPBuilderError(
-            f"After the build these states are still on the meta device: {', '.join(left[:8])}"
-            f"{' ...' if len(left) > 8 else ''}. They belong to ignored modules or a materializer "
+            f"After the build these states are still on the meta device: {listed(left)}. "
+            "They belong to ignored modules or a materializer "
             "skipped them: materialize them yourself or stop ignoring them."
         )

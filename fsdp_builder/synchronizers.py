@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.common.hashing import digest63
 from fsdp_builder.common.hooks import DeclaredHooks
 from fsdp_builder.errors import FSDPBuilderError, StateMismatchError
@@ -234,7 +235,7 @@ def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> l
     # ranks.
     others = other_dim_groups(env.groups.mesh)
     plain = data_parallel + tuple((g, dist.get_global_rank(g, 0)) for g in others if g.size() > 1)
-    placed = () if env.sharded_first(unit) else data_parallel
+    placed = () if env.shard_first_for(unit) else data_parallel
     return [flat for name, t in params + buffers for flat in _flatten(name, t, plain, placed)]
 
 
@@ -250,8 +251,8 @@ def checked_states(
         meta = [s.name for s in states if s.tensor.is_meta]
         if meta:
             raise FSDPBuilderError(
-                f"`{who}` cannot synchronize unit '{unit.label}': {', '.join(meta[:8])}"
-                f"{' ...' if len(meta) > 8 else ''} are still on the meta device on this rank. "
+                f"`{who}` cannot synchronize unit '{unit.label}': {listed(meta)} are "
+                "still on the meta device on this rank. "
                 "Pass a materializer that gives them values (e.g. ResetParameters())."
             )
     except Exception as exc:

@@ -105,6 +105,23 @@ def test_no_hook_of_ours_is_looked_up_with_getattr() -> None:
     assert not found, found
 
 
+def test_shard_first_has_one_name_and_the_earlier_ones_still_answer(world1: None) -> None:
+    """``Environment.shard_first`` / ``shard_first_for(unit)``; ``shards_first`` and
+    ``sharded_first(unit)``, the names before them, give the same answers with a warning."""
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).sharding("none")
+    with torch.device("meta"):
+        model = DemoTransformer(CFG)
+    builder.build(model)
+    env = builder.environment
+    assert env is not None
+    root = env.plan.root
+    with pytest.warns(DeprecationWarning, match=r"Environment.shards_first.*shard_first") as seen:
+        assert env.shards_first == env.shard_first
+    with pytest.warns(DeprecationWarning, match=r"sharded_first\(unit\).*shard_first_for"):
+        assert env.sharded_first(root) == env.shard_first_for(root)
+    assert seen[0].filename == __file__  # pointed at the caller
+
+
 # -- per-build state ------------------------------------------------------------------------
 
 

@@ -9,19 +9,27 @@ import attrs
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import ShardingStrategy
 
 from fsdp_builder import (
     AutoHybridGroups,
+    BaseGroupFactory,
     ConfigurationError,
+    CPUDevice,
     DefaultGroups,
+    FSDPBuilder,
     GivenGroup,
     HybridGroups,
     MeshGroups,
     ProcessGroups,
     ShardingOptions,
 )
+from fsdp_builder.planning.context import BackendCapabilities, ConfigureContext
+from fsdp_builder.planning.ignored import resolve_ignored
+from fsdp_builder.planning.plan import plan_units
+from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.environment import effective_strategy
 
 FULL, HYBRID, NONE = (
@@ -82,27 +90,70 @@ def test_full_shard_over_several_ranks_is_kept() -> None:
     assert opts.strategy is FULL and out.world_size == 4
 
 
+def context(strategy: ShardingStrategy) -> ConfigureContext:
+    """What the configure stage hands a factory's check for a small model."""
+    model = nn.Linear(2, 2)
+    ignored = resolve_ignored(model)
+    return ConfigureContext(
+        model=model,
+        plan=plan_units(model, WrapPolicy(), ignored),
+        ignored=ignored,
+        options=ShardingOptions(strategy=strategy),
+        backend=BackendCapabilities("fsdp2", "FullyShardBuilder", True, True),
+        device=torch.device("cpu"),
+    )
+
+
 def test_factories_refuse_strategies_they_cannot_serve(world1: None) -> None:
     world = dist.group.WORLD
     assert world is not None
     with pytest.raises(ConfigurationError, match=r"`GivenGroup`.*HYBRID_SHARD needs a shard group"):
-        GivenGroup(world).validate(HYBRID)
+        GivenGroup(world).check_context(context(HYBRID))
     with pytest.raises(ConfigurationError, match=r"`HybridGroups`.*FULL_SHARD shards over one"):
-        HybridGroups(world, world).validate(FULL)
+        HybridGroups(world, world).check_context(context(FULL))
     with pytest.raises(ConfigurationError, match=r"`AutoHybridGroups`.*FULL_SHARD does not"):
-        AutoHybridGroups(devices_per_node=1).validate(FULL)
+        AutoHybridGroups(devices_per_node=1).check_context(context(FULL))
     with pytest.raises(ConfigurationError, match=r"world size 1 is not a multiple of 2"):
-        AutoHybridGroups(devices_per_node=2).validate(HYBRID)
+        AutoHybridGroups(devices_per_node=2).check_context(context(HYBRID))
+
+
+def test_the_former_validate_still_checks_the_strategy(world1: None) -> None:
+    """``validate(strategy)``, the hook before ``check_context``: a direct call still refuses,
+    and a factory overriding it still refuses the build, each with a DeprecationWarning."""
+    world = dist.group.WORLD
+    assert world is not None
+    with (
+        pytest.warns(DeprecationWarning, match=r"GivenGroup.validate\(strategy\).*check_context"),
+        pytest.raises(ConfigurationError, match=r"HYBRID_SHARD needs a shard group"),
+    ):
+        GivenGroup(world).validate(HYBRID)
+    group: dist.ProcessGroup = world
+
+    class OnlyFull(BaseGroupFactory):
+        def validate(self, strategy: ShardingStrategy) -> None:
+            if strategy is not FULL:
+                raise ConfigurationError(f"`OnlyFull` cannot serve {strategy.name}. Fix.")
+
+        def create(self, strategy: ShardingStrategy, device: torch.device) -> ProcessGroups:
+            return ProcessGroups(shard_group=group)
+
+    builder = FSDPBuilder().device(CPUDevice()).groups(OnlyFull()).sharding("hybrid")
+    with (
+        pytest.warns(DeprecationWarning, match=r"OnlyFull.validate\(strategy\)") as seen,
+        pytest.raises(ConfigurationError, match=r"`OnlyFull` cannot serve HYBRID_SHARD"),
+    ):
+        builder.build(nn.Linear(2, 2))
+    assert any(w.filename == __file__ for w in seen)  # pointed at the build call
 
 
 def test_mesh_dimensions_must_fit_the_strategy(world1: None) -> None:
     one, two = init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1, 1))
-    MeshGroups(one).validate(FULL)
-    MeshGroups(two).validate(HYBRID)
+    MeshGroups(one).check_context(context(FULL))
+    MeshGroups(two).check_context(context(HYBRID))
     with pytest.raises(ConfigurationError, match=r"HYBRID_SHARD needs a 2-D \(replicate, shard\)"):
-        MeshGroups(one).validate(HYBRID)
+        MeshGroups(one).check_context(context(HYBRID))
     with pytest.raises(ConfigurationError, match=r"FULL_SHARD shards over one dimension"):
-        MeshGroups(two).validate(FULL)
+        MeshGroups(two).check_context(context(FULL))
     with pytest.raises(ConfigurationError, match=r"a 3-D mesh of shape \(1, 1, 1\) cannot be used"):
         MeshGroups(init_device_mesh("cpu", (1, 1, 1)))
     with pytest.raises(ConfigurationError, match=r"`mesh`.*DeviceMesh, got str"):
@@ -137,4 +188,4 @@ def test_created_groups(world1: None) -> None:
 
 def test_factories_need_an_initialized_world() -> None:
     with pytest.raises(ConfigurationError, match=r"`DefaultGroups` needs an initialized"):
-        DefaultGroups().validate(FULL)
+        DefaultGroups().check_context(context(FULL))

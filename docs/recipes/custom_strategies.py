@@ -31,6 +31,7 @@ from fsdp_builder import (
     StateMismatchError,
     Unit,
 )
+from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.tools.launch import end_process_group
 
 
@@ -61,8 +62,9 @@ class OwnGroup(BaseGroupFactory):
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
 
-    def validate(self, strategy: ShardingStrategy) -> None:
+    def check_context(self, context: ConfigureContext) -> None:
         # Local and before any collective: refuse what this factory cannot serve.
+        strategy = context.options.strategy
         if "HYBRID" in strategy.name:
             raise ConfigurationError(f"OwnGroup cannot serve {strategy.name}: no replicate group")
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.compiling import check_units
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.errors import ConfigurationError, config_error
@@ -18,11 +19,6 @@ from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.planning.wrap import block_like_classes, unit_overrides
 
 _SHOWN = 6
-
-
-def _listed(items: list[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f" ... ({len(items)} in all)" if len(items) > _SHOWN else "")
 
 
 def check_root_not_wrapped(plan: UnitPlan, builder: str) -> None:
@@ -65,14 +61,15 @@ def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
         raise ConfigurationError(
             f"`{where}.build`: FullyShardedDataParallel flattens each unit's parameters into one "
             f"floating-point FlatParameter and cannot shard non-floating parameters: "
-            f"{_listed(integers)}. Register them as buffers (`module.register_buffer(...)`), "
+            f"{listed(integers, _SHOWN)}. Register them as buffers "
+            "(`module.register_buffer(...)`), "
             "ignore their modules with `.ignore([...])`, or use FullyShardBuilder."
         )
     if scalars:
         # Torch finds these only when it wraps their unit, after the units below were wrapped.
         raise ConfigurationError(
             f"`{where}.build`: FullyShardedDataParallel refuses scalar (0-dim) parameters: "
-            f"{_listed(scalars)}. Make each a 1-D tensor of one element (e.g. "
+            f"{listed(scalars, _SHOWN)}. Make each a 1-D tensor of one element (e.g. "
             "`nn.Parameter(torch.ones(1))`), or leave it out with `.ignore(states=[...])`."
         )
     for unit, by_dtype in dtypes.items():
@@ -80,7 +77,7 @@ def check_fsdp1_plan(plan: UnitPlan, options: ShardingOptions) -> None:
             found = [f"'{name}' is {dtype}" for dtype, name in by_dtype.items()]
             raise ConfigurationError(
                 f"`{where}.build`: unit '{unit.label}' holds parameters of several dtypes "
-                f"({_listed(found)}); FullyShardedDataParallel flattens a unit into one "
+                f"({listed(found, _SHOWN)}); FullyShardedDataParallel flattens a unit into one "
                 "FlatParameter of one dtype. Cast the model to one dtype before build() (use "
                 "mixed_precision(...) for low-precision compute), or make the odd modules units "
                 "of their own with `.wrap(...)`."
@@ -121,14 +118,14 @@ def check_fsdp2_plan(plan: UnitPlan) -> None:
     if scalars:
         raise ConfigurationError(
             f"`{where}.build`: fully_shard shards parameters along dim 0 and refuses scalar "
-            f"(0-dim) parameters: {_listed(scalars)}. Make each a 1-D tensor of one element "
+            f"(0-dim) parameters: {listed(scalars, _SHOWN)}. Make each a 1-D tensor of one element "
             "(e.g. `nn.Parameter(torch.ones(1))`), or leave it out with "
             "`.ignore(states=[...])`."
         )
     if strided:
         raise ConfigurationError(
             f"`{where}.build`: fully_shard refuses non-contiguous parameters: "
-            f"{_listed(strided)}. Make them contiguous before build() (e.g. "
+            f"{listed(strided, _SHOWN)}. Make them contiguous before build() (e.g. "
             "`module.weight = nn.Parameter(module.weight.detach().contiguous())`)."
         )
 

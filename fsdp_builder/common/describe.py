@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -72,6 +72,14 @@ def describe(value: Any) -> str:
         name = getattr(value, "__qualname__", None) or type(value).__qualname__
         return f"{getattr(value, '__module__', '')}.{name}"
     return type(value).__qualname__
+
+
+def listed(items: Iterable[str], shown: int = 8, sep: str = ", ") -> str:
+    """The first ``shown`` distinct items, and how many more there are: how every message lists
+    the states, files, units or ranks it names."""
+    unique = list(dict.fromkeys(items))
+    text = sep.join(unique[:shown])
+    return text + (f"{sep}... ({len(unique) - shown} more)" if len(unique) > shown else "")
 
 
 def describe_settings(items: Mapping[str, Any]) -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.materializers.conventions import NO_LINEAGE, Lineage, initializer_of, lineages
 
@@ -119,7 +120,7 @@ def _by_whole_model(
     init = whole_model_initializer(model)
     if init is None:
         raise MaterializationError(
-            f"The non-persistent buffers {', '.join(names[:8])} are on the meta device and no "
+            f"The non-persistent buffers {listed(names)} are on the meta device and no "
             "convention computes them: their modules have no initializer (reset_parameters(), "
             "a registered one, or a transformers model's _init_weights) and the model has no "
             "init_weights(buffer_device=...). Register an initializer for their module class "
@@ -135,7 +136,7 @@ def _by_whole_model(
             shadow_init(**whole_model_kwargs(shadow_init, torch.device("cpu")))
     except Exception as exc:
         raise MaterializationError(
-            f"Computing the non-persistent buffers {', '.join(names[:8])} with "
+            f"Computing the non-persistent buffers {listed(names)} with "
             f"`{type(model).__name__}.{getattr(init, '__name__', 'init')}` on a meta copy of the "
             f"model failed: {type(exc).__name__}: {exc}. Make it work on a model on the meta "
             "device (weights stay meta; buffers are created on `buffer_device`)."
@@ -152,7 +153,7 @@ def _by_whole_model(
     if left:
         raise MaterializationError(
             f"`{type(model).__name__}.{getattr(init, '__name__', 'init')}(buffer_device=...)` "
-            f"left the non-persistent buffers {', '.join(left[:8])} on the meta device. Make it "
+            f"left the non-persistent buffers {listed(left)} on the meta device. Make it "
             "compute them on `buffer_device`, or register an initializer for their module class "
             "with `fsdp_builder.register_initializer(cls, fn)`."
         )

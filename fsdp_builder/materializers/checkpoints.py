@@ -325,7 +325,7 @@ class LocalRun(LoadRun):
             env.device,
             lambda: [n for n in loaded if self.keys[n] in bad],
             error,
-            alike=not env.shards_first,
+            alike=not env.shard_first,
         )
         env.logger.debug("loaded_unit", unit=unit.label, tensors=len(targets), bytes=written)
         return written

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.errors import MaterializationError
 from fsdp_builder.materializers.conventions import SETTLED_BY_CALLER, Lineage, lineages
 from fsdp_builder.planning.ignored import IgnoredStates, clean_name, unsharded_class
@@ -221,7 +222,7 @@ def constructor_values(model: nn.Module, slots: Sequence[Slot]) -> list[torch.Te
     if refused:
         raise MaterializationError(
             "Ignored parameters on the meta device were left without values: "
-            f"{', '.join(refused[:8])}. Their module's initializer does not set them, and the "
+            f"{listed(refused)}. Their module's initializer does not set them, and the "
             "model's constructor gives them no constant. Give them real values before build(), "
             "register an initializer that sets them "
             "(`fsdp_builder.register_initializer(TheirModuleClass, fn)`), or load them with "

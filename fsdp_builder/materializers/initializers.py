@@ -5,7 +5,6 @@ objects stay immutable and shareable."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
@@ -17,8 +16,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.common.hashing import digest63
-from fsdp_builder.common.hooks import DeclaredHooks
+from fsdp_builder.common.hooks import DeclaredHooks, check_role
 from fsdp_builder.common.logs import warn_user
 from fsdp_builder.config import ShardingOptions
 from fsdp_builder.errors import MaterializationError, checked, config_error
@@ -66,7 +66,6 @@ from fsdp_builder.runtime.tree import (
     tied_groups,
     unit_modules,
 )
-from fsdp_builder.sources.base import listed
 
 # The backend a single-process reference (``materialize_model``) stands for: none shards.
 _REFERENCE = BackendCapabilities(
@@ -209,20 +208,6 @@ class Materializer(Protocol):
     def prepare(self, env: Environment) -> MaterializerRun:
         """Start one build on every rank, after the groups exist; may communicate."""
         ...
-
-
-def check_materializer(materializer: Materializer, context: ConfigureContext) -> None:
-    """``check_context``, then a legacy ``check(plan, ignored)`` with a DeprecationWarning."""
-    materializer.check_context(context)
-    legacy = getattr(materializer, "check", None)
-    if callable(legacy):
-        warnings.warn(
-            f"`{type(materializer).__name__}.check(plan, ignored)` is deprecated: override "
-            "`check_context(context)` instead (`context.plan`, `context.ignored`).",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        legacy(context.plan, context.ignored)
 
 
 def placed_states(context: ConfigureContext) -> list[tuple[str, torch.Tensor]]:
@@ -393,7 +378,7 @@ class BaseMaterializer(DeclaredHooks):
         plan = plan_units(model, WrapPolicy.of(wrap), ignored)
         device = torch.device(device)
         context = ConfigureContext(model, plan, ignored, ShardingOptions(), _REFERENCE, device)
-        check_materializer(self, context)
+        check_role(self, context, former="check")
         plan.tie_declared()  # as a build does once its checks passed
         computed = buffers_to_compute(model, ignored)
         for unit in plan:
@@ -626,7 +611,7 @@ class InitFn(BaseMaterializer):
                 warn_user(
                     f"`InitFn` does not apply the subtree initializer of "
                     f"'{clean_name(fqn) or '<root>'}' to the units below it "
-                    f"({', '.join(units[:8])}{' ...' if len(units) > 8 else ''}): they keep their "
+                    f"({listed(units)}): they keep their "
                     "own modules' initialization. Use ResetParameters() or DeterministicInit(seed)"
                     ", which apply it, or initialize those units the way the parent would in your "
                     "function."
@@ -695,9 +680,9 @@ class InitFn(BaseMaterializer):
             for m, n, _ in pending
             if judge_unwritten and writes.unwritten(getattr(m, n), given[(id(m), n)])
         ]
-        problems = [f"still on the meta device: {', '.join(left[:8])}"] if left else []
+        problems = [f"still on the meta device: {listed(left)}"] if left else []
         if unwritten:
-            problems.append(f"given storage but never written: {', '.join(unwritten[:8])}")
+            problems.append(f"given storage but never written: {listed(unwritten)}")
         if problems:
             fix = (
                 "With InitFn(fn, allocate=True), fn must write every parameter and buffer of "
@@ -903,8 +888,8 @@ class KeepAsIs(BaseMaterializer):
             ]
         if meta:
             raise MaterializationError(
-                f"`KeepAsIs` got states on the meta device: {', '.join(meta[:8])}"
-                f"{' ...' if len(meta) > 8 else ''}. Pass a materializer such as "
+                f"`KeepAsIs` got states on the meta device: {listed(meta)}. Pass a "
+                "materializer such as "
                 "ResetParameters() or build the model on a real device."
             )
 

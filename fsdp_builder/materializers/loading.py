@@ -481,11 +481,8 @@ def prepare_rank0(
         found, error = run.open(open_on_rank0, "the source")
         if error is None:
             report_match(env, found)
-    box: list[Any] = [None if error is None else str(error)]
     with run.starting():
-        dist.broadcast_object_list(box, src=0, group=env.agreement_group)
-        if box[0] is not None:
-            raise ConfigurationError(box[0])
+        agree("materialize (open)", error, group=env.agreement_group, shared=ConfigurationError)
     return run
 
 
@@ -498,7 +495,7 @@ class Rank0Run(LoadRun):
 
     def materialize(self, unit: Unit) -> int:
         env = self.env
-        if env.shards_first:
+        if env.shard_first:
             return self._scatter(unit)
         read = None if self.source is None else reader(self.source)
         modules = list(unit.modules)

@@ -12,6 +12,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import MaterializationError, config_error
 from fsdp_builder.runtime.collectives import collective_device
@@ -87,7 +88,7 @@ def nonfinite_verdict(
         if names:
             warn_user(
                 f"`{loader}` loaded NaN or inf values from {source} into unit '{unit}': "
-                f"{_listed(names)}. Check the source; pass nonfinite='error' to stop the build "
+                f"{_quoted(names)}. Check the source; pass nonfinite='error' to stop the build "
                 "on such values, or nonfinite='ignore' to silence this warning."
             )
         return None
@@ -96,14 +97,13 @@ def nonfinite_verdict(
         return None
     return MaterializationError(
         f"`{loader}` found NaN or inf values in {source} for unit '{unit}': "
-        f"{_listed(found)}. Fix or re-export the source, or pass nonfinite='warn' (or "
+        f"{_quoted(found)}. Fix or re-export the source, or pass nonfinite='warn' (or "
         "'ignore') to load such values anyway."
     )
 
 
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN])
-    return shown + (f" ... ({len(names)} in all)" if len(names) > _SHOWN else "")
+def _quoted(names: list[str]) -> str:
+    return listed([f"'{n}'" for n in names], _SHOWN)
 
 
 __all__ = [

@@ -62,7 +62,7 @@ def shard_seed(seed: int, shard_index: int, fqn: str) -> int:
 def shard_index(env: Environment) -> int:
     """This rank's index in the shard group; 0 when nothing is sharded (replicas draw alike)
     or units are materialized full (every rank draws the same unit and keeps its slice)."""
-    if env.options.strategy == ShardingStrategy.NO_SHARD or not env.shards_first:
+    if env.options.strategy == ShardingStrategy.NO_SHARD or not env.shard_first:
         return 0
     return env.groups.rank
 
@@ -313,7 +313,8 @@ class InitWeights(BaseMaterializer):
     seed: int | None = attrs.field(default=None, validator=attrs.validators.optional(check_seed))
     communicates: ClassVar[bool] = False  # only prepare() communicates
     shard_first: ClassVar[bool] = True
-    needs_shard_first: ClassVar[bool] = True
+    # Shard first or not at all: the whole model is initialized after the last unit.
+    shard_first_only: ClassVar[bool] = True
 
     @override
     def check_context(self, context: ConfigureContext) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import ConfigurationError, config_error
 
@@ -157,7 +158,7 @@ def _check_in_model(root: nn.Module, modules: list[Any], params: list[nn.Paramet
             "ShardingBuilder.ignore",
             "states" if params else "modules",
             f"{len(outside)} ignored item(s) are not part of the model being built "
-            f"({type(root).__name__}): {', '.join(outside[:8])}{' ...' if len(outside) > 8 else ''}"
+            f"({type(root).__name__}): {listed(outside)}"
             " (counted in the order given)",
             "Pass modules or parameters of the model you build (e.g. `ignore([model.head])` on "
             "the same model object `build(model)` gets, not on a copy).",
@@ -237,8 +238,8 @@ def check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:
     left += [n for n, b in model.named_buffers() if id(b) in buffers and b.is_meta]
     if left:
         raise ConfigurationError(
-            f"Ignored states are on the meta device: {', '.join(left[:8])}"
-            f"{' ...' if len(left) > 8 else ''}. The builder leaves ignored modules as they "
+            f"Ignored states are on the meta device: {listed(left)}. The "
+            "builder leaves ignored modules as they "
             "are: give them real values before build() (e.g. `module.to_empty(device=...)` "
             "and its initializer), or stop ignoring them (parameters ignored with "
             "`ignore(states=[param])` are materialized with their module)."

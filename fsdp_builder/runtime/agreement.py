@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.errors import CommunicationError, RankDisagreementError
 from fsdp_builder.runtime.collectives import collective_device
 
@@ -75,9 +76,9 @@ def _plan_difference(rank: int, reference: Any, desc: Any) -> str:
         if only_ref or only_rank:
             parts = []
             if only_ref:
-                parts.append(f"rank 0 has {_listed(only_ref)} that rank {rank} does not")
+                parts.append(f"rank 0 has {listed(only_ref, 4)} that rank {rank} does not")
             if only_rank:
-                parts.append(f"rank {rank} has {_listed(only_rank)} that rank 0 does not")
+                parts.append(f"rank {rank} has {listed(only_rank, 4)} that rank 0 does not")
             return f"{where}, {' and '.join(parts)}"
         for a, b in zip(ref_states, states, strict=False):
             if a != b:
@@ -88,10 +89,6 @@ def _plan_difference(rank: int, reference: Any, desc: Any) -> str:
         if len(ref_states) != len(states):
             return f"{where}, rank 0 has {len(ref_states)} states but rank {rank} has {len(states)}"
     return "ranks differ"
-
-
-def _listed(names: list[str], most: int = 4) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def agree(
@@ -105,11 +102,14 @@ def agree(
     arrival: Arrival | None = None,
     timeout: float | None = None,
     flag: bool = False,
+    shared: type[Exception] | None = None,
 ) -> bool:
     """Every rank of ``group`` calls this at the same point. Raises RankDisagreementError on all
     if any passed an ``error`` or ``fingerprint``s differ (``description`` then names the first
     difference); CommunicationError if the exchange itself fails. Returns whether any rank
-    passed ``flag`` (a question the same exchange answers, saving a collective of its own)."""
+    passed ``flag`` (a question the same exchange answers, saving a collective of its own).
+    ``shared``: the failure is a verdict one rank reached for all (rank 0 opened the source), so
+    every rank raises the first failure's message as ``shared`` instead."""
     if group is None and not dist.is_initialized():
         if error is not None:
             raise error
@@ -155,10 +155,14 @@ def agree(
     if any(flags):
         # Each failing rank sends its stage and unit, so every rank names the first failure,
         # not where it waited.
-        local = None if error is None else (stage, unit, f"{type(error).__name__}: {error}")
+        local = (
+            None if error is None else (stage, unit, f"{type(error).__name__}: {error}", str(error))
+        )
         notes = gather_objects(local)
         failures = {r: str(n[2]) for r, n in enumerate(notes) if n is not None}
         first = next(n for n in notes if n is not None)
+        if shared is not None:
+            raise shared(first[3]) from error
         raise RankDisagreementError(first[0], failures, first[1]) from error
     if len(set(by_rank)) > 1:
         odd = [r for r, fp in enumerate(by_rank) if fp != by_rank[0]]

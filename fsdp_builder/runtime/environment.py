@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import attrs
@@ -32,8 +33,8 @@ class Environment:
     # None: the default group.
     agreement_group: dist.ProcessGroup | None = None
     # Units are sharded on meta before their materializer fills the local shards, but those
-    # with fewer parameter bytes than ``whole_below`` (see ``sharded_first``).
-    shards_first: bool = False
+    # with fewer parameter bytes than ``whole_below`` (see ``shard_first_for``).
+    shard_first: bool = False
     whole_below: int = 0
     # Every rank gets rank 0's values after each unit (BroadcastFromRank0): others' are unused.
     values_from_rank0: bool = False
@@ -53,9 +54,29 @@ class Environment:
     def strategy(self) -> ShardingStrategy:
         return self.options.strategy
 
-    def sharded_first(self, unit: Unit) -> bool:
+    def shard_first_for(self, unit: Unit) -> bool:
         """Whether ``unit`` is sharded on meta before its materializer runs."""
-        return self.shards_first and unit.param_bytes >= self.whole_below
+        return self.shard_first and unit.param_bytes >= self.whole_below
+
+    @property
+    def shards_first(self) -> bool:
+        """Deprecated: ``shard_first``."""
+        _renamed("shards_first", "shard_first")
+        return self.shard_first
+
+    def sharded_first(self, unit: Unit) -> bool:
+        """Deprecated: ``shard_first_for(unit)``."""
+        _renamed("sharded_first(unit)", "shard_first_for(unit)")
+        return self.shard_first_for(unit)
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"`Environment.{old}` is deprecated: use `Environment.{new}` (one name, shard_first, "
+        "for every shard-first setting).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def effective_strategy(

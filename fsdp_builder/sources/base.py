@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from attrs import frozen
 
+from fsdp_builder.common.describe import listed
 from fsdp_builder.errors import ConfigurationError
 
 # A read of part of a tensor: one slice per leading dim (the rest is read whole).
@@ -205,13 +206,6 @@ def checked_source(format_name: str, source: CheckpointSource) -> CheckpointSour
     """``source``, opened by the registered format ``format_name``, with each ``read`` checked
     against its ``tensors()`` listing (shape and dtype)."""
     return _Checked(format_name, source)
-
-
-def listed(items: list[str], shown: int = 8, sep: str = ", ") -> str:
-    """The first ``shown`` distinct items, and how many more there are."""
-    unique = list(dict.fromkeys(items))
-    text = sep.join(unique[:shown])
-    return text + (f"{sep}... ({len(unique) - shown} more)" if len(unique) > shown else "")
 
 
 __all__ = [

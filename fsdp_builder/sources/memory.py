@@ -22,9 +22,9 @@ def check_state_dict(value: Any, what: str) -> Mapping[str, torch.Tensor]:
         raise SourceError(f"{what} is not a state dict (it holds a {type(value).__name__})")
     bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
-        shown = ", ".join(repr(k) for k in bad[:5])
+        shown = listed([repr(k) for k in bad], 5)
         raise SourceError(
-            f"{what} is not a state dict (entries {shown}{' ...' if len(bad) > 5 else ''} are "
+            f"{what} is not a state dict (entries {shown} are "
             "not tensors named by strings; if it is a checkpoint holding a state dict, pass "
             "that inner dict)"
         )
