@@ -4,6 +4,7 @@ predicate, a torch policy, or :class:`NoSplitModules`)."""
 from __future__ import annotations
 
 import inspect
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
@@ -44,6 +45,42 @@ def no_split_class_names(model: nn.Module, named: NamedModules | None = None) ->
         elif declared is None and is_diffusers_model(module):
             names.update(dict.fromkeys(diffusers_block_names(module)))
     return tuple(names)
+
+
+# ``self.transformer_blocks[0].norm1.emb(...)`` in a forward: a part of one block called by
+# the model itself, outside the block's own forward.
+_INDEXED_CALL = re.compile(r"self\.(\w+)\[(\d+)\]\.\w")
+
+
+_INDEXED_CALLS: dict[type[nn.Module], tuple[tuple[str, int], ...]] = {}
+
+
+def _indexed_calls(cls: type[nn.Module]) -> tuple[tuple[str, int], ...]:
+    """``(blocks, index)`` of each ``self.<blocks>[<index>].`` in ``cls.forward``, once per
+    class (reading the source is slow)."""
+    if cls not in _INDEXED_CALLS:
+        try:
+            found = _INDEXED_CALL.findall(inspect.getsource(cls.forward))
+        except (OSError, TypeError, AttributeError):
+            found = []
+        _INDEXED_CALLS[cls] = tuple(dict.fromkeys((name, int(i)) for name, i in found))
+    return _INDEXED_CALLS[cls]
+
+
+def called_outside_blocks(named: NamedModules) -> dict[nn.Module, str]:
+    """The blocks of diffusers models whose parts the model's ``forward`` calls itself, by
+    name: DiT computes its output's conditioning with ``transformer_blocks[0].norm1.emb``, so
+    that block's parameters must still be gathered after the block ran (its parent keeps it).
+    Read from the forward's source (diffusers writes these as ``self.<blocks>[<i>].``)."""
+    found: dict[nn.Module, str] = {}
+    for path, module in named:
+        if not is_diffusers_model(module):
+            continue
+        for name, index in _indexed_calls(type(module)):
+            blocks = module._modules.get(name)
+            if isinstance(blocks, nn.ModuleList | nn.Sequential) and index < len(blocks):
+                found[blocks[index]] = f"{path}.{name}.{index}" if path else f"{name}.{index}"
+    return found
 
 
 def is_diffusers_model(module: nn.Module) -> bool:
@@ -202,15 +239,17 @@ class WrapPolicy:
             )
         picked = WrapPolicy(classes=classes).select(root, ignored_modules, named)
         # A block tied to a parameter outside it (BERT's MLM decoder) cannot be a unit of its
-        # own: its parent keeps it, as Accelerate leaves tied modules to the root.
+        # own: its parent keeps it, as Accelerate leaves tied modules to the root. Nor can a
+        # block whose parts the model's forward calls itself (DiT's first block).
         tied = _tied_outside(named, picked)
+        called = {m: n for m, n in called_outside_blocks(named).items() if m in picked}
         build_logger(__name__).info(
             "wrap_no_split_modules",
             classes=[c.__name__ for c in classes],
             explicit=self.no_split,
-            left_to_parent=sorted(tied.values()),
+            left_to_parent=sorted({*tied.values(), *called.values()}),
         )
-        return picked - set(tied)
+        return picked - set(tied) - set(called)
 
     def overrides(
         self, root: nn.Module, ignored_modules: frozenset[nn.Module]
@@ -471,6 +510,7 @@ __all__ = [
     "NoSplitModules",
     "WrapPolicy",
     "block_like_classes",
+    "called_outside_blocks",
     "diffusers_block_names",
     "is_diffusers_model",
     "no_split_class_names",
