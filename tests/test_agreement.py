@@ -24,6 +24,7 @@ from typing_extensions import override
 from fsdp_builder import (
     BaseMaterializer,
     BaseSynchronizer,
+    ConfigurationError,
     CPUDevice,
     FSDPBuilder,
     FullyShardBuilder,
@@ -33,6 +34,7 @@ from fsdp_builder import (
     ShardingBuilder,
 )
 from fsdp_builder.planning.plan import Unit
+from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, make_model
 from fsdp_builder.tools.launch import RankFailure, run_ranks
@@ -144,6 +146,19 @@ def prepare_fails(builder: type[ShardingBuilder]) -> dict[str, Any]:
     )
 
 
+VERDICT = "`FromStateDict` got an invalid `source`: planted on rank 0. Fix it."
+
+
+def rank0_verdict() -> dict[str, Any]:
+    """A check only rank 0 ran (it opened the source) reaches every rank as its own class."""
+    error = ConfigurationError(VERDICT) if dist.get_rank() == 0 else None
+    try:
+        agree("materialize (open)", error, shared=ConfigurationError)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}
+
+
 def good_after_failures() -> dict[str, Any]:
     """After all the failures above the group still works: a good build succeeds."""
     good = FSDPBuilder().device(CPUDevice()).wrap(Block).materialize(ResetParameters())
@@ -174,6 +189,7 @@ def cases() -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     yield "partial_hybrid_groups", partial_hybrid_groups
     yield "ignore_nothing_on_one_rank", ignore_nothing_on_one_rank
     yield "local_step_fails_on_one_rank", local_step_fails_on_one_rank
+    yield "rank0_verdict", rank0_verdict
     # Last: it reads whether the failures before it left the group usable.
     yield "good_after_failures", good_after_failures
 
@@ -214,6 +230,12 @@ def test_one_rank_failing_stops_every_rank_with_its_message(rank: int) -> None:
     assert out["type"] == "RankDisagreementError" and out["failures"] == [1]
     assert "stage 'materialize' of unit 'blocks.1'" in out["message"]
     assert "rank 1: RuntimeError: disk full while loading blocks.1" in out["message"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_verdict_of_rank_0_reaches_every_rank_as_its_class(rank: int) -> None:
+    """How the rank-0 loaders share what rank 0 found when it opened the source."""
+    assert outcome("rank0_verdict", rank) == {"type": "ConfigurationError", "message": VERDICT}
 
 
 @pytest.mark.parametrize("backend", ["FSDPBuilder", "FullyShardBuilder"])
