@@ -55,8 +55,6 @@ _STRATEGY_NAMES = {s: name.removesuffix("_zero2") for name, s in _STRATEGY_ALIAS
 # block-seeded initializers call them once per 64 Ki elements).
 _FILLS = frozenset({"normal_", "uniform_", "fill_", "zero_", "bernoulli_", "exponential_"})
 
-_NEW_EMPTY = torch.ops.aten.new_empty.default
-
 # Allocations a real build does not hold until written (their pages are never touched): FSDP1
 # makes its unsharded flat buffers this way and frees them by resizing their storage.
 _UNWRITTEN = frozenset(
@@ -155,7 +153,6 @@ class _NoStorage(TorchDispatchMode):
         self.live = self.peak = 0
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._sizes: dict[int, int] = {}
-        self._empties: dict[Any, torch.Tensor] = {}
 
     def __torch_dispatch__(
         self,
@@ -164,26 +161,12 @@ class _NoStorage(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is _NEW_EMPTY and args[0].device.type in ("meta", "cpu") and 0 in args[1]:
-            return self._empty(args, kwargs or {})
         made = self._run(func, args, kwargs or {})
         if not (func.is_view or func.overloadpacket in _UNWRITTEN):
             for t in pytree.tree_leaves(made):
                 # Real ones too: integers the build computes (an index of a shard's elements).
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     self._count(t.untyped_storage())
-        return made
-
-    def _empty(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``tensor.new_empty(size)`` of no elements, made once per kind: FSDP2 makes one for
-        every rank past a parameter's last rows (``_chunk_with_empty``), so a rank of a large
-        world would otherwise pay a dispatch per rank and parameter. It has no data to share."""
-        like, size = args[0], args[1]
-        kind = (type(like), like.dtype, like.device, like.requires_grad)
-        key = (kind, tuple(size), tuple(sorted(kwargs.items(), key=str)))
-        made = self._empties.get(key)
-        if made is None:
-            made = self._empties[key] = self._run(_NEW_EMPTY, args, kwargs)
         return made
 
     def _count(self, storage: torch.UntypedStorage) -> None:
