@@ -27,17 +27,19 @@ from isolated import Results, Spawns, run_each, values
 from models import one_thread
 from torch import nn
 
-diffusers = pytest.importorskip("diffusers", reason="diffusers is part of the test extra")
+pytest.importorskip("diffusers", reason="diffusers is part of the test extra")
+import diffusers
 
-from fsdp_builder import (  # noqa: E402  (after the import check)
+from fsdp_builder import (
+    ConfigurationError,
     FromCheckpoint,
     FSDPBuilder,
     FullyShardBuilder,
     ShardingBuilder,
     save_hf_checkpoint,
 )
-from fsdp_builder.planning.ignored import clean_name  # noqa: E402
-from fsdp_builder.tools.demo import full_state_dict  # noqa: E402
+from fsdp_builder.planning.ignored import clean_name
+from fsdp_builder.tools.demo import full_state_dict
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -221,7 +223,10 @@ def init_case(family: str, backend: str, how: str, seed: int) -> dict[str, Any] 
 
 
 def load_case(family: str, backend: str, folder: str) -> dict[str, Any] | None:
-    sharded = BACKENDS[backend]().materialize(FromCheckpoint(folder)).build(make(family))
+    model = make(family)
+    if folder.endswith("-bf16"):
+        model = model.to(torch.bfloat16)
+    sharded = BACKENDS[backend]().materialize(FromCheckpoint(folder)).build(model)
     out = {"state": full_state_dict(sharded), "buffers": buffers(sharded)}
     return out if dist.get_rank() == 0 else None
 
@@ -248,7 +253,7 @@ def cases(folders: dict[str, str]) -> Iterator[tuple[Hashable, Callable[[], Any]
                 for seed in SEEDS:
                     key = (how, family, backend, seed)
                     yield key, partial(init_case, family, backend, how, seed)
-            for kind in ("single", "sharded"):
+            for kind in ("single", "sharded", "bf16"):
                 folder = folders[f"{family}-{kind}"]
                 yield ("load", family, backend, kind), partial(load_case, family, backend, folder)
             folder = folders[f"{family}-single"]
@@ -263,7 +268,8 @@ SPAWNS = Spawns(scenarios, timeout=400)
 
 
 def save_folders(root: Path) -> dict[str, str]:
-    """``save_pretrained`` folders of each family: one file, and several with an index."""
+    """``save_pretrained`` folders of each family: one file, several with an index, and one
+    bfloat16 file."""
     out = {}
     for family in FAMILIES:
         torch.manual_seed(3)
@@ -271,6 +277,8 @@ def save_folders(root: Path) -> dict[str, str]:
         for kind, size in (("single", "10GB"), ("sharded", "20KB")):
             model.save_pretrained(root / f"{family}-{kind}", max_shard_size=size)
             out[f"{family}-{kind}"] = str(root / f"{family}-{kind}")
+        model.to(torch.bfloat16).save_pretrained(root / f"{family}-bf16")
+        out[f"{family}-bf16"] = str(root / f"{family}-bf16")
     return out
 
 
@@ -334,13 +342,18 @@ def check_init(family: str, results: list[dict[str, Any]]) -> None:
 
 
 def check_load(family: str, folder: str, got: dict[str, Any]) -> None:
-    reference = model_class(family).from_pretrained(folder)
+    dtype = torch.bfloat16 if folder.endswith("-bf16") else torch.float32
+    reference = model_class(family).from_pretrained(folder, torch_dtype=dtype)
     want = reference.state_dict()
     assert set(got["state"]) == set(want)
     for name, value in want.items():
         assert torch.equal(got["state"][name], value), f"{family} {name}: differs"
     for name, value in reference.named_buffers():
-        assert torch.equal(got["buffers"][name], value), f"{family}: buffer {name} differs"
+        # A buffer has the built model's dtype (from_pretrained(torch_dtype=...) leaves DiT's
+        # non-persistent pos_embed in float32, model.to(torch.bfloat16) casts it).
+        buffer = got["buffers"][name]
+        assert buffer.dtype == (value.dtype if name in want else dtype), name
+        assert torch.equal(buffer, value.to(buffer.dtype)), f"{family}: buffer {name} differs"
 
 
 @functools.cache
@@ -391,7 +404,7 @@ def test_a_diffusers_model_built_without_weights_is_like_model_config(
     check_init(family, [ranks(folders, (how, family, backend, s))[0] for s in SEEDS])
 
 
-@pytest.mark.parametrize("kind", ["single", "sharded"])
+@pytest.mark.parametrize("kind", ["single", "sharded", "bf16"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_save_pretrained_folder_loads_bit_equal_to_from_pretrained(
@@ -441,6 +454,36 @@ def test_a_dit_is_not_one_unit_and_is_not_warned_about(
     assert out.shape == (2, 8, 8, 8)
 
 
+def test_a_folder_with_variants_loads_the_weights_from_pretrained_loads(
+    world1: None, tmp_path: Path
+) -> None:
+    """``save_pretrained(variant="fp16")`` beside the plain weights: from_pretrained(folder)
+    reads the plain file, and so does FromCheckpoint(folder)."""
+    torch.manual_seed(4)
+    model: Any = make("sd3", "eager")
+    model.save_pretrained(tmp_path)
+    torch.manual_seed(5)
+    make("sd3", "eager").to(torch.float16).save_pretrained(tmp_path, variant="fp16")  # type: ignore[operator]
+    assert (tmp_path / "diffusion_pytorch_model.fp16.safetensors").is_file()
+    want = model_class("sd3").from_pretrained(tmp_path).state_dict()
+    got = full_state_dict(
+        FullyShardBuilder().materialize(FromCheckpoint(tmp_path)).build(make("sd3"))
+    )
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_a_pipeline_folder_is_refused_naming_its_model_folders(
+    world1: None, tmp_path: Path
+) -> None:
+    """The folder of a whole pipeline holds each model in a folder of its own."""
+    make("flux", "eager").save_pretrained(tmp_path / "transformer")  # type: ignore[operator]
+    (tmp_path / "model_index.json").write_text("{}")
+    with pytest.raises(ConfigurationError, match=r"pass one of them, e.g. '.*transformer'"):
+        FullyShardBuilder().materialize(FromCheckpoint(tmp_path)).build(make("flux"))
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 JOBS = {
@@ -454,6 +497,7 @@ JOBS = {
     "load indexed": lambda f, b, fo, r: check_load(
         f, fo[f"{f}-sharded"], v(r, ("load", f, b, "sharded"))
     ),
+    "load bf16": lambda f, b, fo, r: check_load(f, fo[f"{f}-bf16"], v(r, ("load", f, b, "bf16"))),
     "train 2 steps vs one process": lambda f, b, fo, r: check_train(
         f, fo[f"{f}-single"], v(r, ("train", f, b))
     ),

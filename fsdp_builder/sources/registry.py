@@ -52,6 +52,28 @@ def _index_folder(name: str, pattern: str, open_index: Callable[[Path], Any]) ->
     )
 
 
+# The one-file weights a library's from_pretrained reads from a folder when no variant is asked
+# for: transformers' and diffusers' names. A folder may hold variants beside it
+# (diffusion_pytorch_model.fp16.safetensors), which from_pretrained(folder) leaves alone.
+_PLAIN_WEIGHTS = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+
+
+def _plain_weights(folder: Path) -> Path | None:
+    """``folder``'s one file of :data:`_PLAIN_WEIGHTS` when it holds variants beside it."""
+    if not folder.is_dir():
+        return None
+    found = [folder / name for name in _PLAIN_WEIGHTS if (folder / name).is_file()]
+    return found[0] if len(found) == 1 else None
+
+
+def _open_plain_weights(folder: Path) -> CheckpointSource:
+    file = _plain_weights(folder)
+    assert file is not None
+    variants = sorted(p.name for p in folder.glob("*.safetensors") if p != file)
+    log.info("checkpoint_variants_left", path=str(folder), loaded=file.name, left=variants)
+    return hf_safetensors.open_file(file)
+
+
 _BUILT_IN: tuple[Format, ...] = (
     Format("safetensors", _is_file_with(".safetensors"), hf_safetensors.open_file),
     Format(
@@ -65,6 +87,8 @@ _BUILT_IN: tuple[Format, ...] = (
         hf_safetensors.is_single_file_folder,
         hf_safetensors.open_single_file_folder,
     ),
+    # After the one-file folder: several .safetensors files, one of them the plain weights.
+    Format("hf-plain-weights-folder", lambda p: _plain_weights(p) is not None, _open_plain_weights),
     _index_folder("hf-torch-folder", "*.bin.index.json", torch_files.open_index),
     Format(
         "torch-file-folder", torch_files.is_single_file_folder, torch_files.open_single_file_folder
@@ -223,6 +247,14 @@ def _unknown_folder(path: Path) -> str:
         return (
             f"{where} holds {len(singles)} .safetensors files but no *.safetensors.index.json "
             "saying which tensor lives where"
+        )
+    components = sorted({p.parent.name for p in path.glob("*/diffusion_pytorch_model*")})
+    if components:
+        # A diffusers pipeline folder: each model is in a folder of its own.
+        return (
+            f"{where} holds no checkpoint of its own but a diffusers pipeline, whose models "
+            f"are in folders of their own ({listed(components)}): pass one of them, e.g. "
+            f"'{path / components[0]}'"
         )
     return (
         f"{where} holds no checkpoint: it is not a file, and it holds no .safetensors file, "
