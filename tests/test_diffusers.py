@@ -484,6 +484,66 @@ def test_a_pipeline_folder_is_refused_naming_its_model_folders(
         FullyShardBuilder().materialize(FromCheckpoint(tmp_path)).build(make("flux"))
 
 
+def _embedding(name: str) -> nn.Module:
+    """A small diffusers embedding module whose constructor computes a buffer."""
+    from diffusers.models import embeddings as e
+
+    made: dict[str, Callable[[], nn.Module]] = {
+        "patch": lambda: e.PatchEmbed(height=12, width=8, patch_size=2, embed_dim=16),
+        "patch_interpolated": lambda: e.PatchEmbed(
+            height=8, width=8, patch_size=2, embed_dim=16, interpolation_scale=2
+        ),
+        "patch_max_size": lambda: e.PatchEmbed(
+            height=8, width=8, patch_size=2, embed_dim=16, pos_embed_max_size=6
+        ),
+        "cogview3": lambda: e.CogView3PlusPatchEmbed(
+            in_channels=4, hidden_size=16, text_hidden_size=8, pos_embed_max_size=6
+        ),
+        "cogvideox": lambda: e.CogVideoXPatchEmbed(
+            in_channels=4,
+            embed_dim=16,
+            text_embed_dim=8,
+            sample_width=8,
+            sample_height=8,
+            sample_frames=5,
+            max_text_seq_length=4,
+            use_learned_positional_embeddings=False,
+        ),
+        "sinusoidal": lambda: e.SinusoidalPositionalEmbedding(16, max_seq_length=10),
+    }
+    return _Holder(made[name]())
+
+
+class _Holder(nn.Module):
+    """An embedding and a layer with parameters to shard (fully_shard takes no ModuleDict)."""
+
+    def __init__(self, embed: nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "name",
+    ["patch", "patch_interpolated", "patch_max_size", "cogview3", "cogvideox", "sinusoidal"],
+)
+def test_a_diffusers_embedding_on_meta_gets_its_constructors_buffer(
+    world1: None, name: str, backend: str
+) -> None:
+    want = dict(_embedding(name).named_buffers())
+    assert want and all(not b.is_meta for b in want.values())
+    with torch.device("meta"):
+        model = _embedding(name)
+    got = buffers(BACKENDS[backend]().build(model))
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 JOBS = {
