@@ -484,6 +484,32 @@ def test_a_pipeline_folder_is_refused_naming_its_model_folders(
         FullyShardBuilder().materialize(FromCheckpoint(tmp_path)).build(make("flux"))
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_wrapping_dits_first_block_is_refused_and_the_fix_builds(
+    world1: None, backend: str
+) -> None:
+    """``.wrap(BasicTransformerBlock)`` would make the block whose embedding DiT's forward
+    calls a unit; the refusal names it, and the predicate it suggests builds and runs."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    model = make("dit")
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ConfigurationError, match=r"transformer_blocks\.0") as refused:
+        BACKENDS[backend]().wrap(BasicTransformerBlock).build(model)
+    assert "fqn != 'transformer_blocks.0'" in str(refused.value)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    builder = BACKENDS[backend]().wrap(
+        lambda module, fqn: (
+            isinstance(module, BasicTransformerBlock) and fqn != "transformer_blocks.0"
+        )
+    )
+    built = builder.build(model)
+    assert builder.plan is not None
+    assert [u.label for u in builder.plan] == ["transformer_blocks.1", "<root>"]
+    with torch.no_grad():
+        assert built(**inputs("dit")).sample.shape == (2, 8, 8, 8)
+
+
 def _embedding(name: str) -> nn.Module:
     """A small diffusers embedding module whose constructor computes a buffer."""
     from diffusers.models import embeddings as e

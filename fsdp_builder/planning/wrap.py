@@ -83,6 +83,25 @@ def called_outside_blocks(named: NamedModules) -> dict[nn.Module, str]:
     return found
 
 
+def _refuse_called_outside(selected: set[nn.Module], named: NamedModules) -> None:
+    """Refuse units whose parts the model's forward calls after the unit ran: their parameters
+    would be resharded by then, and the forward would fail in torch with no word of why."""
+    called = called_outside_blocks(named)
+    bad = sorted(name for module, name in called.items() if module in selected)
+    if not bad:
+        return
+    first = bad[0]
+    raise _wrap_error(
+        f"the model's forward calls parts of {', '.join(bad)} itself, after "
+        f"{'that block' if len(bad) == 1 else 'those blocks'} ran (e.g. DiT's "
+        "self.transformer_blocks[0].norm1.emb), so as a unit of its own its parameters "
+        "would no longer be gathered then",
+        f"Leave it to its parent: pass a predicate such as `.wrap(lambda module, fqn: "
+        f"isinstance(module, Block) and fqn != '{first}')`, or no .wrap(...) (diffusers' "
+        "blocks, less that one).",
+    )
+
+
 def is_diffusers_model(module: nn.Module) -> bool:
     """Whether ``module`` is a diffusers ``ModelMixin`` (told without importing diffusers)."""
     return any(
@@ -200,6 +219,14 @@ class WrapPolicy:
         if self.is_default():
             warn_one_unit(root, ignored_modules, named)
             return set()
+        selected = self._chosen(root, ignored_modules, named)
+        _refuse_called_outside(selected, named)
+        return selected
+
+    def _chosen(
+        self, root: nn.Module, ignored_modules: frozenset[nn.Module], named: NamedModules
+    ) -> set[nn.Module]:
+        """The modules the classes or the predicate choose."""
         selected: set[nn.Module] = set()
         # Whether the model has a module of the classes at all (the root and ignored ones too):
         # none at all is a policy written for another model.
@@ -237,7 +264,7 @@ class WrapPolicy:
                 f"{type(root).__name__}._no_split_modules names",
                 _wrap_fix(root),
             )
-        picked = WrapPolicy(classes=classes).select(root, ignored_modules, named)
+        picked = WrapPolicy(classes=classes)._chosen(root, ignored_modules, named)
         # A block tied to a parameter outside it (BERT's MLM decoder) cannot be a unit of its
         # own: its parent keeps it, as Accelerate leaves tied modules to the root. Nor can a
         # block whose parts the model's forward calls itself (DiT's first block).
@@ -249,7 +276,10 @@ class WrapPolicy:
             explicit=self.no_split,
             left_to_parent=sorted({*tied.values(), *called.values()}),
         )
-        return picked - set(tied) - set(called)
+        chosen = picked - set(tied) - set(called)
+        if not chosen and self.is_default():
+            warn_one_unit(root, ignored_modules, named)
+        return chosen
 
     def overrides(
         self, root: nn.Module, ignored_modules: frozenset[nn.Module]
