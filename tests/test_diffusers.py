@@ -484,6 +484,21 @@ def test_a_pipeline_folder_is_refused_naming_its_model_folders(
         FullyShardBuilder().materialize(FromCheckpoint(tmp_path)).build(make("flux"))
 
 
+def test_a_dit_of_one_block_is_one_unit_with_the_warning(
+    world1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its one block stays with the root: nothing is left to be a unit, which is said."""
+    from fsdp_builder.planning import wrap
+
+    monkeypatch.setattr(wrap, "ONE_UNIT_WARNING_BYTES", 0)
+    with torch.device("meta"):
+        model = model_class("dit").from_config({**CONFIGS["dit"][1], "num_layers": 1})
+    builder = FullyShardBuilder()
+    with pytest.warns(UserWarning, match="the whole model is one shard unit"):
+        builder.build(model)
+    assert builder.plan is not None and [u.label for u in builder.plan] == ["<root>"]
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_wrapping_dits_first_block_is_refused_and_the_fix_builds(
     world1: None, backend: str
