@@ -314,7 +314,9 @@ def save_hf_checkpoint(
     Collective: every rank calls it with the same arguments; rank 0 writes into ``folder``
     what ``save_pretrained`` writes (``model.safetensors``, or ``model-0000k-of-0000n.safetensors``
     shards and ``model.safetensors.index.json``) and, for a transformers model, its
-    ``config.json``. ``FromCheckpoint(folder)`` and ``from_pretrained(folder)`` load it back.
+    ``config.json``; for a diffusers model, diffusers' names (``diffusion_pytorch_model...``)
+    and its ``config.json`` through ``save_config``. ``FromCheckpoint(folder)`` and
+    ``from_pretrained(folder)`` load it back.
     Only a complete export replaces an earlier one (the disk needs room for both); a failure
     leaves the earlier files as they were. No rank holds the whole model: rank 0's peak is one
     unit (FSDP2: one parameter) plus one file buffer of at most ``max_shard_bytes``.
