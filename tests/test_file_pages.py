@@ -1,7 +1,6 @@
-"""A safetensors source's reads of whole rows are positional reads that map nothing and read
-only those rows; the others go through safe_open's mapping, whose pages the reads touch are
-dropped with ``madvise(MADV_DONTNEED)`` after each run of rows where the mapping can be told, by
-unmapping after a budget elsewhere. The data read stays that of ``safetensors.torch.load_file``."""
+"""The pages of a safetensors file's mapping that a source's reads touch: dropped with
+``madvise(MADV_DONTNEED)`` after each run of rows where the mapping can be told, by unmapping
+after a budget elsewhere; the data read stays that of ``safetensors.torch.load_file``."""
 
 from __future__ import annotations
 
@@ -24,15 +23,6 @@ def _rss_file() -> int:
 
 
 @pytest.fixture()
-def mapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every read through safe_open's mapping, as reads of column slices or of dtypes torch
-    stores otherwise are."""
-    import fsdp_builder.sources.hf_safetensors as hf
-
-    monkeypatch.setattr(hf, "_POSITIONAL", False)
-
-
-@pytest.fixture()
 def big(tmp_path: Path) -> Path:
     """Four 16 MiB tensors, each row full of its index."""
     from safetensors.torch import save_file
@@ -44,7 +34,7 @@ def big(tmp_path: Path) -> Path:
 
 
 def test_a_read_larger_than_a_run_maps_about_one_run(
-    big: Path, monkeypatch: pytest.MonkeyPatch, mapped: None
+    big: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One read of 16 MiB of rows (a large unit's local rows) is copied in runs of 1 MiB here,
     the mapped pages dropped after each: measured just before each drop."""
@@ -105,7 +95,7 @@ def test_the_drop_only_ever_names_the_files_own_mapping(big: Path) -> None:
 
 
 def test_without_the_mapping_the_budgeted_unmap_reads_the_same(
-    big: Path, monkeypatch: pytest.MonkeyPatch, mapped: None
+    big: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the mapping cannot be told (no /proc, no libc madvise, a path listed otherwise),
     the source unmaps after its budget, as before."""
@@ -128,7 +118,7 @@ def test_without_the_mapping_the_budgeted_unmap_reads_the_same(
         source.close()
 
 
-def test_threads_reading_one_source_read_the_file(big: Path, mapped: None) -> None:
+def test_threads_reading_one_source_read_the_file(big: Path) -> None:
     """Several threads reading rows of one source at once: each drop may take pages another
     thread is copying from, which fault back in from the file."""
     from safetensors.torch import load_file
@@ -159,50 +149,3 @@ def test_threads_reading_one_source_read_the_file(big: Path, mapped: None) -> No
     assert not errors, errors
     assert not any(thread.is_alive() for thread in threads)
     assert all(torch.equal(outs[key], expected[key]) for key in expected)
-
-
-def test_whole_rows_are_read_in_place_mapping_nothing(
-    big: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Reads of whole rows: only those rows' bytes are read (besides the header, once), nothing
-    of the file is mapped, and the values are load_file's, in the file's dtype or converted."""
-    import os
-
-    from safetensors.torch import load_file
-
-    import fsdp_builder.sources.hf_safetensors as hf
-
-    if not getattr(hf, "_POSITIONAL", True):
-        pytest.skip("no positional reads here")
-    read: list[int] = []
-    preadv = os.preadv
-
-    def counted(fd: int, buffers: list[memoryview], offset: int) -> int:
-        got = preadv(fd, buffers, offset)
-        read.append(got)
-        return got
-
-    monkeypatch.setattr(os, "preadv", counted)
-    expected = load_file(str(big))
-    for _ in range(2):  # the first pass pages in the code a read runs
-        read.clear()
-        source = hf.open_file(big)
-        try:
-            before = _rss_file()
-            rows = source.read("w2", (slice(100, 612),))
-            assert torch.equal(rows, expected["w2"][100:612])
-            half = torch.empty(512, 1024, dtype=torch.bfloat16)
-            source.read_into("w3", (slice(0, 512),), half)
-            assert torch.equal(half, expected["w3"][:512].to(torch.bfloat16))
-            strided = torch.empty(1024, 512).t()  # not contiguous
-            source.read_into("w1", (slice(4000, 4096),), strided[:96])
-            assert torch.equal(strided[:96], expected["w1"][4000:])
-            whole = source.read("w0")
-            assert torch.equal(whole, expected["w0"])
-            mapped_now = _rss_file() - before
-        finally:
-            source.close()
-    header = 8 + int.from_bytes(big.read_bytes()[:8], "little")
-    row = 1024 * 4
-    assert sum(read) == header + (512 + 512 + 96 + 4096) * row
-    assert mapped_now < 1 << 20, f"{mapped_now / 2**20:.1f} MiB of the file mapped"

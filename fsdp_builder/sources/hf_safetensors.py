@@ -1,17 +1,12 @@
 """Safetensors checkpoints: one ``.safetensors`` file, or a Hugging Face folder whose
-``*.safetensors.index.json`` says which shard file holds each tensor, opened with safetensors'
-own ``safe_open``: every dtype it reads, only the rows asked for. Whole rows of a dtype whose
-stored bytes are torch's own go straight into the destination with positional reads (``preadv``);
-the rest is read through ``get_slice``."""
+``*.safetensors.index.json`` says which shard file holds each tensor, read through safetensors'
+own ``safe_open`` / ``get_slice``: every dtype it reads, only the rows asked for."""
 
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
-import struct
-import sys
 import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -49,25 +44,6 @@ _RUN_BYTES = 2 << 20
 _MADV_DONTNEED = 4
 _HUGE = 2 << 20
 _PAGE = mmap.PAGESIZE
-
-# Reads of whole rows into a contiguous CPU tensor of the stored dtype skip all of that: they are
-# positional reads of the rows' bytes into the destination, which map nothing and copy each byte
-# once. A read through a mapping costs a page fault per page touched, and again after each drop:
-# ten times the CPU time of the positional read (benchmarks/results/against-293e813.md).
-# safe_open(..., backend="pread") is no substitute: its get_slice reads the whole tensor for
-# any slice of it (safetensors 0.8), so each rank would read the whole checkpoint.
-# The dtypes whose stored bytes are torch's own, on a little-endian machine, by their names.
-_PLAIN = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
-# One read(2) moves at most about 2 GiB on Linux: larger reads are split.
-_MAX_READ = 1 << 30
-# A read into a tensor of another dtype or layout goes through a buffer of at most this many bytes.
-_BUFFER_BYTES = 16 << 20
-# Where positional reads into a buffer exist and stored bytes are in the machine's order.
-_POSITIONAL = hasattr(os, "preadv") and sys.byteorder == "little"
 
 # Sources opened while a recorder is set (a dry run's, ``fsdp_builder.tools.dryrun``) hand it
 # each read (file, key, index) and make none; the read returns an uninitialized tensor.
@@ -135,45 +111,6 @@ class _File:
         # Keys of a dtype safetensors reads whole but does not slice (packed FP4): their rows
         # are taken from the whole tensor, itself a view of the mapping.
         self.whole: set[str] = set()
-        # For positional reads, from the first on (the source's lock guards both): the file's
-        # descriptor, and per key its dtype name, shape and first byte in the file.
-        self.fd: int | None = None
-        self.layout: dict[str, tuple[str, tuple[int, ...], int]] | None = None
-
-    def entries(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
-        """Where each tensor lies in the file, from its header (safe_open has checked it); empty
-        where it cannot be read, so that every read goes through get_slice."""
-        if self.layout is None:
-            self.layout = {}
-            try:
-                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                return self.layout
-            try:
-                head = bytearray(8)
-                _read_exact(fd, memoryview(head), 0)
-                (length,) = struct.unpack("<Q", head)
-                text = bytearray(length)
-                _read_exact(fd, memoryview(text), 8)
-                header = json.loads(text)
-                start = 8 + length
-                self.layout = {
-                    key: (str(info["dtype"]), tuple(info["shape"]), start + info["data_offsets"][0])
-                    for key, info in header.items()
-                    if key != "__metadata__"
-                }
-                self.fd, fd = fd, -1
-            except (OSError, ValueError, KeyError, TypeError, IndexError, MemoryError):
-                self.layout = {}
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-        return self.layout
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
     @property
     def handle(self) -> Any:
@@ -292,12 +229,6 @@ class SafetensorsSource:
             self._record(file.path, key, index)
             part = torch.empty(self._meta[key].shape, dtype=self._meta[key].dtype, device="meta")
             return part[index or ()].new_empty(part[index or ()].shape, device="cpu")
-        meta = self._meta[key]
-        selected = _rows_of(meta.shape, index)
-        if selected is not None and meta.dtype in _PLAIN.values():
-            out = torch.empty(selected[1], dtype=meta.dtype)
-            if self._direct(file, key, index, out):
-                return out
         part = file.part(key, index)
         # A tensor of its own: the part is a view of the file's mapping.
         out = torch.empty(part.shape, dtype=part.dtype)
@@ -309,51 +240,11 @@ class SafetensorsSource:
         file = self._where[key]
         if self._record is not None:
             return self._record(file.path, key, index)
-        if self._direct(file, key, index, out):
-            return None
         part = file.part(key, index)
         if part.shape != out.shape:
             where = f"'{key}'[{rows(index)}]" if index else f"'{key}'"
             raise ValueError(f"{where} is {list(part.shape)}, the destination {list(out.shape)}")
         self._copy(file, part, out)
-
-    def _direct(self, file: _File, key: str, index: Index | None, out: torch.Tensor) -> bool:
-        """Read ``tensor[index]`` into the CPU tensor ``out`` with positional reads, where
-        ``index`` takes whole rows of a dtype the file stores as torch does; False (nothing
-        read) where not. Into ``out`` itself when it is contiguous and of the stored dtype, else
-        through a buffer of at most _BUFFER_BYTES, converted run by run."""
-        if out.device.type != "cpu" or not _POSITIONAL:
-            return False
-        with self._lock:
-            entry = file.entries().get(key)
-            fd = file.fd
-        if entry is None or fd is None or entry[0] not in _PLAIN:
-            return False
-        name, shape, begin = entry
-        selected = _rows_of(shape, index)
-        if selected is None or tuple(out.shape) != selected[1]:
-            return False
-        if not out.numel():
-            return True
-        stored = _PLAIN[name]
-        row = math.prod(shape[1:]) * stored.itemsize
-        offset = begin + selected[0] * row
-        if out.dtype == stored and out.is_contiguous():
-            _read_exact(fd, _bytes_of(out), offset)
-            return True
-        if not shape:
-            buffer = torch.empty((), dtype=stored)
-            _read_exact(fd, _bytes_of(buffer), offset)
-            out.copy_(buffer)
-            return True
-        count = out.shape[0]
-        step = max(1, min(count, _BUFFER_BYTES // row))
-        buffer = torch.empty((step, *shape[1:]), dtype=stored)
-        for first in range(0, count, step):
-            run = buffer[: min(step, count - first)]
-            _read_exact(fd, _bytes_of(run), offset + first * row)
-            out[first : first + len(run)].copy_(run)
-        return True
 
     def _copy(self, file: _File, part: torch.Tensor, out: torch.Tensor) -> None:
         """``out.copy_(part)``, then the pages it touched in ``file``'s mapping dropped: after each
@@ -387,41 +278,7 @@ class SafetensorsSource:
                 self._mapped, self._read = {}, 0
 
     def close(self) -> None:
-        for file in self._files:
-            file.close()
         self._files, self._where, self._mapped = [], {}, {}
-
-
-def _rows_of(shape: tuple[int, ...], index: Index | None) -> tuple[int, tuple[int, ...]] | None:
-    """The first row ``index`` takes and the shape of ``tensor[index]``, where it takes whole
-    rows (a slice of step 1 on the first dim, the others whole); None where it does not."""
-    index = index or ()
-    if not shape:
-        return (0, ()) if not index else None
-    if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
-        return None
-    if any(s.indices(n) != (0, n, 1) for s, n in zip(index[1:], shape[1:], strict=False)):
-        return None
-    first, stop, step = index[0].indices(shape[0]) if index else (0, shape[0], 1)
-    if step != 1:
-        return None
-    return first, (max(0, stop - first), *shape[1:])
-
-
-def _read_exact(fd: int, buffer: memoryview, offset: int) -> None:
-    """Fill ``buffer`` with the bytes of ``fd`` from ``offset`` on; a short file raises."""
-    done, size = 0, len(buffer)
-    while done < size:
-        chunk = buffer[done : min(size, done + _MAX_READ)]
-        got = os.preadv(fd, [chunk], offset + done)
-        if got <= 0:
-            raise OSError(f"the file ends {size - done} byte(s) before the tensor does")
-        done += got
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _unreadable(describe: str, file: Path, exc: BaseException) -> str:
