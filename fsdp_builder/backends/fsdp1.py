@@ -175,6 +175,25 @@ def fsdp1_unit_overrides(unit: Unit, options: ShardingOptions) -> dict[str, Any]
 def fsdp1_kwargs(env: Environment, unit: Unit | None = None) -> dict[str, Any]:
     """FullyShardedDataParallel's arguments (with ``unit``'s overrides, if given). States are
     already materialized and synchronized, so FSDP's own steps for those stay off."""
+    memo = getattr(env, "memo", None)
+    base = None if memo is None else memo.get(_BUILD_WIDE_KWARGS)
+    if base is None:
+        base = _build_wide_kwargs(env)
+        if memo is not None:
+            memo[_BUILD_WIDE_KWARGS] = base
+    # Each unit its own dict and lists: torch keeps what it is given.
+    kwargs = {k: list(v) if isinstance(v, list) else v for k, v in base.items()}
+    if unit is not None:
+        kwargs.update(fsdp1_unit_overrides(unit, env.options))
+    return kwargs
+
+
+_BUILD_WIDE_KWARGS = "fsdp1_kwargs"
+
+
+def _build_wide_kwargs(env: Environment) -> dict[str, Any]:
+    """The arguments every unit of the build shares (once per build: the ignored-states sets
+    walk every ignored module)."""
     opts = env.options
     kwargs: dict[str, Any] = {
         "sharding_strategy": opts.strategy,
@@ -202,8 +221,6 @@ def fsdp1_kwargs(env: Environment, unit: Unit | None = None) -> dict[str, Any]:
         kwargs["ignored_states"] = list(ignored.params)
     elif ignored.modules:
         kwargs["ignored_modules"] = list(ignored.modules)
-    if unit is not None:
-        kwargs.update(fsdp1_unit_overrides(unit, opts))
     return kwargs
 
 

@@ -378,22 +378,37 @@ def check_placements(
 def fully_shard_kwargs(unit: Unit, env: Environment) -> dict[str, Any]:
     """The ``fully_shard`` arguments for one unit of this environment."""
     opts = env.options
+    # The same for every unit but the root: worked out once per build and kind of unit.
+    memo = getattr(env, "memo", None)
+    key = ("fully_shard_kwargs", unit.is_root)
+    shared = None if memo is None else memo.get(key)
+    if shared is None:
+        shared = _shared_kwargs(env, unit.is_root)
+        if memo is not None:
+            memo[key] = shared
+    kwargs = dict(shared)
+    if env.ignored.params:
+        kwargs.update(ignored_params_kwargs(unit.module, env.ignored.params))
+    kwargs.update(unit_fully_shard_overrides(unit, opts))
+    return kwargs
+
+
+def _shared_kwargs(env: Environment, is_root: bool) -> dict[str, Any]:
+    opts = env.options
     if "reshard_after_forward" in opts.explicit and opts.reshard_after_forward is not None:
         reshard: bool | int = opts.reshard_after_forward
-    elif unit.is_root:
+    elif is_root:
         reshard = False
     else:
         reshard = opts.strategy not in NO_RESHARD_AFTER_FORWARD
     kwargs: dict[str, Any] = {
         "mesh": env.groups.mesh,
         "reshard_after_forward": reshard,
-        "mp_policy": mixed_precision_policy(opts.mixed_precision, unit.is_root),
+        "mp_policy": mixed_precision_policy(opts.mixed_precision, is_root),
         "offload_policy": offload_policy(opts, env.device),
     }
     if opts.shard_placement_fn is not None:
         kwargs["shard_placement_fn"] = opts.shard_placement_fn
-    kwargs.update(ignored_params_kwargs(unit.module, env.ignored.params))
-    kwargs.update(unit_fully_shard_overrides(unit, opts))
     return kwargs
 
 

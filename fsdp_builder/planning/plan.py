@@ -4,6 +4,7 @@ group, so a meta model's plan can be printed and checked on a laptop."""
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -63,15 +64,17 @@ class Unit:
     def label(self) -> str:
         return self.fqn or "<root>"
 
-    @property
+    # Sizes are read several times per unit during a build (stage records, shard-first
+    # choice): summed once per unit, the plan being immutable.
+    @functools.cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
-    @property
+    @functools.cached_property
     def param_bytes(self) -> int:
         return sum(p.nbytes for p in self.params)
 
-    @property
+    @functools.cached_property
     def buffer_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 

@@ -42,6 +42,9 @@ class Environment:
     # cached propagation gives to_empty's tensors.
     shard_specs: dict[Any, Any] = attrs.field(factory=dict)
     logger: Any = attrs.field(default=None)
+    # Values every unit of the build shares (a backend's build-wide arguments), worked out at
+    # the first unit instead of once per unit.
+    memo: dict[Any, Any] = attrs.field(factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.logger is None:
