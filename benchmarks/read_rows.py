@@ -2,16 +2,16 @@
 (the fully_shard layout) read into prefaulted tensors, by three ways, each in its own fresh
 process, alternated:
 
-- ``direct``: the library's source as it reads whole rows (positional reads into the tensor);
-- ``mapped``: the same source made to read through safe_open's mapping (``get_slice``, the
-  pages dropped after each run of rows), as it reads column slices and dtypes torch stores
-  otherwise;
+- ``source``: the library's safetensors source (``read_into``: a copy from safe_open's mapping
+  by ``get_slice``, the mapping's pages dropped after each run of rows);
+- ``preadv``: positional reads of the rows' bytes straight into the tensor, at the offsets the
+  file's header gives (written here, the floor of a rank-local read);
 - ``pread_backend``: ``safe_open(..., backend="pread").get_slice(key)[rows]`` (safetensors
   0.8), then a copy into the tensor.
 
 Per process: the median over ``--reads`` reads (after one unrecorded) of the reads' CPU and
-wall seconds. That the direct reads take only the rows' bytes is checked in
-tests/test_file_pages.py; ``pread_backend`` reads each whole tensor for any slice of it.
+wall seconds. ``source`` and ``preadv`` read only the rows' bytes; ``pread_backend`` reads each
+whole tensor for any slice of it.
 
     python -m benchmarks.read_rows FOLDER [--pairs 3] [--reads 5]
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-WAYS = ("direct", "mapped", "pread_backend")
+WAYS = ("source", "preadv", "pread_backend")
 
 
 def _rows(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -36,14 +37,23 @@ def _rows(n: int, rank: int, world: int) -> tuple[int, int]:
     return first, min(n, first + per)
 
 
+def _where(path: Path, key: str, handles: dict[str, Any]) -> tuple[int, int]:
+    """The open descriptor of ``path`` and the first byte of ``key`` in it (from the header)."""
+    if str(path) not in handles:
+        fd = os.open(path, os.O_RDONLY)
+        length = int.from_bytes(os.pread(fd, 8, 0), "little")
+        header = json.loads(os.pread(fd, length, 8))
+        handles[str(path)] = (fd, 8 + length, header)
+    fd, start, header = handles[str(path)]
+    return fd, start + header[key]["data_offsets"][0]
+
+
 def one_process(folder: Path, way: str, reads: int, world: int) -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
     import fsdp_builder.sources.hf_safetensors as hf
 
-    if way == "mapped":
-        hf._POSITIONAL = False
     index = next(folder.glob("*.index.json"))
     weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
 
@@ -55,19 +65,29 @@ def one_process(folder: Path, way: str, reads: int, world: int) -> dict[str, Any
                 first, stop = _rows(meta.shape[0], rank, world)
                 out = torch.zeros((stop - first, *meta.shape[1:]), dtype=meta.dtype)
                 jobs.append((key, first, stop, out))
-        handles = {}
+        handles: dict[str, Any] = {}
         wall, cpu = time.perf_counter(), time.process_time()
         for key, first, stop, out in jobs:
-            if way == "pread_backend":
+            if way == "preadv":
+                fd, begin = _where(folder / weight_map[key], key, handles)
+                row = out[0].nbytes if len(out) else 0
+                view = out.reshape(-1).view(torch.uint8).numpy().data
+                done = 0
+                while done < len(view):
+                    done += os.preadv(fd, [view[done:]], begin + first * row + done)
+            elif way == "pread_backend":
                 name = weight_map[key]
                 if name not in handles:
                     handles[name] = safe_open(str(folder / name), framework="pt", backend="pread")
                 out.copy_(handles[name].get_slice(key)[first:stop])
             else:
                 source.read_into(key, (slice(first, stop),), out)
-        done = time.perf_counter() - wall, time.process_time() - cpu
+        took = time.perf_counter() - wall, time.process_time() - cpu
+        for handle in handles.values():
+            if isinstance(handle, tuple):
+                os.close(handle[0])
         source.close()
-        return done
+        return took
 
     once(0)
     got = [once(i % world) for i in range(reads)]
