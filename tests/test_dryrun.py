@@ -362,29 +362,6 @@ def test_a_transformers_llama_at_16384_ranks_first_and_last_rank() -> None:
         assert r.build_peak is not None and r.build_peak >= padded
 
 
-@pytest.mark.parametrize(
-    ("shape", "n", "dim"),
-    [((10, 3), 4, 0), ((7,), 8, 0), ((0, 5), 3, 0), ((5, 0), 3, 1), ((5, 9), 4, 1),
-     ((1,), 4096, 0), ((1024, 2), 4096, 0), ((100,), 7, 0), ((3,), 1, 0)],
-)  # fmt: skip
-def test_fsdp2s_chunks_made_on_demand_are_torchs(shape: tuple[int, ...], n: int, dim: int) -> None:
-    # The dry run hands FSDP2 these in place of torch's own _chunk_with_empty.
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
-
-    from fsdp_builder.tools.dryrun import _Chunks
-
-    t = torch.randn(shape)
-    torchs, ours = _chunk_with_empty(t, n, dim), _Chunks(t, n, dim)
-    assert len(ours) == len(torchs)
-    for i in [*range(n), -1]:
-        a, b = torchs[i], ours[i]
-        layout = (a.shape, a.stride(), a.storage_offset())
-        assert layout == (b.shape, b.stride(), b.storage_offset())
-        assert torch.equal(a, b) and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
-    with pytest.raises(IndexError):
-        ours[n]
-
-
 def test_agreements_on_the_fake_process_group_gather_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -47,7 +47,8 @@ _PAGE = mmap.PAGESIZE
 
 # Sources opened while a recorder is set (a dry run's, ``fsdp_builder.tools.dryrun``) hand it
 # each read (file, key, index) and make none; the read returns an uninitialized tensor.
-RECORDER: ContextVar[Callable[[Path, str, Index | None], None] | None] = ContextVar(
+# The recorder is handed the destination too, as the read would write it.
+RECORDER: ContextVar[Callable[[Path, str, Index | None, torch.Tensor], None] | None] = ContextVar(
     "safetensors_recorder", default=None
 )
 
@@ -226,9 +227,10 @@ class SafetensorsSource:
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         file = self._where[key]
         if self._record is not None:
-            self._record(file.path, key, index)
             part = torch.empty(self._meta[key].shape, dtype=self._meta[key].dtype, device="meta")
-            return part[index or ()].new_empty(part[index or ()].shape, device="cpu")
+            made = part[index or ()].new_empty(part[index or ()].shape, device="cpu")
+            self._record(file.path, key, index, made)
+            return made
         part = file.part(key, index)
         # A tensor of its own: the part is a view of the file's mapping.
         out = torch.empty(part.shape, dtype=part.dtype)
@@ -239,7 +241,7 @@ class SafetensorsSource:
         """Write ``tensor[index]`` into ``out`` (its shape; any dtype, converted)."""
         file = self._where[key]
         if self._record is not None:
-            return self._record(file.path, key, index)
+            return self._record(file.path, key, index, out)
         part = file.part(key, index)
         if part.shape != out.shape:
             where = f"'{key}'[{rows(index)}]" if index else f"'{key}'"

@@ -14,7 +14,6 @@ import math
 import os
 import struct
 import time
-import typing
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -169,6 +168,12 @@ class _NoStorage(TorchDispatchMode):
                     self._count(t.untyped_storage())
         return made
 
+    def written(self, tensor: torch.Tensor) -> None:
+        """``tensor`` written by something no op shows (a recorded read): its storage's bytes
+        are held from now, whether or not it was allocated unwritten."""
+        if tensor.device.type != "meta":
+            self._count(tensor.untyped_storage())
+
     def _count(self, storage: torch.UntypedStorage) -> None:
         nbytes = storage.nbytes()
         if not nbytes or storage in self._storages:
@@ -228,59 +233,6 @@ class _NoStorage(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class _Chunks(Sequence[torch.Tensor]):
-    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to ``n`` items, as FSDP2's
-    ``_chunk_with_empty`` returns it, each item made when asked for: a rank reads its own chunk
-    and chunk 0, so one simulated rank of a world of ``n`` makes two views, not ``n``."""
-
-    def __init__(self, tensor: torch.Tensor, n: int, dim: int) -> None:
-        self.tensor, self.n, self.dim = tensor, n, dim
-        size = tensor.size(dim)
-        self.step = -(-size // n) if size else 0
-        self.chunks = -(-size // self.step) if size else n  # as many as torch.chunk makes
-        self._empty: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.n
-
-    @typing.overload
-    def __getitem__(self, i: int) -> torch.Tensor: ...
-    @typing.overload
-    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
-    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(self.n)[i]]
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        i %= self.n
-        if i < self.chunks:
-            start = i * self.step
-            length = min(self.step, self.tensor.size(self.dim) - start)
-            return self.tensor.narrow(self.dim, start, length)
-        if self._empty is None:
-            self._empty = self[0].new_empty(0)
-        return self._empty
-
-
-@contextlib.contextmanager
-def _chunks_on_demand() -> Iterator[None]:
-    """FSDP2 cuts each parameter with ``_chunk_with_empty``, which makes a view or an empty
-    tensor for every rank of the world: a simulated rank of a large world would pay for all of
-    them, per parameter. While the dry run lasts it gets :class:`_Chunks` instead, the same
-    items made on demand; where this torch has no such function, nothing is replaced."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param
-
-    original = getattr(_fsdp_param, "_chunk_with_empty", None)
-    if original is None:
-        yield
-        return
-    _fsdp_param._chunk_with_empty = _Chunks  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _fsdp_param._chunk_with_empty = original
-
-
 def _header(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
@@ -306,13 +258,17 @@ def _read_of(path: Path, key: str, index: Index | None, header: dict[str, Any]) 
 
 
 @contextlib.contextmanager
-def _recorded_reads(reads: list[Read]) -> Iterator[None]:
+def _recorded_reads(reads: list[Read], mode: _NoStorage) -> Iterator[None]:
     """Safetensors sources opened in this context record each read (file, tensor, byte range
-    from the file's header) instead of making it; sources elsewhere read as usual."""
+    from the file's header) instead of making it; sources elsewhere read as usual. The read's
+    destination counts as written, as the real read writes it: its pages are held from then."""
     header = functools.cache(_header)  # each file's header read once
-    token = RECORDER.set(
-        lambda path, key, index: reads.append(_read_of(path, key, index, header(str(path))))
-    )
+
+    def record(path: Path, key: str, index: Index | None, out: torch.Tensor) -> None:
+        reads.append(_read_of(path, key, index, header(str(path))))
+        mode.written(out)
+
+    token = RECORDER.set(record)
     try:
         yield
     finally:
@@ -406,7 +362,7 @@ def simulate_rank(
         with warnings.catch_warnings():
             # The NaN checks and page accounting touch the FakeTensors' (absent) data.
             warnings.filterwarnings("ignore", message=".*FakeTensor.*")
-            with (mode := _NoStorage()), _recorded_reads(reads), _chunks_on_demand():
+            with (mode := _NoStorage()), _recorded_reads(reads, mode):
                 try:
                     built = builder.build(model)
                 except Exception as exc:
