@@ -7,7 +7,6 @@ on a CPU mesh repeats one shard), at the cost of values that depend on the world
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import AbstractContextManager
 from typing import ClassVar, Protocol
 
@@ -139,10 +138,13 @@ class _PerShardSeed:
     def scope(
         self, unit: Unit, modules: list[nn.Module], names: dict[int, str]
     ) -> AbstractContextManager[object]:
-        return contextlib.nullcontext()
+        # Torch's generators saved once per unit, not per module (as ``run_seeded`` would):
+        # each module seeds them itself before its initializer, so the values are the same.
+        return torch.random.fork_rng(devices=fork_devices(self.device))
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
-        run_seeded(module, fqn, lineage, shard_seed(self.base_seed, self.index, fqn), self.device)
+        seed_generators(shard_seed(self.base_seed, self.index, fqn), self.device)
+        run_initializer(module, fqn, lineage)
 
     def close(self) -> None:
         pass
