@@ -50,6 +50,10 @@ def _estimate_rows(text: str) -> dict[tuple[str, str], list[str]]:
     return rows
 
 
+def _figures(text: str) -> list[str]:
+    return [line for line in text.splitlines() if not line.startswith("assumptions: ")]
+
+
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -137,6 +141,7 @@ def test_plan_rejects_unknown_wrap_class() -> None:
 
 def test_plan_json_and_training_estimate(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "fsdp_builder.tools.demo:demo_model", "--wrap", "Block", "--world-size", "4"]
+    argv += ["--backend", "fsdp1"]
     assert main([*argv, "--json", "--param-dtype", "bf16", "--optimizer", "sgd-momentum"]) == 0
     out = json.loads(capsys.readouterr().out)
     model = demo_model()
@@ -362,7 +367,8 @@ def test_plan_of_a_transformers_folder_matches_the_model_and_a_factorys_plan(
     (tmp_path / "tiny_llama_factory.py").write_text(FACTORY.format(config=TINY_LLAMA))
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "tiny_llama_factory:make", "--world-size", "4"]) == 0
-    assert capsys.readouterr().out == from_folder
+    # All but the line saying where the dtype came from (the config, or the factory).
+    assert _figures(capsys.readouterr().out) == _figures(from_folder)
     # config.json itself names the same model.
     assert main(["plan", str(llama_folder / "config.json"), "--world-size", "4"]) == 0
     assert capsys.readouterr().out == from_folder
@@ -408,3 +414,90 @@ def test_plan_of_a_folder_without_config_json(
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     with pytest.raises(ConfigurationError, match=r"needs transformers.*pip install transformers"):
         meta_model_from_config(tmp_path)
+
+
+# -- the dry run from the command line: dtype, defaults, options that would do nothing ---------
+
+
+def _write_config(folder: Path, **settings: Any) -> Path:
+    # config.json as save_pretrained writes it, with the dtype named as given (the older
+    # `torch_dtype` key or `dtype`).
+    folder.mkdir(parents=True, exist_ok=True)
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(**TINY_LLAMA).save_pretrained(folder)
+    written = json.loads((folder / "config.json").read_text())
+    written = {k: v for k, v in written.items() if k not in ("dtype", "torch_dtype")}
+    (folder / "config.json").write_text(json.dumps(written | settings))
+    return folder
+
+
+def _chunk_bytes(world: int, rank: int, dtype: torch.dtype) -> int:
+    """The bytes of rank's FSDP2 shards of the eager model: torch.chunk's rows of each."""
+    import transformers
+
+    eager = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    chunks = [torch.chunk(p.detach(), world)[rank:] for p in eager.parameters()]
+    return sum(c[0].numel() * dtype.itemsize for c in chunks if c)
+
+
+@pytest.mark.parametrize(
+    ("settings", "flag", "dtype"),
+    [
+        ({"torch_dtype": "bfloat16"}, [], torch.bfloat16),
+        ({"dtype": "bfloat16"}, [], torch.bfloat16),
+        ({"dtype": "bfloat16"}, ["--dtype", "float32"], torch.float32),
+        ({}, [], torch.float32),
+        ({"torch_dtype": "float16"}, [], torch.float16),
+    ],
+)
+def test_the_dry_run_takes_the_configs_dtype_and_simulates_the_first_and_last_rank(
+    tmp_path: Path, settings: dict[str, str], flag: list[str], dtype: torch.dtype, capsys: Any
+) -> None:
+    folder = _write_config(tmp_path / "llama", **settings)
+    world = 5  # 96 rows over 5 ranks: the last rank holds fewer
+    assert main(["plan", str(folder), "--simulate", str(world), "--json", *flag]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["backend"] == "fsdp2"  # FullyShardBuilder's, as the quick start builds
+    assert [r["rank"] for r in out["ranks"]] == [0, world - 1]
+    for r in out["ranks"]:
+        assert r["param_bytes"] == _chunk_bytes(world, r["rank"], dtype)
+        assert {s["dtype"] for s in r["shards"]} == {str(dtype)}
+    assert f"parameters in {str(dtype).removeprefix('torch.')}" in out["assumptions"]
+    assert "MALLOC_MMAP_THRESHOLD_" in out["assumptions"]
+    # The estimates without --simulate count the same dtype.
+    assert main(["plan", str(folder), "--json", *flag]) == 0
+    import transformers
+
+    eager = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    nn.Module.to(eager, dtype)
+    assert json.loads(capsys.readouterr().out)["bytes"] == sum(
+        t.numel() * t.element_size() for t in [*eager.parameters(), *eager.buffers()]
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "option"),
+    [
+        (["--rank", "1"], "--rank"),
+        (["--checkpoint", "{folder}"], "--checkpoint"),
+        (["--builder", "mod:make"], "--builder"),
+        (["--simulate", "2", "--world-size", "8"], "--world-size"),
+        (["--simulate", "2", "--optimizer", "sgd"], "--optimizer"),
+        (["--simulate", "2", "--param-dtype", "bf16"], "--param-dtype"),
+        (["--simulate", "2", "--builder", "mod:make", "--checkpoint", "{folder}"], "--checkpoint"),
+        (["--simulate", "2", "--builder", "mod:make", "--backend", "fsdp1"], "--backend"),
+        (["--simulate", "2", "--builder", "mod:make", "--wrap", "LlamaDecoderLayer"], "--wrap"),
+        (["--simulate", "2", "--builder", "mod:make", "--strategy", "hybrid"], "--strategy"),
+    ],
+)
+def test_an_option_that_would_change_nothing_is_refused_naming_it(
+    tmp_path: Path, extra: list[str], option: str, capsys: Any
+) -> None:
+    folder = _write_config(tmp_path / "llama")
+    argv = ["plan", str(folder), *(a.format(folder=folder) for a in extra)]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    message = str(refused.value)
+    assert f"{option} has no effect" in message and "\n" not in message
+    assert capsys.readouterr().out == ""  # nothing computed, nothing printed
+    assert not torch.distributed.is_initialized()

@@ -30,6 +30,7 @@ from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.tools import estimate
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
 from fsdp_builder.tools.estimate import STRATEGIES
+from fsdp_builder.tools.hf_plan import DTYPES
 from fsdp_builder.tools.launch import end_process_group, run_ranks
 
 EPILOG = (
@@ -212,15 +213,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fsdp_builder.planning.wrap import WrapPolicy
     from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
 
+    refuse_ineffective(args)
+    args.dtype, dtype_note = model_dtype(args)
     if args.simulate is not None:
         from fsdp_builder.tools.dryrun import run_cli
 
-        return run_cli(args, load_factory)
+        args.backend = args.backend or "fsdp2"
+        args.strategy = args.strategy or "full"
+        return run_cli(args, load_factory, dtype_note)
+    args.backend = args.backend or "fsdp2"
+    args.strategy = args.strategy or "full"
+    args.world_size = args.world_size or 2
+    args.optimizer = args.optimizer or "adamw"
     if is_config_path(args.factory):  # a transformers folder or config.json
-        model = meta_model_from_config(args.factory)
+        model = meta_model_from_config(args.factory, args.dtype)
     else:
         with torch.device("meta"):
             model = load_factory(args.factory)()
+        if isinstance(model, torch.nn.Module) and args.dtype is not None:
+            model = model.to(args.dtype)
     if not isinstance(model, torch.nn.Module):
         raise SystemExit(f"{args.factory} returned {type(model).__name__}, not an nn.Module")
     classes = tuple(wrap_classes(model, args.wrap))
@@ -253,8 +264,76 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         estimates = estimate.format_estimates(plan, world, per_node)
-        print(plan.format(), estimates, estimate.format_training(training, world), sep="\n\n")
+        training_text = estimate.format_training(training, world)
+        print(plan.format(), estimates, training_text, f"assumptions: {dtype_note}", sep="\n\n")
     return 0
+
+
+# Options of `plan` that only the dry run (--simulate) reads, and those it does not read.
+_DRY_RUN_ONLY = ("rank", "builder", "checkpoint")
+_ESTIMATE_ONLY = ("world_size", "optimizer", "param_dtype")
+# What --builder replaces: the dry run's own builder's settings.
+_BUILDER_SETTINGS = ("backend", "strategy", "wrap", "devices_per_node", "checkpoint")
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def refuse_ineffective(args: argparse.Namespace) -> None:
+    """An option given where it changes nothing is refused, naming it: a silently ignored
+    option is a figure the user believes and the run does not compute."""
+    given = [n for n in (*_DRY_RUN_ONLY, *_ESTIMATE_ONLY, *_BUILDER_SETTINGS) if getattr(args, n)]
+    if args.simulate is None:
+        for name in _DRY_RUN_ONLY:
+            if name in given:
+                raise SystemExit(
+                    f"`fsdp-builder plan`: {_option(name)} has no effect without --simulate "
+                    "WORLD (it sets the dry run). Add --simulate WORLD, or drop "
+                    f"{_option(name)}."
+                )
+        return
+    for name in _ESTIMATE_ONLY:
+        if name in given:
+            instead = (
+                "--simulate WORLD sets the world size"
+                if name == "world_size"
+                else ("the dry run builds and does not train")
+            )
+            raise SystemExit(
+                f"`fsdp-builder plan`: {_option(name)} has no effect with --simulate "
+                f"({instead}). Drop {_option(name)}, or drop --simulate for the estimates."
+            )
+    if args.builder:
+        for name in _BUILDER_SETTINGS:
+            if name in given:
+                raise SystemExit(
+                    f"`fsdp-builder plan`: {_option(name)} has no effect with --builder (the "
+                    f"dry run builds with the builder it returns, as configured there). Set it "
+                    f"on that builder (a checkpoint: .materialize(FromCheckpoint(PATH))), or "
+                    f"drop --builder."
+                )
+
+
+def model_dtype(args: argparse.Namespace) -> tuple[torch.dtype | None, str]:
+    """The model's dtype for the figures (None: as the factory makes it) and a line saying
+    which dtype and allocator the figures assume."""
+    from fsdp_builder.tools.hf_plan import config_dtype, is_config_path
+
+    allocator = (
+        "memory is tensor bytes: what the allocator holds beyond them is not counted (on the "
+        "CPU, glibc keeps freed memory unless MALLOC_MMAP_THRESHOLD_ is set, e.g. 65536; on a "
+        "GPU, the caching allocator's reserve)"
+    )
+    if args.dtype is not None:
+        dtype, where = DTYPES[args.dtype], "--dtype"
+    elif is_config_path(args.factory):
+        found = config_dtype(args.factory)
+        dtype = found or torch.float32
+        where = "config.json's dtype" if found else "config.json names no dtype"
+    else:
+        return None, f"the model's dtypes as {args.factory} makes it; {allocator}"
+    return dtype, f"parameters in {str(dtype).removeprefix('torch.')} ({where}); {allocator}"
 
 
 def cmd_bench(rest: list[str]) -> int:
@@ -368,22 +447,37 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CLASS",
         help="class name of the modules to wrap as units, as .wrap(CLASS) (repeatable)",
     )
-    plan.add_argument("--world-size", type=int, default=2, help="ranks to estimate for (default 2)")
+    plan.add_argument(
+        "--world-size", type=int, help="ranks to estimate for (default 2; not with --simulate)"
+    )
     plan.add_argument(
         "--devices-per-node",
         type=int,
         help="ranks per node, for hybrid sharding's shard groups (default: what "
         "AutoHybridGroups finds on this machine)",
     )
-    _add_layout(
-        plan,
-        "backend of the training estimate (default fsdp1)",
-        "sharding strategy of the training estimate (default full)",
+    plan.add_argument(
+        "--backend",
+        choices=estimate.BACKENDS,
+        help="backend of the training estimate and of the dry run's builder (default fsdp2, "
+        "FullyShardBuilder's)",
+    )
+    plan.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        help="sharding strategy of the training estimate and of the dry run's builder "
+        "(default full)",
+    )
+    plan.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        help="the model's dtype for every figure (default: the config.json's dtype for a "
+        "transformers folder, float32 where it names none; as the factory makes it for "
+        "MODULE:FACTORY)",
     )
     plan.add_argument(
         "--optimizer",
         choices=tuple(estimate.OPTIMIZER_STATES),
-        default="adamw",
         help="optimizer of the training estimate: adamw/adam keep 2 states per parameter, "
         "sgd-momentum 1, sgd and none 0 (default adamw)",
     )
@@ -406,13 +500,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         action="append",
         metavar="R",
-        help="a rank to simulate (repeatable; default 0)",
+        help="with --simulate: a rank to simulate (repeatable; default the first and the last)",
     )
     plan.add_argument(
         "--builder",
         metavar="MODULE:FACTORY",
-        help="with --simulate: a callable returning the job's configured builder (default: one "
-        "from --backend, --strategy, --wrap and --checkpoint)",
+        help="with --simulate: a callable returning the job's configured builder, in place of "
+        "--backend, --strategy, --wrap, --devices-per-node and --checkpoint",
     )
     plan.add_argument(
         "--checkpoint",
@@ -435,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.world_size < 1:
+    if args.world_size is not None and args.world_size < 1:
         parser.error("--world-size must be at least 1")
     if args.command == "demo":
         if args.steps < 0:

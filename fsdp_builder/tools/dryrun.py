@@ -577,9 +577,11 @@ def cli_builder(args: Any, model: nn.Module) -> Callable[[], ShardingBuilder]:
     return make
 
 
-def run_cli(args: Any, load_factory: Callable[..., Any]) -> int:
+def run_cli(args: Any, load_factory: Callable[..., Any], assumptions: str = "") -> int:
     """``fsdp-builder plan ... --simulate WORLD``: prints the dry run (or its JSON); exits 1
-    when a simulated rank's build raises."""
+    when a simulated rank's build raises. ``args.dtype``: the model's dtype (None: as made);
+    ``assumptions``: the line saying which dtype and allocator the figures assume. Without
+    ``--rank``, the first and the last rank: FSDP2's last ranks hold fewer rows, or none."""
     from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
 
     spec = args.factory
@@ -587,19 +589,26 @@ def run_cli(args: Any, load_factory: Callable[..., Any]) -> int:
     if args.builder:
         builder_factory = load_factory(args.builder, "--builder", "the job's configured builder")
     model_factory: Callable[[], nn.Module]
+    dtype: torch.dtype | None = getattr(args, "dtype", None)
     if is_config_path(spec):
         meta_model_from_config(spec)  # a bad config is named once, before any rank
-        model_factory = functools.partial(meta_model_from_config, spec)
+        model_factory = functools.partial(meta_model_from_config, spec, dtype)
     else:
-        model_factory = load_factory(spec)
+        made = load_factory(spec)
+        model_factory = made if dtype is None else (lambda: made().to(dtype))
     if not args.builder:
         with torch.device("meta"):
             builder_factory = cli_builder(args, model_factory())
     try:
-        run = simulate(builder_factory, model_factory, args.simulate, args.rank or (0,))
+        ranks = args.rank or sorted({0, max(args.simulate - 1, 0)})
+        run = simulate(builder_factory, model_factory, args.simulate, ranks)
     except ConfigurationError as exc:
         raise SystemExit(str(exc)) from exc
-    print(json.dumps(as_dict(run)) if args.json else format_dry_run(run, shards=8))
+    if args.json:
+        print(json.dumps(as_dict(run) | {"assumptions": assumptions}))
+    else:
+        tail = f"\nassumptions: {assumptions}" if assumptions else ""
+        print(format_dry_run(run, shards=8) + tail)
     return 0 if all(r.ok for r in run.runs) else 1
 
 

@@ -48,8 +48,29 @@ def config_file(spec: str | os.PathLike[str]) -> Path:
     return path
 
 
-def meta_model_from_config(spec: str | os.PathLike[str]) -> nn.Module:
-    """The model a transformers ``config.json`` describes, created on the meta device.
+# The dtypes a config.json may name for the model's weights, by the name it writes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def config_dtype(spec: str | os.PathLike[str]) -> torch.dtype | None:
+    """The weights' dtype a ``config.json`` names (``dtype``, or ``torch_dtype`` as older
+    transformers write it); None where it names none, or "auto"."""
+    try:
+        settings = json.loads(config_file(spec).read_text())
+    except (OSError, ValueError):
+        return None  # meta_model_from_config names what is wrong with the file
+    if not isinstance(settings, dict):
+        return None
+    name = settings.get("dtype") or settings.get("torch_dtype")
+    return DTYPES.get(name) if isinstance(name, str) else None
+
+
+def meta_model_from_config(
+    spec: str | os.PathLike[str], dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The model a transformers ``config.json`` describes, created on the meta device; its
+    floating-point parameters and buffers in ``dtype`` where given (as transformers' own
+    ``from_pretrained(..., dtype=...)`` casts them), else as the classes make them.
 
     The class is the first of ``architectures``, else ``AutoModelForCausalLM`` (or
     ``AutoModel``). Nothing is downloaded and no code from the folder is run.
@@ -81,7 +102,8 @@ def meta_model_from_config(spec: str | os.PathLike[str]) -> nn.Module:
     cls = _model_class(transformers, config, path)
     try:
         with torch.device("meta"):
-            return cls(config)
+            model = cls(config)
+            return model if dtype is None else model.to(dtype)
     except Exception as exc:  # a value no validator caught, met by a layer's constructor
         raise _refused(
             f"{cls.__name__} cannot be created from {str(path)!r} "
@@ -166,5 +188,6 @@ __all__ = [
     "check_sizes",
     "config_file",
     "is_config_path",
+    "config_dtype",
     "meta_model_from_config",
 ]
