@@ -234,6 +234,10 @@ class _NoStorage(TorchDispatchMode):
 
 
 def _header(path: str) -> dict[str, Any]:
+    """A safetensors file's header (its JSON, after the 8-byte length), and where its data
+    begins. Read here rather than through safetensors: ``safe_open`` gives each tensor's
+    shape and dtype (``get_slice``) but not its byte offsets in the file, which the recorded
+    reads report."""
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header: dict[str, Any] = json.loads(f.read(size))
