@@ -488,6 +488,7 @@ def test_the_dry_run_takes_the_configs_dtype_and_simulates_the_first_and_last_ra
         (["--simulate", "2", "--builder", "mod:make", "--backend", "fsdp1"], "--backend"),
         (["--simulate", "2", "--builder", "mod:make", "--wrap", "LlamaDecoderLayer"], "--wrap"),
         (["--simulate", "2", "--builder", "mod:make", "--strategy", "hybrid"], "--strategy"),
+        (["--simulate", "4", "--devices-per-node", "2"], "--devices-per-node"),
     ],
 )
 def test_an_option_that_would_change_nothing_is_refused_naming_it(

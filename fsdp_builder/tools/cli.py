@@ -304,6 +304,12 @@ def refuse_ineffective(args: argparse.Namespace) -> None:
                 f"`fsdp-builder plan`: {_option(name)} has no effect with --simulate "
                 f"({instead}). Drop {_option(name)}, or drop --simulate for the estimates."
             )
+    if not args.builder and args.devices_per_node and args.strategy != "hybrid":
+        raise SystemExit(
+            "`fsdp-builder plan`: --devices-per-node has no effect in the dry run without "
+            "--strategy hybrid (it sizes hybrid sharding's shard groups). Add --strategy "
+            "hybrid, or drop --devices-per-node."
+        )
     if args.builder:
         for name in _BUILDER_SETTINGS:
             if name in given:
