@@ -353,6 +353,11 @@ class BaseMaterializer(DeclaredHooks):
 
         storage = self.storage_device or device
         given = modules if visited is None else _written_by_visits(modules, visited)
+        # States already real keep their values (the contract, as FSDP1's param_init_fn leaves
+        # modules not on meta alone): a unit can mix them with meta ones, and an initializer
+        # run for the unit (a real module's own, or a parent's that sets its children) would
+        # overwrite them. Only such mixed units pay for the copies.
+        kept = [] if self.reinitialize else _real_states(modules, ignored)
         with settling_ignored(modules, ignored, storage, device, model or root):
             allocated = allocate_empty(given, storage, only_meta=not self.reinitialize)
             initialize_modules(
@@ -363,6 +368,9 @@ class BaseMaterializer(DeclaredHooks):
                 type(self).__name__,
                 "Fix its initializer or pass another materializer.",
             )
+            with torch.no_grad():
+                for state, value in kept:
+                    state.data.copy_(value)  # through .data: no write for version watchers
         return allocated
 
     def materialize_model(
@@ -386,6 +394,23 @@ class BaseMaterializer(DeclaredHooks):
             self.materialize_modules(unit.module, unit.fqn, device, modules, ignored, model=model)
             fill_buffers(modules, computed, device)
         return model
+
+
+def _real_states(
+    modules: list[nn.Module], ignored: IgnoredStates
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each managed state of ``modules`` that is already real, with a copy of its value; none
+    when every state is on meta (the common case: a unit built on meta)."""
+    states = [t for m in modules for t in direct_states(m) if not ignored.ignores(t)]
+    if all(t.is_meta for t in states):
+        return []
+    seen: set[int] = set()
+    kept = []
+    for t in states:
+        if not t.is_meta and id(t) not in seen:
+            seen.add(id(t))
+            kept.append((t, t.detach().clone()))
+    return kept
 
 
 def _written_by_visits(modules: list[nn.Module], visited: set[int]) -> list[nn.Module]:
