@@ -8,6 +8,7 @@ process group; ``bench`` runs the benchmark harness from a checkout of the repos
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import json
@@ -16,6 +17,7 @@ import multiprocessing as mp
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_builder import AutoHybridGroups, DeterministicInit
-from fsdp_builder.builder import builder_for
+from fsdp_builder.builder import ShardingBuilder, builder_for
 from fsdp_builder.errors import ConfigurationError
 from fsdp_builder.tools import estimate
 from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
@@ -207,6 +209,72 @@ def wrap_classes(model: torch.nn.Module, names: list[str] | None) -> list[type[t
     return classes
 
 
+def cli_builder(args: Any, model: torch.nn.Module) -> Callable[[], ShardingBuilder]:
+    """The builder of ``fsdp-builder plan --simulate`` without ``--builder``: the command line's
+    backend, strategy, wrap classes (found in ``model``) and checkpoint."""
+    from fsdp_builder.groups import AutoHybridGroups
+    from fsdp_builder.materializers.checkpoints import FromCheckpoint
+
+    classes = wrap_classes(model, args.wrap)
+
+    def make() -> ShardingBuilder:
+        builder = builder_for(args.backend).sharding(args.strategy)
+        if classes:
+            builder.wrap(*classes)
+        if args.strategy == "hybrid":
+            per_node = args.devices_per_node or 8
+            world = dist.get_world_size()
+            # A (nodes, devices per node) mesh: both backends take one, and FSDP2's grid check
+            # of groups made by hand needs collectives the fake group cannot answer.
+            if world % per_node == 0:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                builder.groups(init_device_mesh("cpu", (world // per_node, per_node)))
+            else:
+                builder.groups(AutoHybridGroups(devices_per_node=per_node))
+        if args.checkpoint:
+            builder.materialize(FromCheckpoint(args.checkpoint))
+        return builder
+
+    return make
+
+
+def run_dry_run(args: Any, assumptions: str = "") -> int:
+    """``fsdp-builder plan ... --simulate WORLD``: prints the dry run (or its JSON); exits 1
+    when a simulated rank's build raises. ``args.dtype``: the model's dtype (None: as made);
+    ``assumptions``: the line saying which dtype and allocator the figures assume. Without
+    ``--rank``, the first and the last rank: FSDP2's last ranks hold fewer rows, or none."""
+    from fsdp_builder.tools.dryrun import as_dict, format_dry_run, simulate
+    from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
+
+    spec = args.factory
+    # The builder's spec first: a malformed one is named before the model is made.
+    if args.builder:
+        builder_factory = load_factory(args.builder, "--builder", "the job's configured builder")
+    model_factory: Callable[[], torch.nn.Module]
+    dtype: torch.dtype | None = getattr(args, "dtype", None)
+    if is_config_path(spec):
+        meta_model_from_config(spec)  # a bad config is named once, before any rank
+        model_factory = functools.partial(meta_model_from_config, spec, dtype)
+    else:
+        made = load_factory(spec)
+        model_factory = made if dtype is None else (lambda: made().to(dtype))
+    if not args.builder:
+        with torch.device("meta"):
+            builder_factory = cli_builder(args, model_factory())
+    try:
+        ranks = args.rank or sorted({0, max(args.simulate - 1, 0)})
+        run = simulate(builder_factory, model_factory, args.simulate, ranks)
+    except ConfigurationError as exc:
+        raise SystemExit(str(exc)) from exc
+    if args.json:
+        print(json.dumps(as_dict(run) | {"assumptions": assumptions}))
+    else:
+        tail = f"\nassumptions: {assumptions}" if assumptions else ""
+        print(format_dry_run(run, shards=8) + tail)
+    return 0 if all(r.ok for r in run.runs) else 1
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from fsdp_builder.planning.ignored import IgnoredStates
     from fsdp_builder.planning.plan import plan_units
@@ -216,11 +284,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     refuse_ineffective(args)
     args.dtype, dtype_note = model_dtype(args)
     if args.simulate is not None:
-        from fsdp_builder.tools.dryrun import run_cli
-
         args.backend = args.backend or "fsdp2"
         args.strategy = args.strategy or "full"
-        return run_cli(args, load_factory, dtype_note)
+        return run_dry_run(args, dtype_note)
     args.backend = args.backend or "fsdp2"
     args.strategy = args.strategy or "full"
     args.world_size = args.world_size or 2

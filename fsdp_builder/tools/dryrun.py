@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdp_builder.builder import ShardingBuilder, builder_for
+from fsdp_builder.builder import ShardingBuilder
 from fsdp_builder.config import _STRATEGY_ALIASES
 from fsdp_builder.devices import ExplicitDevice
 from fsdp_builder.errors import ConfigurationError, config_error
@@ -550,72 +550,6 @@ def format_dry_run(run: DryRun, shards: int = 0) -> str:
     return "\n".join(lines)
 
 
-def cli_builder(args: Any, model: nn.Module) -> Callable[[], ShardingBuilder]:
-    """The builder of ``fsdp-builder plan --simulate`` without ``--builder``: the command line's
-    backend, strategy, wrap classes (found in ``model``) and checkpoint."""
-    from fsdp_builder.groups import AutoHybridGroups
-    from fsdp_builder.materializers.checkpoints import FromCheckpoint
-    from fsdp_builder.tools.cli import wrap_classes
-
-    classes = wrap_classes(model, args.wrap)
-
-    def make() -> ShardingBuilder:
-        builder = builder_for(args.backend).sharding(args.strategy)
-        if classes:
-            builder.wrap(*classes)
-        if args.strategy == "hybrid":
-            per_node = args.devices_per_node or 8
-            world = dist.get_world_size()
-            # A (nodes, devices per node) mesh: both backends take one, and FSDP2's grid check
-            # of groups made by hand needs collectives the fake group cannot answer.
-            if world % per_node == 0:
-                from torch.distributed.device_mesh import init_device_mesh
-
-                builder.groups(init_device_mesh("cpu", (world // per_node, per_node)))
-            else:
-                builder.groups(AutoHybridGroups(devices_per_node=per_node))
-        if args.checkpoint:
-            builder.materialize(FromCheckpoint(args.checkpoint))
-        return builder
-
-    return make
-
-
-def run_cli(args: Any, load_factory: Callable[..., Any], assumptions: str = "") -> int:
-    """``fsdp-builder plan ... --simulate WORLD``: prints the dry run (or its JSON); exits 1
-    when a simulated rank's build raises. ``args.dtype``: the model's dtype (None: as made);
-    ``assumptions``: the line saying which dtype and allocator the figures assume. Without
-    ``--rank``, the first and the last rank: FSDP2's last ranks hold fewer rows, or none."""
-    from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
-
-    spec = args.factory
-    # The builder's spec first: a malformed one is named before the model is made.
-    if args.builder:
-        builder_factory = load_factory(args.builder, "--builder", "the job's configured builder")
-    model_factory: Callable[[], nn.Module]
-    dtype: torch.dtype | None = getattr(args, "dtype", None)
-    if is_config_path(spec):
-        meta_model_from_config(spec)  # a bad config is named once, before any rank
-        model_factory = functools.partial(meta_model_from_config, spec, dtype)
-    else:
-        made = load_factory(spec)
-        model_factory = made if dtype is None else (lambda: made().to(dtype))
-    if not args.builder:
-        with torch.device("meta"):
-            builder_factory = cli_builder(args, model_factory())
-    try:
-        ranks = args.rank or sorted({0, max(args.simulate - 1, 0)})
-        run = simulate(builder_factory, model_factory, args.simulate, ranks)
-    except ConfigurationError as exc:
-        raise SystemExit(str(exc)) from exc
-    if args.json:
-        print(json.dumps(as_dict(run) | {"assumptions": assumptions}))
-    else:
-        tail = f"\nassumptions: {assumptions}" if assumptions else ""
-        print(format_dry_run(run, shards=8) + tail)
-    return 0 if all(r.ok for r in run.runs) else 1
-
-
 def as_dict(run: DryRun) -> dict[str, Any]:
     """The dry run as JSON-ready data (dtypes as their names; the unit plan left out)."""
     ranks = [
@@ -633,7 +567,6 @@ def as_dict(run: DryRun) -> dict[str, Any]:
 
 __all__ = [
     "as_dict",
-    "cli_builder",
     "NOT_SIMULATED",
     "DryRun",
     "RankRun",
@@ -643,7 +576,6 @@ __all__ = [
     "format_dry_run",
     "local_shards",
     "on_cpu",
-    "run_cli",
     "simulate",
     "simulate_rank",
 ]
