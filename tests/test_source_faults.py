@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from isolated import START_METHOD
 from safetensors.torch import save_file
+from test_checkpoint_safety import meta_model, plain_model
 from torch import nn
 
 from fsdp_builder import (
@@ -40,16 +41,6 @@ from fsdp_builder import (
     save_hf_checkpoint,
 )
 from fsdp_builder.tools.launch import run_ranks
-
-
-def plain_model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-
-
-def meta_model() -> nn.Sequential:
-    with torch.device("meta"):
-        return plain_model()
 
 
 def fsdp1(path: Path | str, seconds: float | None = None) -> FSDPBuilder:
