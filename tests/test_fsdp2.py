@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Callable, Hashable, Iterator
 from functools import partial
 from typing import Any, cast
@@ -42,6 +43,8 @@ from fsdp_builder import (
     FromStateDict,
     FSDPBuilder,
     FullyShardBuilder,
+    InitWeights,
+    MaterializationError,
     MeshGroups,
     ProcessGroups,
     ShardingOptions,
@@ -365,6 +368,9 @@ def cases(world: int) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
         yield ("errors", name), partial(check, world)
     for name in TIED:
         yield ("tied", name), partial(_tied_case, name)
+    for name in ROW_WRITES:
+        yield ("row_writes", name), partial(_row_writes_case, name)
+    yield "row_write_refused", _row_write_refused_case
 
 
 def _settled_odd_case() -> dict[str, Any]:
@@ -424,6 +430,71 @@ def _tied_case(name: str) -> dict[str, Any]:
         "initial": full_state_dict(model),
         "losses": train(model, CFG, STEPS, dist.get_rank(), dist.get_world_size()),
     }
+
+
+class Striped(nn.Module):
+    """Writes rows of its weight after drawing it: a stepped slice and the last row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(13, 4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.weight)
+            self.weight[1:12:4].fill_(7.0)
+            self.weight.data[-1].zero_()
+
+
+class RowWritten(nn.Module):
+    """Initializers that write single rows: ``Embedding``'s padding row, ``Striped``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4, padding_idx=5)
+        self.striped = Striped()
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        for m in (self.embed, self.striped):
+            m.reset_parameters()
+
+
+ROW_WRITES = {
+    "default": None,
+    "shard_first": lambda: ShardFirstReset(seed=3),
+    "init_weights": lambda: InitWeights(seed=3),
+}
+
+
+def _row_writes_case(name: str) -> dict[str, torch.Tensor]:
+    make = ROW_WRITES[name]
+    builder = FullyShardBuilder().device(CPUDevice())
+    if make is not None:
+        builder.materialize(make())
+    with torch.device("meta"):
+        model = RowWritten()
+    return full_state_dict(builder.build(model))
+
+
+class NestedRowWrite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(8, 4))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight[1][2:4].zero_()  # a view of the row's copy: not traced to the shard
+
+
+def _row_write_refused_case() -> str:
+    with torch.device("meta"):
+        model = nn.Sequential(NestedRowWrite())
+    try:
+        FullyShardBuilder().device(CPUDevice()).materialize(ShardFirstReset(seed=3)).build(model)
+    except MaterializationError as exc:
+        return str(exc)
+    return "built"
 
 
 # -- the spawns -------------------------------------------------------------------------------
@@ -538,6 +609,27 @@ def test_shard_first_shards_differ_and_replicas_agree(size: int) -> None:
     for rank in range(1, size):  # the gathered weights agree on every rank (replicas too)
         for name, value in state.items():
             assert torch.equal(ranks[rank]["initial"][name], value), name
+
+
+@pytest.mark.parametrize("name", sorted(ROW_WRITES))
+def test_rows_an_initializer_writes_on_a_sharded_parameter_are_as_in_eager(name: str) -> None:
+    # DTensor gathers ``weight[i]`` into a copy; a write into the copy once left the shard as
+    # drawn: Embedding's padding row stayed random on 2 ranks. Eager's written rows are
+    # constants, so they are compared by value, the drawn rest by being drawn.
+    eager = RowWritten().state_dict()
+    for state in scenario(2, ("row_writes", name)):
+        for key in ("embed.weight", "striped.weight"):
+            written = torch.zeros(eager[key].shape[0], dtype=torch.bool)
+            written[[5] if key == "embed.weight" else [1, 5, 9, 12]] = True
+            assert torch.equal(state[key][written], eager[key][written]), (name, key)
+            assert (state[key][~written] != 0).all() and (state[key][~written] != 7).all()
+
+
+def test_a_row_write_that_cannot_reach_its_shard_is_refused() -> None:
+    message = scenario(2, "row_write_refused")[0]
+    assert re.search(
+        r"'0' \(NestedRowWrite\).*aten\.zero_.*copy of a sharded parameter", message, re.S
+    ), message
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -7,6 +7,8 @@ on a CPU mesh repeats one shard), at the cost of values that depend on the world
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import ClassVar, Protocol
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from attrs import define, frozen
 from torch import nn
 from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from fsdp_builder.common.hashing import digest63
@@ -39,6 +42,7 @@ from fsdp_builder.materializers.initializers import (
     run_initializer,
     seed_generators,
 )
+from fsdp_builder.materializers.shard_writes import LandedWrites, LostWrite
 from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.collectives import collective_device
@@ -127,6 +131,14 @@ def run_seeded(
         run_initializer(module, fqn, lineage)
 
 
+@contextlib.contextmanager
+def _watched(modules: list[nn.Module], inner: AbstractContextManager[object]) -> Iterator[None]:
+    """``inner``, and :class:`LandedWrites` when a module has a sharded parameter (FSDP2)."""
+    sharded = any(isinstance(p, DTensor) for m in modules for p in m._parameters.values())
+    with inner, LandedWrites() if sharded else contextlib.nullcontext():
+        yield
+
+
 @define
 class _PerShardSeed:
     """``ShardFirstReset``: each module under a seed from (base, shard index, name)."""
@@ -140,7 +152,7 @@ class _PerShardSeed:
     ) -> AbstractContextManager[object]:
         # Torch's generators saved once per unit, not per module (as ``run_seeded`` would):
         # each module seeds them itself before its initializer, so the values are the same.
-        return torch.random.fork_rng(devices=fork_devices(self.device))
+        return _watched(modules, torch.random.fork_rng(devices=fork_devices(self.device)))
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         seed_generators(shard_seed(self.base_seed, self.index, fqn), self.device)
@@ -206,6 +218,8 @@ class ShardFirstReset(ResetParameters):
 
     ``seed=None`` shares the first rank's ``torch.initial_seed()``. Initializers must draw
     element-wise; ones needing the whole tensor (``orthogonal_``) need ``DeterministicInit``.
+    A write through one row or a slice of rows (``Embedding``'s padding row) lands on the shard
+    that holds it; a write through a view of such a row is refused.
     Random buffers differ across shards: add a synchronizer if a module has them.
 
     Raises:
@@ -268,9 +282,22 @@ class _InitWeightsRun:
                 if not t.is_meta
             ]
             seed = shard_seed(self.base_seed, shard_index(env), self.method)
-            with torch.no_grad(), torch.random.fork_rng(devices=fork_devices(env.device)):
+            with (
+                torch.no_grad(),
+                _watched(
+                    list(unit.module.modules()),
+                    torch.random.fork_rng(devices=fork_devices(env.device)),
+                ),
+            ):
                 seed_generators(seed, env.device)
-                init(**kwargs)
+                try:
+                    init(**kwargs)
+                except LostWrite as exc:
+                    raise MaterializationError(
+                        f"`InitWeights`: the model's {self.method}() cannot run on local shards: "
+                        f"{exc}. Write whole rows or slices of rows, or use StreamInit(seed) "
+                        "or DeterministicInit(seed) for this model."
+                    ) from exc
                 for t, value in kept:
                     t.copy_(value)
         return allocated
@@ -296,10 +323,12 @@ class InitWeights(BaseMaterializer):
     FSDP2 only; takes no synchronizer (it would run before the initializer).
 
     Each rank draws under a seed from ``(seed, shard index)``: shards differ, replicas agree,
-    values depend on the world size. Ignored modules keep their values.
+    values depend on the world size. Ignored modules keep their values. A write through one row
+    or a slice of rows (``Embedding``'s padding row) lands on the shard that holds it.
 
     Raises:
-        MaterializationError: in the configure stage, when the model has no ``method``.
+        MaterializationError: in the configure stage, when the model has no ``method``; during
+            the build, when it writes through a view of a row copy (the shard would miss it).
         ConfigurationError: in the configure stage, with a backend that cannot shard on meta
             (``FSDPBuilder``), or with a synchronizer that gives every rank rank 0's values.
 

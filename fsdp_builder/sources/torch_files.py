@@ -61,9 +61,7 @@ def single_file_in(folder: Path) -> Path | None:
     """The one ``.bin`` / ``.pt`` / ``.pth`` file of a folder, if it holds exactly one."""
     # Any entry but a folder counts, so that one that is no file (a named pipe) is refused by
     # name when opened rather than the folder said to hold no checkpoint.
-    files = [
-        f for ext in ("bin", "pt", "pth") for f in folder.glob(f"*.{ext}") if not f.is_dir()
-    ]
+    files = [f for ext in ("bin", "pt", "pth") for f in folder.glob(f"*.{ext}") if not f.is_dir()]
     return files[0] if len(files) == 1 else None
 
 
