@@ -313,7 +313,12 @@ class _Build:
         result, any_real = self.agreement.now_asking(
             "groups", create, flag=wanted and _holds_real_states(configured)
         )
-        self.shard_first = wanted and not any_real
+        # A materializer that initializes the whole model after the last unit overwrites every
+        # real state anyway; sharding its root first too makes its draws the same whether the
+        # model starts on meta or real (else the root's full states would draw under the
+        # sharded units' per-rank seeds, or every rank's shards alike).
+        whole_model = getattr(self.materializer, "shard_first_only", False)
+        self.shard_first = wanted and (whole_model or not any_real)
         return result
 
     def prepare(self, env: Environment) -> _Runs:

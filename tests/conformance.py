@@ -30,9 +30,11 @@ FSDP2's default, which is ``StreamInit``) promise the same full weights at any w
 both backends and in every group layout, so their draws must be equal across every cell of the
 same model (:func:`judge_across`); the other initializers promise eager init's distribution,
 so each drawn tensor must fall within the per-tensor statistics of eager construction under many
-seeds (:func:`distribution_verdict`). Elements whose eager value does not depend on the seed
-(BatchNorm statistics, LayerNorm weights, RoPE tables, an embedding's padding row) are held to
-that value exactly, in every cell. Every state's dtype is the plain model's.
+seeds (:func:`distribution_verdict`); ``InitWeights`` promises what the model's own
+``init_weights()`` gives after eager construction, so its statistics are of that. Elements
+whose value does not depend on the seed (BatchNorm statistics, LayerNorm weights, RoPE tables,
+an embedding's padding row) are held to that value exactly, in every cell. Every state's dtype
+is the plain model's.
 
 Real models run forwards in train mode before they are built, so BatchNorm statistics are
 away from their defaults and a synchronizer or loader that skips buffers is seen. After the
@@ -265,15 +267,21 @@ def variant(cell: Cell) -> str:
     return "net0" if cell.ignore == "param" else "net1"
 
 
-def eager(model: str, seed: int, warmed: bool = False) -> nn.Module:
+def eager(model: str, seed: int, warmed: bool = False, reinit: bool = False) -> nn.Module:
     """The model as plain PyTorch / transformers builds it, under ``seed``; ``warmed``: after
     forwards in train mode, as a model that has trained holds them (BatchNorm statistics away
-    from their defaults)."""
+    from their defaults); ``reinit``: then initialized again by its own ``init_weights()``, as
+    plain PyTorch does for a model whose initializer is that method (``InitWeights``)."""
     torch.manual_seed(seed)
     if model.startswith("net"):
         net = Net(scalar=model == "net0")
         if warmed:
             warm(net, seed)
+        if reinit:
+            # The tie is kept (no to_empty), so the head's reset, the last, draws the shared
+            # weight: plain init_weights leaves no zero padding row.
+            with torch.no_grad():
+                net.init_weights()
         return net
     from transformers import LlamaForCausalLM
 
@@ -417,9 +425,11 @@ def write_checkpoints(folder: Path) -> dict[str, str]:
     return paths
 
 
-def seed_free(model: str) -> dict[str, torch.Tensor]:
-    """The states whose eager values do not depend on the seed, with those values."""
-    a, b = states_of(eager(model, 1)), states_of(eager(model, 2))
+def seed_free(model: str, reinit: bool = False) -> dict[str, torch.Tensor]:
+    """The states whose eager values (``reinit``: after ``init_weights()``) do not depend on
+    the seed, with those values."""
+    a = states_of(eager(model, 1, reinit=reinit))
+    b = states_of(eager(model, 2, reinit=reinit))
     return {k: v for k, v in a.items() if torch.equal(v, b[k])}
 
 
@@ -427,11 +437,13 @@ DISTRIBUTION_SEEDS = 48
 
 
 @functools.cache
-def eager_statistics(model: str) -> dict[str, Statistics]:
-    """Per state, what eager construction gives under ``DISTRIBUTION_SEEDS`` seeds: the range
-    of its per-tensor mean and standard deviation, of its values, and the elements that every
-    seed gives the same value (with that value)."""
-    samples = [states_of(eager(model, seed)) for seed in range(DISTRIBUTION_SEEDS)]
+def eager_statistics(model: str, reinit: bool = False) -> dict[str, Statistics]:
+    """Per state, what eager construction (``reinit``: then ``init_weights()``) gives under
+    ``DISTRIBUTION_SEEDS`` seeds: the range of its per-tensor mean and standard deviation, of
+    its values, and the elements that every seed gives the same value (with that value)."""
+    samples = [
+        states_of(eager(model, seed, reinit=reinit)) for seed in range(DISTRIBUTION_SEEDS)
+    ]
     out = {}
     for name, first in samples[0].items():
         values = torch.stack([s[name].double() for s in samples])
@@ -457,12 +469,14 @@ class Statistics(NamedTuple):
     value: torch.Tensor  # one seed's value (the fixed elements' value)
 
 
-def distribution_verdict(model: str, name: str, got: torch.Tensor) -> str | None:
+def distribution_verdict(
+    model: str, name: str, got: torch.Tensor, reinit: bool = False
+) -> str | None:
     """None when ``got`` could be a draw of eager construction: its seed-independent elements
     equal, its per-tensor mean and standard deviation and its values inside eager's ranges
     (widened by half of each range, so honest draws pass and zeros, a constant, a scaled or
     shifted distribution fail)."""
-    stats = eager_statistics(model)[name]
+    stats = eager_statistics(model, reinit)[name]
     if got.shape != stats.value.shape:
         return f"{name} has shape {tuple(got.shape)}, eager construction {tuple(stats.value.shape)}"
     if not torch.equal(got[stats.fixed], stats.value.to(got.dtype)[stats.fixed]):
@@ -533,6 +547,12 @@ def is_loader(materializer: str) -> bool:
     return materializer == "FromStateDict" or materializer.startswith("FromCheckpoint")
 
 REINITIALIZE = ("DeterministicInit", "InitWeights")
+
+
+def reinitialized(cell: Cell) -> bool:
+    """Whether plain PyTorch's value for the cell's drawn states is the model's own
+    ``init_weights()`` after construction rather than construction alone."""
+    return cell.materializer == "InitWeights"
 AGREED = ("RankDisagreementError",)
 
 
@@ -553,7 +573,7 @@ def expected(cell: Cell) -> Expected:
     pre = [real_states(cell, r) for r in range(world)]
     names = list(pre[0])
     dtypes = {n: t.dtype for n, t in states_of(on_meta(variant(cell))).items()}
-    fixed = seed_free(variant(cell))
+    fixed = seed_free(variant(cell), reinitialized(cell))
     materializer = cell.materializer
     # Every reason the cell must be refused for; the build names one of them (the checks run in
     # one order, and any of these refusals, in configure and on every rank, is right).
@@ -914,7 +934,7 @@ def judge(cell: Cell, want: Expected, ranks: list[dict[str, Any]]) -> str | None
             if isinstance(value, torch.Tensor) and not torch.equal(got, value):
                 return f"rank {rank}: {name} differs from the oracle"
             if isinstance(value, Drawn):
-                wrong = distribution_verdict(variant(cell), name, got)
+                wrong = distribution_verdict(variant(cell), name, got, reinitialized(cell))
                 if wrong is not None:
                     return f"rank {rank}: {wrong}"
             if name in want.agree and not torch.equal(got, ranks[0]["full"][name]):

@@ -371,6 +371,7 @@ def cases(world: int) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
     for name in ROW_WRITES:
         yield ("row_writes", name), partial(_row_writes_case, name)
     yield "row_write_refused", _row_write_refused_case
+    yield "init_weights_starts", _init_weights_starts_case
 
 
 def _settled_odd_case() -> dict[str, Any]:
@@ -475,6 +476,33 @@ def _row_writes_case(name: str) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         model = RowWritten()
     return full_state_dict(builder.build(model))
+
+
+class InnerLinear(nn.Linear):
+    """A unit of its own, sharded before the root's initializer runs."""
+
+
+class Reinitialized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = InnerLinear(16, 16)
+        self.head = nn.Linear(16, 16)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        for m in (self.inner, self.head):
+            m.reset_parameters()
+
+
+def _init_weights_starts_case() -> dict[str, dict[str, torch.Tensor]]:
+    """``InitWeights`` on a model that starts real and on one that starts on meta."""
+    out = {}
+    for start in ("cpu", "meta"):
+        torch.manual_seed(dist.get_rank())  # real starts that differ between ranks
+        with torch.device(start):
+            model = Reinitialized()
+        builder = FullyShardBuilder().device(CPUDevice()).wrap(InnerLinear)
+        out[start] = full_state_dict(builder.materialize(InitWeights(seed=4)).build(model))
+    return out
 
 
 class NestedRowWrite(nn.Module):
@@ -630,6 +658,19 @@ def test_a_row_write_that_cannot_reach_its_shard_is_refused() -> None:
     assert re.search(
         r"'0' \(NestedRowWrite\).*aten\.zero_.*copy of a sharded parameter", message, re.S
     ), message
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_init_weights_draws_each_shard_apart_whether_the_model_starts_real_or_on_meta(
+    size: int,
+) -> None:
+    # A real model once drew every rank's shard of an inner unit under one seed: its halves
+    # repeated. Plain init_weights draws each element independently, so no shard repeats
+    # another, and the states are all overwritten, so where they started cannot matter.
+    for rank, starts in enumerate(scenario(size, "init_weights_starts")):
+        for name, value in starts["cpu"].items():
+            assert not _repeated(value, size), (rank, name)
+            assert torch.equal(value, starts["meta"][name]), (rank, name)
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -323,8 +323,10 @@ class InitWeights(BaseMaterializer):
     FSDP2 only; takes no synchronizer (it would run before the initializer).
 
     Each rank draws under a seed from ``(seed, shard index)``: shards differ, replicas agree,
-    values depend on the world size. Ignored modules keep their values. A write through one row
-    or a slice of rows (``Embedding``'s padding row) lands on the shard that holds it.
+    values depend on the world size, not on whether the model starts on meta or real (every
+    state is overwritten, so every unit is sharded first). Ignored modules keep their values.
+    A write through one row or a slice of rows (``Embedding``'s padding row) lands on the shard
+    that holds it.
 
     Raises:
         MaterializationError: in the configure stage, when the model has no ``method``; during
