@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+from helpers import full_state_dict
 from models import demo_units, eager_init_by_unit, meta_demo
 from torch import nn
 
@@ -31,7 +32,7 @@ from fsdp_builder import (
     VerifyReplicas,
 )
 from fsdp_builder.materializers.initializers import Materializer
-from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, full_state_dict
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 
 CFG = DemoConfig(vocab=32, dim=16, heads=2, layers=2, seq=4)
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -49,7 +50,6 @@ from fsdp_builder.sources import (
     unregister_format,
 )
 from fsdp_builder.tools import cli
-from fsdp_builder.tools.demo import full_state_dict
 
 # -- registered formats: reads held to their listing ------------------------------------------
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from models import counting_collectives, llama, meta_llama
 from structlog.testing import capture_logs
@@ -31,7 +32,6 @@ from fsdp_builder import (
     FullyShardBuilder,
     ShardingBuilder,
 )
-from fsdp_builder.tools.demo import full_state_dict
 
 # 61 rows of vocabulary: the last shard is short (31/30 at 2 ranks, 16/16/16/13 at 4).
 ARGS = llama.ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=61, multiple_of=16)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import deterministic_model, reference
 
 from fsdp_builder.tools.cli import DEMO_SEED, build_parser, main
-from fsdp_builder.tools.demo import DemoConfig, deterministic_model, reference
+from fsdp_builder.tools.demo import DemoConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

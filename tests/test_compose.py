@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from models import Block, llama, new_net, train
 from torch import nn
@@ -49,7 +50,6 @@ from fsdp_builder import (
     VerifyReplicas,
 )
 from fsdp_builder.groups import describe_mesh, other_dims
-from fsdp_builder.tools.demo import full_state_dict
 
 CLEAN_KEYS = list(new_net().state_dict())
 

@@ -11,11 +11,11 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from helpers import full_state_dict
 from structlog.testing import capture_logs
 from torch import nn
 
 from fsdp_builder import FSDPBuilder, FullyShardBuilder, ShardingBuilder
-from fsdp_builder.tools.demo import full_state_dict
 
 MIB = 2**20
 BACKENDS: dict[str, Callable[[], ShardingBuilder]] = {

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from helpers import full_state_dict, reference
 from models import TiedDemo
 from torch import nn
 
@@ -29,14 +30,7 @@ from fsdp_builder import (
     FullyShardBuilder,
     ShardingBuilder,
 )
-from fsdp_builder.tools.demo import (
-    Block,
-    DemoConfig,
-    DemoTransformer,
-    full_state_dict,
-    reference,
-    train,
-)
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, train
 
 CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
 STEPS = 2

@@ -29,6 +29,7 @@ from torch import nn
 
 pytest.importorskip("diffusers", reason="diffusers is part of the test extra")
 import diffusers
+from helpers import full_state_dict
 
 from fsdp_builder import (
     ConfigurationError,
@@ -39,7 +40,6 @@ from fsdp_builder import (
     save_hf_checkpoint,
 )
 from fsdp_builder.planning.ignored import clean_name
-from fsdp_builder.tools.demo import full_state_dict
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from torch import nn
 
@@ -33,7 +34,6 @@ from fsdp_builder import (
     FullyShardBuilder,
     save_hf_checkpoint,
 )
-from fsdp_builder.tools.demo import full_state_dict
 
 
 def _load_llama() -> Any:

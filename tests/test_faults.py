@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from attrs import frozen
+from helpers import check_model
 from isolated import START_METHOD, Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.fsdp import (
@@ -58,7 +59,6 @@ from fsdp_builder import (
     Unit,
     VerifyReplicas,
 )
-from fsdp_builder.backends import check_model
 from fsdp_builder.backends.fsdp1 import FSDP1Backend
 from fsdp_builder.backends.fsdp2 import FullyShardBackend
 from fsdp_builder.planning.ignored import is_wrapped

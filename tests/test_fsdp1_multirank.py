@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict, reference
 from isolated import Results, Spawns, run_each, values
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder import AutoHybridGroups, CPUDevice, FSDPBuilder
-from fsdp_builder.tools.demo import Block, DemoConfig, full_state_dict, make_model, reference, train
+from fsdp_builder.tools.demo import Block, DemoConfig, make_model, train
 
 # Whichever test first reads a world size's results starts its spawn (deadline 240 s).
 pytestmark = pytest.mark.timeout(300)

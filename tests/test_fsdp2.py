@@ -18,6 +18,7 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import deterministic_model, full_state_dict, local_bytes, reference
 from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -58,20 +59,11 @@ from fsdp_builder.backends.fsdp2 import (
     mixed_precision_policy,
     offload_policy,
 )
-from fsdp_builder.materializers.sharded import ShardFirstReset, local_bytes
+from fsdp_builder.materializers.sharded import ShardFirstReset
 from fsdp_builder.runtime import fast_storage, tree
 from fsdp_builder.tools.cli import DEMO_SEED
 from fsdp_builder.tools.cli import main as cli_main
-from fsdp_builder.tools.demo import (
-    Block,
-    DemoConfig,
-    DemoTransformer,
-    deterministic_model,
-    full_state_dict,
-    make_model,
-    reference,
-    train,
-)
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, make_model, train
 
 # Whichever test first reads a world size's results starts its spawn (deadline 240 s).
 pytestmark = pytest.mark.timeout(300)

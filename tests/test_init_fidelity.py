@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -25,7 +26,6 @@ from fsdp_builder import (
     ResetParameters,
     ShardFirstReset,
 )
-from fsdp_builder.tools.demo import full_state_dict
 
 CPU = torch.device("cpu")
 

@@ -17,6 +17,7 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from models import (
     TiedDemo,
@@ -48,15 +49,7 @@ from fsdp_builder import (
     ShardingBuilder,
     VerifyReplicas,
 )
-from fsdp_builder.tools.demo import (
-    Block,
-    DemoConfig,
-    DemoTransformer,
-    batch,
-    full_state_dict,
-    loss_fn,
-    train,
-)
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, batch, loss_fn, train
 from fsdp_builder.tools.launch import free_port
 
 # Whichever test first reads a world size's results starts its spawn (deadline 240 s).

@@ -13,6 +13,7 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from models import llama, meta_llama, real_llama, without_checkpoint_prefix
 from torch import nn
@@ -28,7 +29,6 @@ from fsdp_builder import (
     ShardingBuilder,
 )
 from fsdp_builder.materializers.initializers import derived_seed
-from fsdp_builder.tools.demo import full_state_dict
 
 ARGS = {"untied": llama.ModelArgs(), "tied": llama.ModelArgs(tie_embeddings=True)}
 STEPS = 3

@@ -403,9 +403,8 @@ def test_allocation_gives_meta_states_what_to_empty_gives() -> None:
 def test_local_bytes_counts_each_fake_storage() -> None:
     """Fake tensors (a dry run's) all sit at address 0 yet each has its size: every one counts,
     and a tied parameter still counts once (the sizes from plain torch)."""
+    from helpers import local_bytes
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fsdp_builder.materializers.sharded import local_bytes
 
     with FakeTensorMode():
         model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))

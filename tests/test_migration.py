@@ -745,9 +745,9 @@ def checka_activation_checkpointing() -> None:
 
 def checka_cpu_ram_efficient_loading(tmp_path: Path) -> None:
     import transformers
+    from helpers import full_state_dict
 
     from fsdp_builder import FromCheckpoint
-    from fsdp_builder.tools.demo import full_state_dict
 
     torch.manual_seed(3)
     cast(Any, llama()).save_pretrained(tmp_path, max_shard_size="40KB")

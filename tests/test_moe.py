@@ -18,6 +18,7 @@ from torch import nn
 
 pytest.importorskip("transformers", reason="transformers is part of the test extra")
 import transformers
+from helpers import full_state_dict
 
 from fsdp_builder import (
     ConfigurationError,
@@ -31,7 +32,6 @@ from fsdp_builder import (
 )
 from fsdp_builder.sources import checkpoint_rules, derive, open_source, unregister_checkpoint_rules
 from fsdp_builder.sources.model_rules import _BUILT_IN
-from fsdp_builder.tools.demo import full_state_dict
 
 SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2}
 ATTN = {"num_attention_heads": 4, "num_key_value_heads": 2}

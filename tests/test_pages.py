@@ -150,9 +150,8 @@ def test_checkpoint_load_of_a_save_pretrained_folder_reads_every_value(
     """A GPT-2 ``save_pretrained`` folder with tensors above ``PREFAULT_MIN_BYTES`` loads through
     the faulted-in shards with every value equal to the folder's (as ``from_pretrained``)."""
     pytest.importorskip("transformers")
+    from helpers import full_state_dict
     from transformers import GPT2LMHeadModel
-
-    from fsdp_builder.tools.demo import full_state_dict
 
     vocab = 2 * PREFAULT_MIN_BYTES // 4 // 256
     torch.manual_seed(5)

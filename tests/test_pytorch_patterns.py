@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -30,7 +31,6 @@ from fsdp_builder import (
     NoSync,
     ResetParameters,
 )
-from fsdp_builder.tools.demo import full_state_dict
 
 CPU = torch.device("cpu")
 REPEATS = 20

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -23,7 +24,6 @@ from fsdp_builder.materializers.streams import (
     global_indices,
     streamed_init,
 )
-from fsdp_builder.tools.demo import full_state_dict
 
 SEED = 11
 # Every unit filled shard by shard (the default fills small units whole, then shards them).

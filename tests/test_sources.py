@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from torch import nn
 
@@ -49,7 +50,6 @@ from fsdp_builder.sources import (
     unregister_format,
 )
 from fsdp_builder.sources.base import Index
-from fsdp_builder.tools.demo import full_state_dict
 
 BACKENDS = ["fsdp1", "fsdp2"]
 

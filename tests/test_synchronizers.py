@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict
 from isolated import Results, Spawns, run_each, values
 from models import (
     assert_drawn_like_eager,
@@ -33,7 +34,7 @@ from fsdp_builder import (
     VerifyReplicas,
 )
 from fsdp_builder.synchronizers import _flatten, checksum
-from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, full_state_dict
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
 
 CFG = DemoConfig(vocab=64, dim=32, heads=2, layers=2, seq=8)
 

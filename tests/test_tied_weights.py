@@ -25,6 +25,7 @@ pytest.importorskip("transformers", reason="transformers is part of the test ext
 pytest.importorskip("accelerate", reason="accelerate is part of the test extra")
 import transformers
 from accelerate import init_empty_weights
+from helpers import full_state_dict
 
 from fsdp_builder import (
     BroadcastFromRank0,
@@ -35,7 +36,6 @@ from fsdp_builder import (
     ResetParameters,
     ShardingBuilder,
 )
-from fsdp_builder.tools.demo import full_state_dict
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -23,6 +23,7 @@ from torch import nn
 
 pytest.importorskip("transformers", reason="transformers is part of the test extra")
 import transformers
+from helpers import full_state_dict
 
 from fsdp_builder import (
     ConfigurationError,
@@ -38,7 +39,6 @@ from fsdp_builder import (
 )
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.runtime.tree import local_tensor
-from fsdp_builder.tools.demo import full_state_dict
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import open_checkpoint
 from torch import nn
 
 import fsdp_builder.versions as versions
 from fsdp_builder import ConfigurationError, CPUDevice, FSDPBuilder, FullyShardBuilder
-from fsdp_builder.materializers.checkpoints import open_checkpoint
 from fsdp_builder.tools.demo import Block, DemoConfig, make_model
 
 ROOT = Path(__file__).resolve().parents[1]

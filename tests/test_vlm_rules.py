@@ -16,6 +16,7 @@ from torch import nn
 
 pytest.importorskip("transformers", reason="transformers is part of the test extra")
 import transformers
+from helpers import full_state_dict
 
 from fsdp_builder import (
     ConfigurationError,
@@ -24,7 +25,6 @@ from fsdp_builder import (
     FullyShardBuilder,
     ShardingBuilder,
 )
-from fsdp_builder.tools.demo import full_state_dict
 from fsdp_builder.tools.launch import run_ranks
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,6 @@ from fsdp_builder.config import ShardingOptions
 from fsdp_builder.groups import ProcessGroups
 from fsdp_builder.materializers.initializers import Materializer
 from fsdp_builder.planning.context import BackendCapabilities, ConfigureContext
-from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import Unit, UnitPlan
 from fsdp_builder.runtime.environment import Environment
 
@@ -89,23 +88,4 @@ def resolved_settings(
     return [("resolved device type", repr(device.type)), *extra]
 
 
-def check_model(
-    backend: Backend,
-    plan: UnitPlan,
-    options: ShardingOptions,
-    ignored: IgnoredStates | None = None,
-) -> None:
-    """``backend.check_context`` for ``plan`` alone (no process group, CPU device)."""
-    backend.check_context(
-        ConfigureContext(
-            model=plan.root.module,
-            plan=plan,
-            ignored=ignored or IgnoredStates(),
-            options=options,
-            backend=capabilities(backend),
-            device=torch.device("cpu"),
-        )
-    )
-
-
-__all__ = ["Backend", "capabilities", "check_model", "resolved_settings"]
+__all__ = ["Backend", "capabilities", "resolved_settings"]

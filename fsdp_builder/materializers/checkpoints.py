@@ -28,7 +28,6 @@ from fsdp_builder.materializers.loading import (
     check_key_map,
     describe_key_map,
     key_mapper,
-    open_as,
     open_matched,
     prepare_rank0,
     report_match,
@@ -219,11 +218,6 @@ class FromCheckpoint(Loader):
         return local
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointSource:
-    """Open the checkpoint at ``path`` as ``FromCheckpoint`` does; errors in its words."""
-    return open_as(path, CHECKPOINT_SPEC)
-
-
 def fill_checked(
     source: CheckpointSource, targets: Mapping[str, torch.Tensor], *, check: bool = True
 ) -> list[str]:
@@ -339,5 +333,4 @@ __all__ = [
     "describe_key_map",
     "key_mapper",
     "local_index",
-    "open_checkpoint",
 ]

@@ -70,24 +70,6 @@ def shard_index(env: Environment) -> int:
     return env.groups.rank
 
 
-def local_bytes(module: nn.Module) -> int:
-    """Bytes of this rank's storage under ``module`` (DTensors' local shards), once per storage."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in [*module.parameters(), *module.buffers()]:
-        local = local_tensor(t)
-        if local.is_meta:
-            continue
-        storage = local.untyped_storage()
-        key = (str(local.device), storage.data_ptr())
-        # Address 0 is no storage to share: an empty one, or a fake tensor's (which has a size).
-        if key in seen and storage.data_ptr() != 0:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
-
-
 def fork_devices(device: torch.device) -> list[torch.device]:
     """The accelerators whose generators ``torch.random.fork_rng`` saves for ``device``."""
     return [device] if device.type == "cuda" else []
@@ -379,7 +361,6 @@ __all__ = [
     "ShardFirstInit",
     "ShardFirstReset",
     "ShardFirstRun",
-    "local_bytes",
     "run_seeded",
     "shard_index",
     "shard_seed",

@@ -1,11 +1,9 @@
-"""A small transformer-like model, its data, training and a single-process reference.
+"""A small transformer-like model, its data and training.
 
 Shared by ``fsdp-builder demo``, the benchmarks and the tests, so all of them exercise one model.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,17 +71,6 @@ def demo_model() -> DemoTransformer:
     return DemoTransformer(DemoConfig())
 
 
-def deterministic_model(cfg: DemoConfig | None = None, seed: int = 0) -> DemoTransformer:
-    """The model ``fsdp-builder demo`` builds, on one process: from meta, each Block unit
-    initialized by ``DeterministicInit(seed)`` (the same weights at any world size)."""
-    from fsdp_builder.materializers.initializers import DeterministicInit
-
-    with torch.device("meta"):
-        model = DemoTransformer(cfg or DemoConfig())
-    DeterministicInit(seed=seed).materialize_model(model, wrap=Block)
-    return model
-
-
 def batch(cfg: DemoConfig, step: int, size: int, seed: int = 1234) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed + step)
     return torch.randint(0, cfg.vocab, (size, cfg.seq + 1), generator=gen)
@@ -121,37 +108,4 @@ def train(
     return losses
 
 
-def reference(
-    model: nn.Module,
-    cfg: DemoConfig,
-    steps: int,
-    world_size: int,
-    per_rank: int = 2,
-    lr: float = 0.1,
-    fixed_batch: bool = False,
-) -> dict[str, Any]:
-    """Single-process run over the whole global batch: per-slice losses before each step (what
-    rank ``r`` must see) and the final state dict. ``fixed_batch`` as for :func:`train`."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    per_slice: list[list[float]] = [[] for _ in range(world_size)]
-    for step in range(steps):
-        tokens = batch(cfg, 0 if fixed_batch else step, per_rank * world_size)
-        with torch.no_grad():
-            for r, part in enumerate(tokens.split(per_rank)):
-                per_slice[r].append(float(loss_fn(model, part, cfg.vocab)))
-        opt.zero_grad()
-        loss_fn(model, tokens, cfg.vocab).backward()
-        opt.step()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": per_slice, "state_dict": state}
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict of a sharded model (collective: every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().cpu().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
-
-
-__all__ = ["Block", "DemoConfig", "DemoTransformer", "deterministic_model", "make_model"]
+__all__ = ["Block", "DemoConfig", "DemoTransformer", "make_model"]

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import full_state_dict, reference
 from isolated import Results, Spawns, run_each, values
 from torch import nn
 
@@ -33,15 +34,7 @@ from fsdp_builder import (
     ShardingBuilder,
     VerifyReplicas,
 )
-from fsdp_builder.tools.demo import (
-    Block,
-    DemoConfig,
-    DemoTransformer,
-    batch,
-    full_state_dict,
-    loss_fn,
-    reference,
-)
+from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer, batch, loss_fn
 
 pytestmark = pytest.mark.gpu
 
