@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -25,6 +24,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_builder.errors import ConfigurationError, ExportError, FSDPBuilderError, config_error
+from fsdp_builder.groups import collective_device
 from fsdp_builder.materializers.loading import KeyMap, Mapper, check_key_map, key_mapper, map_name
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.wrap import is_diffusers_model
@@ -95,10 +95,15 @@ class _Writer:
         self.parts: list[tuple[Path, list[str]]] = []
         self.total = 0
         self.sources: dict[str, str] = {}  # checkpoint name → model name, for collisions
-        self.error: BaseException | None = None
+        self.error: FSDPBuilderError | None = None  # rank 0's, as every rank raises it
         self.staging: Path | None = None
         self.placed: list[Path] = []  # new files moved into ``folder``
         self.replaced: list[Path] = []  # earlier files moved aside, under ``staging / "old"``
+
+    def fail(self, error: BaseException) -> None:
+        """Keep rank 0's first failure, as the library error every rank raises."""
+        if self.error is None:
+            self.error = _library_error(error, self.folder)
 
     def open(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -151,22 +156,15 @@ class _Writer:
         self.flush()
         assert self.staging is not None
         new = self.staging / "new"
-        count = len(self.parts)
-        single = count == 1
-        stem = self.stem
-        names = (
-            [f"{stem}.safetensors"]
-            if single
-            else [f"{stem}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
-        )
+        names = _file_names(self.stem, len(self.parts))
         weight_map: dict[str, str] = {}
         for (path, keys), name in zip(self.parts, names, strict=True):
             os.replace(path, new / name)
             weight_map.update(dict.fromkeys(keys, name))
-        if not single:
+        if len(names) != 1:
             index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
             _write_index(new / self.index_name, index)
-        return tuple(names)
+        return names
 
     @property
     def index_name(self) -> str:
@@ -210,6 +208,14 @@ class _Writer:
         self.placed, self.replaced = [], []
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging = None
+
+
+def _file_names(stem: str, count: int) -> tuple[str, ...]:
+    """The weight files of an export in ``count`` files, named as ``save_pretrained`` names them
+    (one file, or numbered shards)."""
+    if count == 1:
+        return (f"{stem}.safetensors",)
+    return tuple(f"{stem}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1))
 
 
 def _write_index(path: Path, index: dict[str, Any]) -> None:
@@ -335,9 +341,10 @@ def save_hf_checkpoint(
     Raises:
         ConfigurationError: a bad argument or a model not built, on every rank before any
             collective; two names mapped to one, or a failing ``key_map`` (on every rank, after
-            the last collective, no file left behind).
-        ExportError: rank 0 could not write or gather, or a peer rank died; on every rank, with
-            the cause as ``__cause__``, after removing every file the export wrote.
+            the last gather, no file left behind).
+        ExportError: rank 0 could not write or gather, or a peer rank died; on every rank, after
+            removing every file the export wrote. Rank 0's error keeps the cause as
+            ``__cause__``; the other ranks' message names it.
     """
     _check_arguments(folder, key_map, max_shard_bytes)
     mapper = key_mapper(key_map)
@@ -347,37 +354,40 @@ def save_hf_checkpoint(
     stem = DIFFUSERS_STEM if is_diffusers_model(_unwrapped(model)) else "model"
     writer = _Writer(Path(folder), max_shard_bytes, _Tally(), stem)
     try:
-        outcome = _export(model, rank, distributed, mapper, writer)
+        _gather_and_write(model, rank, mapper, writer)
+        # Rank 0's failure reaches every rank through the agreement, as every rank-0 failure
+        # of the library does: a key map's first (nothing committed yet), then the writing's.
+        _agree_on(writer, "export (names)", ConfigurationError, shared=ConfigurationError)
+        if rank == 0:
+            _commit(model, writer)
+        _agree_on(writer, "export (write)", FSDPBuilderError, shared=ExportError)
+        count, total = _rank0_numbers(writer, distributed)
     except BaseException as exc:
-        # A collective failed (a peer died or failed) or the rank was interrupted: the
-        # earlier export is put back, the staged files go.
+        # The earlier export is put back, the staged files go.
         writer.settle(done=False)
-        if isinstance(exc, Exception) and distributed:
+        if writer.error is not None and isinstance(exc, Exception):
+            # Rank 0 raises its own error, with its cause (the agreement raised its message).
+            raise writer.error from writer.error.__cause__
+        if isinstance(exc, Exception) and distributed and not _agreed(exc):
+            # A collective failed: a peer died or failed, or never came to the agreement.
             raise _peer_lost(writer.folder, rank, exc) from exc
         raise
     writer.settle(done=True)
-    files, total, failure = outcome
-    if failure is not None:
-        kind, message, cause = failure
-        if isinstance(writer.error, FSDPBuilderError):
-            raise writer.error  # rank 0's own, with its cause
-        if writer.error is not None:
-            cause = writer.error
-        error_type = ConfigurationError if kind == ConfigurationError.__name__ else ExportError
-        raise error_type(message) from cause
-    return HFExport(files=files, total_size=total, peak_bytes=writer.tally.peak if rank == 0 else 0)
+    return HFExport(
+        files=_file_names(stem, count),
+        total_size=total,
+        peak_bytes=writer.tally.peak if rank == 0 else 0,
+    )
 
 
-def _export(
-    model: nn.Module, rank: int, distributed: bool, mapper: Mapper, writer: _Writer
-) -> tuple[tuple[str, ...], int, tuple[str, str, BaseException | None] | None]:
-    """Every rank's collectives and rank 0's writes; the files, the total size and rank 0's
-    failure (or None), as rank 0 broadcast them."""
+def _gather_and_write(model: nn.Module, rank: int, mapper: Mapper, writer: _Writer) -> None:
+    """Every rank's collectives and rank 0's staged writes; rank 0's failure stays in
+    ``writer.error`` (the loop goes on: the other ranks are in its collectives)."""
     if rank == 0:
         try:
             writer.open()
         except OSError as exc:
-            writer.error = exc
+            writer.fail(exc)
     fsdp1 = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
     states = _fsdp1_states if fsdp1 else _dtensor_states
     with torch.no_grad():
@@ -392,26 +402,52 @@ def _export(
                 if name is not None:
                     writer.add(model_name, name, tensor, owned)
             except (Exception, CheckpointException) as exc:
-                writer.error = exc
+                writer.fail(exc)
             del tensor
-    files: tuple[str, ...] = ()
-    if rank == 0 and writer.error is None:
-        try:
-            files = writer.finish()
-            assert writer.staging is not None
-            _save_config(model, writer.staging / "new")
-            writer.commit()
-        except (Exception, CheckpointException) as exc:
-            writer.error = exc
-    failure: tuple[str, str, BaseException | None] | None = None
-    if rank == 0 and writer.error is not None:
+
+
+def _commit(model: nn.Module, writer: _Writer) -> None:
+    """Rank 0: name the staged files, add the config and swap the export in, unless failed."""
+    if writer.error is not None:
+        return
+    try:
+        writer.finish()
+        assert writer.staging is not None
+        _save_config(model, writer.staging / "new")
+        writer.commit()
+    except (Exception, CheckpointException) as exc:
+        writer.fail(exc)
+
+
+def _agree_on(
+    writer: _Writer,
+    stage: str,
+    kind: type[FSDPBuilderError],
+    shared: type[ConfigurationError] | type[ExportError],
+) -> None:
+    """Every rank: agree on rank 0's failure if it is a ``kind``; every rank then raises it as
+    ``shared`` (rank 0 its own, in the caller). Rank 0 removes its files before any rank hears
+    of the failure."""
+    error = writer.error if isinstance(writer.error, kind) else None
+    if error is not None:
         writer.settle(done=False)
-        failure = _failure(writer.error, writer.folder)
-    outcome: list[Any] = [(files, writer.total, failure)]
-    if distributed:
-        # The last collective: a peer that dies here undoes rank 0's commit (in the caller).
-        dist.broadcast_object_list(outcome, src=0)
-    return outcome[0]
+    agree(stage, error, shared=shared)
+
+
+def _rank0_numbers(writer: _Writer, distributed: bool) -> tuple[int, int]:
+    """Rank 0's count of files and bytes written, on every rank (the last collective: a peer
+    that dies here undoes rank 0's commit, in the caller)."""
+    numbers = [len(writer.parts), writer.total]
+    if not distributed:
+        return numbers[0], numbers[1]
+    sent = torch.tensor(numbers, dtype=torch.int64, device=collective_device(None))
+    dist.broadcast(sent, src=0)
+    return int(sent[0]), int(sent[1])
+
+
+def _agreed(error: Exception) -> bool:
+    """Whether ``error`` is rank 0's failure as the agreement raised it (not a lost peer)."""
+    return isinstance(error, ConfigurationError | ExportError)
 
 
 def _save_config(model: nn.Module, folder: Path) -> None:
@@ -492,28 +528,20 @@ _OS_FIXES: dict[int, tuple[str, str]] = {
 }
 
 
-def _failure(error: BaseException, folder: Path) -> tuple[str, str, BaseException | None]:
-    """Rank 0's failure as every rank raises it: the error's type name, message and cause."""
+def _library_error(error: BaseException, folder: Path) -> FSDPBuilderError:
+    """Rank 0's failure as every rank raises it: the library's own as it is, any other as an
+    ExportError naming it, with it as the cause."""
     if isinstance(error, FSDPBuilderError):
-        cause = error.__cause__
-        return type(error).__name__, str(error), None if cause is None else _portable(cause)
-    what, fix = "rank 0 could not write or gather a state", "Fix the cause above"
+        return error
+    what, fix = "rank 0 could not write or gather a state", "Fix that cause"
     if isinstance(error, OSError) and error.errno in _OS_FIXES:
         what, fix = _OS_FIXES[error.errno]
-    message = (
+    wrapped = ExportError(
         f"`save_hf_checkpoint` could not write to '{folder}': {what} "
         f"({type(error).__name__}: {error}). {fix}; the files this export wrote were removed."
     )
-    return ExportError.__name__, message, _portable(error)
-
-
-def _portable(error: BaseException) -> BaseException:
-    """``error`` if it can be sent to the other ranks as it is, else its text."""
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-    return error
+    wrapped.__cause__ = error
+    return wrapped
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "HFExport", "save_hf_checkpoint"]

@@ -419,8 +419,10 @@ def test_a_folder_that_is_not_a_path_is_refused(tmp_path: Path, folder: Any) -> 
 # -- a peer rank that dies during the export ------------------------------------------------
 
 
-def dies_mid_export(folder: str, report: str) -> None:
-    """Rank 1 exits in the middle of the second export's gathers; rank 0 writes what it saw."""
+def dies_mid_export(folder: str, report: str, when: str = "gather") -> None:
+    """Rank 1 exits during the second export: in the middle of its gathers (``gather``), or
+    where it would agree on rank 0's writing (``commit``: rank 0 has moved the new files in by
+    then, and meets the death in that agreement). Rank 0 writes what it saw."""
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -442,7 +444,8 @@ def dies_mid_export(folder: str, report: str) -> None:
         for p in model.parameters():
             assert isinstance(p, DTensor)
             p.to_local().mul_(2)
-    if rank == 1:
+    patch: Any = contextlib.nullcontext()
+    if rank == 1 and when == "gather":
         gathered = DTensor.full_tensor
         calls = iter(range(100))
 
@@ -453,8 +456,28 @@ def dies_mid_export(folder: str, report: str) -> None:
             return gathered(self, *args, **kwargs)
 
         DTensor.full_tensor = gather_then_die  # type: ignore[method-assign]
+    elif rank == 1:
+        agreed = export.agree
+
+        def die_at_the_write_agreement(stage: str, *args: Any, **kwargs: Any) -> bool:
+            if stage == "export (write)":
+                os._exit(1)
+            return agreed(stage, *args, **kwargs)
+
+        patch = mock.patch.object(export, "agree", die_at_the_write_agreement)
+    moved_in: list[bool] = []
+    if rank == 0:
+        replace = os.replace
+
+        def noting(src: Any, dst: Any) -> None:
+            # A file of the new export moved into the folder: rank 0 committed.
+            moved_in.append(Path(src).parent.name == "new" and Path(dst).parent == Path(folder))
+            replace(src, dst)
+
+        patch = mock.patch.object(export.os, "replace", noting)
     try:
-        save_hf_checkpoint(model, folder, max_shard_bytes=300)
+        with patch:
+            save_hf_checkpoint(model, folder, max_shard_bytes=300)
         outcome: dict[str, Any] = {"type": None}
     except Exception as exc:
         outcome = {
@@ -464,6 +487,7 @@ def dies_mid_export(folder: str, report: str) -> None:
         }
     if rank == 0:
         after = every_file(Path(folder))
+        outcome["committed"] = any(moved_in)
         outcome["left"] = sorted(after)
         outcome["unchanged"] = after == before
         outcome["before"] = sorted(before)
@@ -471,8 +495,9 @@ def dies_mid_export(folder: str, report: str) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("when", ["gather", "commit"])
 def test_a_peer_that_dies_during_the_export_gives_the_survivor_the_library_error(
-    tmp_path: Path,
+    tmp_path: Path, when: str
 ) -> None:
     from safetensors.torch import load_file
 
@@ -483,6 +508,7 @@ def test_a_peer_that_dies_during_the_export_gives_the_survivor_the_library_error
             2,
             str(folder),
             str(report),
+            when,
             timeout=120,
             grace=60,
             start_method=START_METHOD,
@@ -493,7 +519,11 @@ def test_a_peer_that_dies_during_the_export_gives_the_survivor_the_library_error
     message = outcome["message"]
     assert "a peer rank died or failed during the export" in message, message
     assert f"into '{folder}'" in message and "run the export again" in message, message
-    assert outcome["cause"] in ("RuntimeError", "DistBackendError", "DistNetworkError"), outcome
+    if when == "gather":  # torch's error of the failed gather, before any commit
+        causes = ("RuntimeError", "DistBackendError", "DistNetworkError")
+        assert outcome["cause"] in causes and not outcome["committed"], outcome
+    else:  # the agreement's on rank 0's writing, after rank 0 moved the new files in
+        assert outcome["cause"] == "CommunicationError" and outcome["committed"], outcome
     assert outcome["unchanged"] and outcome["left"] == outcome["before"], outcome
     assert not [n for n in outcome["left"] if n.endswith(".tmp") or "/" in n], outcome
     want = load_file(f"{report}.ref")
