@@ -301,12 +301,18 @@ def test_training_step_peak_from_fsdp_mem_tracker() -> None:
     assert fsdp2.step_peak is not None, fsdp2.step_note
     # Shards of 1/8 of each parameter's rows (torch.chunk), and AdamW's two states of each.
     shards = sum(torch.chunk(torch.empty(p.shape), 8)[0].nbytes for p in llama().parameters())
-    assert fsdp2.step_peak["Sharded Param"] == shards
-    assert 2 * shards <= fsdp2.step_peak["OptState"] <= 2 * shards + 4 * 64  # + step counters
-    assert fsdp2.step_peak["Total"] > shards * 3
+    assert fsdp2.step_peak["parameters"] == shards
+    assert 2 * shards <= fsdp2.step_peak["optimizer state"] <= 2 * shards + 4 * 64  # + steps
+    assert fsdp2.step_peak["total"] > shards * 3
+    assert fsdp2.step_peak["total"] == sum(v for k, v in fsdp2.step_peak.items() if k != "total")
+    # FSDP1 through torch's MemTracker: its flat shards, padded to a multiple of 8 elements.
     fsdp1 = simulate(FSDPBuilder, llama, 8, ranks=(0,), step=step).runs[0]
-    assert fsdp1.ok and fsdp1.step_peak is None
-    assert fsdp1.step_note == "FSDPMemTracker tracks fully_shard (FSDP2) models only"
+    assert fsdp1.ok and fsdp1.step_peak is not None, fsdp1.step_note
+    flat = sum(p.numel() for p in llama().parameters())
+    assert 2 * flat * 4 // 8 <= fsdp1.step_peak["optimizer state"] <= 2 * (flat + 64) * 4 // 8 + 256
+    # Without an optimizer there is no optimizer state.
+    sgd = simulate(FullyShardBuilder, llama, 8, ranks=(0,), step=step, optimizer=None).runs[0]
+    assert sgd.step_peak is not None and not sgd.step_peak.get("optimizer state")
 
 
 # -- (4) scale ----------------------------------------------------------------------------------

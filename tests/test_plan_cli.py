@@ -489,6 +489,19 @@ def test_the_dry_run_takes_the_configs_dtype_and_simulates_the_first_and_last_ra
         (["--simulate", "2", "--builder", "mod:make", "--wrap", "LlamaDecoderLayer"], "--wrap"),
         (["--simulate", "2", "--builder", "mod:make", "--strategy", "hybrid"], "--strategy"),
         (["--simulate", "4", "--devices-per-node", "2"], "--devices-per-node"),
+        (["--step"], "--step"),
+        (["--simulate", "2", "--batch", "4"], "--batch"),
+        (["--simulate", "2", "--seq", "64"], "--seq"),
+        (["--simulate", "2", "--activation-checkpointing"], "--activation-checkpointing"),
+        (["--simulate", "2", "--mixed-precision", "bf16"], "--param-dtype"),
+        (
+            ["--simulate", "2", "--step", "--builder", "mod:make", "--mixed-precision", "bf16"],
+            "--param-dtype",
+        ),
+        (
+            ["--simulate", "2", "--step", "--builder", "mod:make", "--activation-checkpointing"],
+            "--activation-checkpointing",
+        ),
     ],
 )
 def test_an_option_that_would_change_nothing_is_refused_naming_it(
@@ -502,3 +515,36 @@ def test_an_option_that_would_change_nothing_is_refused_naming_it(
     assert f"{option} has no effect" in message and "\n" not in message
     assert capsys.readouterr().out == ""  # nothing computed, nothing printed
     assert not torch.distributed.is_initialized()
+
+
+def test_the_dry_runs_step_from_the_command_line_counts_the_optimizer_and_the_options(
+    tmp_path: Path, capsys: Any
+) -> None:
+    # Its figures against measured steps: tests/test_dryrun_step.py. Here: the options reach the
+    # step. AdamW keeps two states of every shard: torch.chunk's rows of the eager model.
+    folder = _write_config(tmp_path / "llama")
+    step = ["--step", "--batch", "2", "--seq", "16", "--json"]
+    peaks = {}
+    for name, extra in {
+        "adamw": [],
+        "sgd": ["--optimizer", "sgd"],
+        "ac": ["--activation-checkpointing"],
+        "bf16": ["--mixed-precision", "bf16"],
+        "fsdp1": ["--backend", "fsdp1"],
+    }.items():
+        assert main(["plan", str(folder), "--simulate", "2", *step, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert "batch 2 x sequence 16" in out["assumptions"]
+        peaks[name] = [r["step_peak"] for r in out["ranks"]]
+    for rank, peak in enumerate(peaks["adamw"]):
+        shards = _chunk_bytes(2, rank, torch.float32)
+        assert shards * 2 <= peak["optimizer state"] <= shards * 2 + 1024, rank
+        assert peak["total"] == sum(v for k, v in peak.items() if k != "total")
+        assert not peaks["sgd"][rank].get("optimizer state")
+        assert peaks["ac"][rank]["activations"] < peak["activations"]
+        assert peaks["bf16"][rank]["gathered parameters"] < peak["gathered parameters"]
+        assert peaks["fsdp1"][rank]["optimizer state"] >= shards * 2
+    # A factory's model has no inputs the command line knows: refused, naming the way.
+    refused = r"--step needs the model's inputs.*simulate\(\.\.\., step="
+    with pytest.raises(SystemExit, match=refused):
+        main(["plan", "fsdp_builder.tools.demo:DemoTransformer", "--simulate", "2", "--step"])

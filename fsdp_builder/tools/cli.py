@@ -234,9 +234,49 @@ def cli_builder(args: Any, model: torch.nn.Module) -> Callable[[], ShardingBuild
                 builder.groups(AutoHybridGroups(devices_per_node=per_node))
         if args.checkpoint:
             builder.materialize(FromCheckpoint(args.checkpoint))
+        if checkpointed:
+            builder.activation_checkpointing(checkpointed)
+        if args.param_dtype:
+            builder.mixed_precision(param_dtype=estimate.PARAM_DTYPES[args.param_dtype])
         return builder
 
+    checkpointed: tuple[type[torch.nn.Module], ...] = ()
+    if getattr(args, "activation_checkpointing", False):
+        from fsdp_builder.planning.wrap import no_split_class_names
+
+        names = set(args.wrap or no_split_class_names(model))
+        checkpointed = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+        if not checkpointed:
+            raise SystemExit(
+                "`fsdp-builder plan`: --activation-checkpointing needs the blocks to "
+                "checkpoint, and the model names none (_no_split_modules). Name them with "
+                "--wrap CLASS."
+            )
     return make
+
+
+def training_step(factory: str, batch: int, seq: int | None) -> tuple[Any, str]:
+    """The dry run's step for a transformers model: a causal-LM loss on ``batch`` random
+    sequences of ``seq`` tokens (default: the config's context, at most 2,048), and the line
+    saying so."""
+    from fsdp_builder.tools.hf_plan import config_file
+
+    config = json.loads(config_file(factory).read_text())
+    vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
+    if vocab < 1:
+        raise SystemExit(
+            f"--step: {factory}'s config.json names no vocab_size, so the step cannot make its "
+            "tokens; call simulate(..., step=...) from Python with the model's own inputs."
+        )
+    context = config.get("max_position_embeddings") or 2048
+    length = seq or min(2048, int(context))
+
+    def step(model: torch.nn.Module) -> torch.Tensor:
+        ids = torch.randint(0, vocab, (batch, length))
+        loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+        return loss
+
+    return step, f"step: batch {batch} x sequence {length}, causal-LM loss"
 
 
 def run_dry_run(args: Any, assumptions: str = "") -> int:
@@ -244,10 +284,16 @@ def run_dry_run(args: Any, assumptions: str = "") -> int:
     when a simulated rank's build raises. ``args.dtype``: the model's dtype (None: as made);
     ``assumptions``: the line saying which dtype and allocator the figures assume. Without
     ``--rank``, the first and the last rank: FSDP2's last ranks hold fewer rows, or none."""
-    from fsdp_builder.tools.dryrun import as_dict, format_dry_run, simulate
+    from fsdp_builder.tools.dryrun import OPTIMIZERS, as_dict, format_dry_run, simulate
     from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
 
     spec = args.factory
+    if args.step and not is_config_path(spec):
+        raise SystemExit(
+            f"`fsdp-builder plan`: --step needs the model's inputs, which only a transformers "
+            f"folder's config gives the command line; for {spec}, call "
+            "fsdp_builder.tools.dryrun.simulate(..., step=lambda model: loss) from Python."
+        )
     # The builder's spec first: a malformed one is named before the model is made.
     if args.builder:
         builder_factory = load_factory(args.builder, "--builder", "the job's configured builder")
@@ -262,9 +308,16 @@ def run_dry_run(args: Any, assumptions: str = "") -> int:
     if not args.builder:
         with torch.device("meta"):
             builder_factory = cli_builder(args, model_factory())
+    step, optimizer = None, None
+    if args.step:
+        step, step_note = training_step(spec, args.batch or 1, args.seq)
+        optimizer = OPTIMIZERS[args.optimizer or "adamw"]
+        assumptions = f"{step_note}, optimizer {args.optimizer or 'adamw'}; {assumptions}"
     try:
         ranks = args.rank or sorted({0, max(args.simulate - 1, 0)})
-        run = simulate(builder_factory, model_factory, args.simulate, ranks)
+        run = simulate(
+            builder_factory, model_factory, args.simulate, ranks, step=step, optimizer=optimizer
+        )
     except ConfigurationError as exc:
         raise SystemExit(str(exc)) from exc
     if args.json:
@@ -335,11 +388,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# Options of `plan` that only the dry run (--simulate) reads, and those it does not read.
-_DRY_RUN_ONLY = ("rank", "builder", "checkpoint")
+# Options of `plan` that only the dry run (--simulate) reads, those only its training step
+# (--step) reads, and those the estimates read and the dry run reads only with --step.
+_DRY_RUN_ONLY = ("rank", "builder", "checkpoint", "step")
+_STEP_ONLY = ("batch", "seq", "activation_checkpointing")
 _ESTIMATE_ONLY = ("world_size", "optimizer", "param_dtype")
 # What --builder replaces: the dry run's own builder's settings.
-_BUILDER_SETTINGS = ("backend", "strategy", "wrap", "devices_per_node", "checkpoint")
+_BUILDER_SETTINGS = (
+    "backend", "strategy", "wrap", "devices_per_node", "checkpoint", "activation_checkpointing",
+    "param_dtype",
+)  # fmt: skip
 
 
 def _option(name: str) -> str:
@@ -349,7 +407,16 @@ def _option(name: str) -> str:
 def refuse_ineffective(args: argparse.Namespace) -> None:
     """An option given where it changes nothing is refused, naming it: a silently ignored
     option is a figure the user believes and the run does not compute."""
-    given = [n for n in (*_DRY_RUN_ONLY, *_ESTIMATE_ONLY, *_BUILDER_SETTINGS) if getattr(args, n)]
+    every = (*_DRY_RUN_ONLY, *_STEP_ONLY, *_ESTIMATE_ONLY, *_BUILDER_SETTINGS)
+    given = [n for n in every if getattr(args, n)]
+    if not args.step:
+        for name in _STEP_ONLY:
+            if name in given:
+                raise SystemExit(
+                    f"`fsdp-builder plan`: {_option(name)} has no effect without --step (it "
+                    f"sets the dry run's training step). Add --simulate WORLD --step, or drop "
+                    f"{_option(name)}."
+                )
     if args.simulate is None:
         for name in _DRY_RUN_ONLY:
             if name in given:
@@ -360,15 +427,16 @@ def refuse_ineffective(args: argparse.Namespace) -> None:
                 )
         return
     for name in _ESTIMATE_ONLY:
-        if name in given:
-            instead = (
-                "--simulate WORLD sets the world size"
-                if name == "world_size"
-                else ("the dry run builds and does not train")
-            )
+        if name == "world_size" and name in given:
             raise SystemExit(
-                f"`fsdp-builder plan`: {_option(name)} has no effect with --simulate "
-                f"({instead}). Drop {_option(name)}, or drop --simulate for the estimates."
+                "`fsdp-builder plan`: --world-size has no effect with --simulate (--simulate "
+                "WORLD sets the world size). Drop --world-size."
+            )
+        if name in given and not args.step:
+            raise SystemExit(
+                f"`fsdp-builder plan`: {_option(name)} has no effect with --simulate and no "
+                f"--step (the dry run then builds and does not train). Add --step, or drop "
+                f"{_option(name)}."
             )
     if not args.builder and args.devices_per_node and args.strategy != "hybrid":
         raise SystemExit(
@@ -550,11 +618,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--optimizer",
         choices=tuple(estimate.OPTIMIZER_STATES),
-        help="optimizer of the training estimate: adamw/adam keep 2 states per parameter, "
-        "sgd-momentum 1, sgd and none 0 (default adamw)",
+        help="optimizer of the training estimate and of the dry run's --step: adamw/adam "
+        "keep 2 states per parameter, sgd-momentum 1, sgd and none 0 (default adamw)",
     )
     plan.add_argument(
         "--param-dtype",
+        "--mixed-precision",
+        dest="param_dtype",
         choices=tuple(estimate.PARAM_DTYPES),
         help="mixed-precision compute dtype, as .mixed_precision(param_dtype=...): adds the "
         "low-precision copies gathered for compute (default: no mixed precision)",
@@ -585,6 +655,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="with --simulate: materialize with FromCheckpoint(PATH) and report the reads",
     )
+    plan.add_argument(
+        "--step",
+        action="store_true",
+        help="with --simulate and a transformers folder: also run two training steps on the "
+        "built model (forward, causal-LM loss, backward, optimizer step) and report each "
+        "rank's peak and its parts (torch's FSDPMemTracker for fsdp2, MemTracker for fsdp1)",
+    )
+    plan.add_argument(
+        "--batch", type=int, help="with --step: sequences per rank per step (default 1)"
+    )
+    plan.add_argument(
+        "--seq",
+        type=int,
+        help="with --step: tokens per sequence (default: the config's "
+        "max_position_embeddings, at most 2048)",
+    )
+    plan.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="with --step: checkpoint each block's activations, as "
+        ".activation_checkpointing(Block) (the --wrap classes, else the model's "
+        "_no_split_modules)",
+    )
     sub.add_parser(
         "bench",
         help="run the benchmark harness from a checkout (`fsdp-builder bench --help` for its "
@@ -609,6 +702,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_demo(args)
     if args.devices_per_node is not None and args.devices_per_node < 1:
         parser.error("--devices-per-node must be at least 1")
+    for name in ("batch", "seq"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
     try:
         return cmd_plan(args)
     except ConfigurationError as exc:  # the library's message says what to fix: no traceback

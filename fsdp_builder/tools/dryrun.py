@@ -16,7 +16,7 @@ import struct
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,7 @@ class RankRun:
     largest_unit_bytes: int = 0
     build_peak: int | None = None
     reads: tuple[Read, ...] = ()
-    # Bytes by FSDPMemTracker's category ("Total": the peak) of the training step, or why none.
+    # The training step's peak by part (STEP_PARTS; "total": the peak itself), or why none.
     step_peak: dict[str, int] | None = None
     step_note: str | None = None
 
@@ -350,6 +350,7 @@ def simulate_rank(
     on_meta: bool = True,
     local_world_size: int | None = None,
     step: Callable[[nn.Module], torch.Tensor] | None = None,
+    optimizer: OptimizerFactory | None = torch.optim.AdamW,
 ) -> RankRun:
     """One simulated rank of the real build (see the module docstring)."""
     reads: list[Read] = []
@@ -388,7 +389,9 @@ def simulate_rank(
                 )
             return RankRun(rank, backend, seconds, kind, text, plan, reads=tuple(reads))
         env = builder.environment
-        step_peak, step_note = _step_peak(built, step, mode) if step else (None, None)
+        step_peak, step_note = (
+            _step_peak(built, step, mode, optimizer) if step else (None, None)
+        )
         return RankRun(
             rank,
             backend,
@@ -406,31 +409,85 @@ def simulate_rank(
         )
 
 
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+# The step's optimizers by the command line's names (lr is irrelevant to memory); "none": the
+# step ends at backward.
+OPTIMIZERS: dict[str, OptimizerFactory | None] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "none": None,
+}
+
+# torch's trackers' categories -> the parts the dry run reports. FSDPMemTracker (FSDP2) tells
+# gathered parameters and communication buffers apart; MemTracker (any model, so FSDP1) counts
+# FSDP1's gathered flat parameters as parameters.
+STEP_PARTS = {
+    "Sharded Param": "parameters",
+    "Parameter": "parameters",
+    "Unsharded Param": "gathered parameters",
+    "All Gather": "communication buffers",
+    "Reduce Scatter": "communication buffers",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Gradient": "gradients",
+    "OptState": "optimizer state",
+    "Optstate": "optimizer state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Buffer": "buffers",
+    "Inputs": "other",
+    "Other": "other",
+    "Total": "total",
+}
+
+
 def _step_peak(
-    model: nn.Module, step: Callable[[nn.Module], torch.Tensor], mode: _NoStorage
+    model: nn.Module,
+    step: Callable[[nn.Module], torch.Tensor],
+    mode: _NoStorage,
+    optimizer: OptimizerFactory | None,
 ) -> tuple[dict[str, int] | None, str | None]:
-    """torch's ``FSDPMemTracker`` over two training steps (``step(model).backward()``, AdamW)
-    on the built model's FakeTensors: the second step holds the optimizer states too."""
+    """torch's memory tracker over two training steps (``step(model).backward()``, then the
+    optimizer's step) on the built model's FakeTensors; the peak of the second, which holds the
+    optimizer states too. ``FSDPMemTracker`` for fully_shard models, ``MemTracker`` else."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    if not isinstance(model, FSDPModule):
-        return None, "FSDPMemTracker tracks fully_shard (FSDP2) models only"
     try:
-        with mode.fake:
-            optimizer = torch.optim.AdamW(model.parameters())
-            tracker = FSDPMemTracker(model, optimizer)
+        with mode.fake, warnings.catch_warnings():
+            # FSDP1 reads FakeTensors' (absent) data pointers; the module tracker warns when
+            # activation checkpointing re-enters a module, which the totals do not depend on.
+            warnings.filterwarnings("ignore", message=".*FakeTensor.*")
+            warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")
+            optim = optimizer(model.parameters()) if optimizer is not None else None
+            tracker: MemTracker
+            if isinstance(model, FSDPModule):
+                tracker = FSDPMemTracker(model, optim)
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, *([optim] if optim is not None else []))
             with tracker:
                 for first in (True, False):
                     step(model).backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
+                    if optim is not None:
+                        optim.step()
+                        optim.zero_grad()
+                    else:
+                        model.zero_grad()
                     if first:
                         tracker.reset_mod_stats()
     except Exception as exc:  # the step, not the build: reported beside a good build
         return None, f"{type(exc).__name__}: {exc}"
     ((_, peak),) = tracker.get_tracker_snapshot("peak").items()
-    return {getattr(k, "value", str(k)): int(v) for k, v in peak.items()}, None
+    parts: dict[str, int] = {}
+    for kind, nbytes in peak.items():
+        name = STEP_PARTS.get(getattr(kind, "value", str(kind)), "other")
+        parts[name] = parts.get(name, 0) + int(nbytes)
+    return parts, None
 
 
 def simulate(
@@ -442,6 +499,7 @@ def simulate(
     on_meta: bool = True,
     local_world_size: int | None = None,
     step: Callable[[nn.Module], torch.Tensor] | None = None,
+    optimizer: OptimizerFactory | None = torch.optim.AdamW,
 ) -> DryRun:
     """Run the real ``builder_factory().build(model_factory())`` as each of ``ranks`` of a world
     of ``world_size``, on torch's fake process group and without storage for model states.
@@ -450,8 +508,9 @@ def simulate(
     groups or a DeviceMesh); ``model_factory`` under ``torch.device("meta")`` unless ``on_meta``
     is False. ``local_world_size``: ranks per node, set in the environment as torchrun sets it;
     None leaves the environment as it is. ``step``: a function of the built model returning a
-    loss (called on FakeTensors) for the training step's peak. A rank whose build raises
-    reports the error instead of results; nothing is raised for it.
+    loss (called on FakeTensors, so it makes its inputs itself) for the training step's peak,
+    with ``optimizer`` (a function of the parameters; None: no optimizer step). A rank whose
+    build raises reports the error instead of results; nothing is raised for it.
 
     Raises:
         ConfigurationError: a factory not callable, ``world_size`` or ``ranks`` invalid, or a
@@ -501,7 +560,7 @@ def simulate(
         )
     started = time.perf_counter()
     one = functools.partial(simulate_rank, builder_factory, model_factory, world_size)
-    runs = tuple(one(r, on_meta, local_world_size, step) for r in chosen)
+    runs = tuple(one(r, on_meta, local_world_size, step, optimizer) for r in chosen)
     return DryRun(world_size, runs[0].backend, runs, time.perf_counter() - started)
 
 
@@ -528,9 +587,15 @@ def format_dry_run(run: DryRun, shards: int = 0) -> str:
             f"{_mib(r.buffer_bytes)} MiB, largest unit in full {_mib(r.largest_unit_bytes)} MiB, "
             f"build peak {_mib(r.build_peak)} MiB"
         )
-        if r.step_peak or r.step_note:
-            parts = ", ".join(f"{k} {_mib(v)}" for k, v in (r.step_peak or {}).items() if v)
-            lines.append(f"    training step peak (MiB): {parts or r.step_note}")
+        if r.step_peak is not None:
+            parts = ", ".join(
+                f"{k} {_mib(v)}" for k, v in r.step_peak.items() if v and k != "total"
+            )
+            lines.append(
+                f"    training step peak {_mib(r.step_peak.get('total'))} MiB: {parts}"
+            )
+        elif r.step_note:
+            lines.append(f"    training step not simulated: {r.step_note}")
         for s in r.shards[:shards]:
             lines.append(
                 f"    {s.name:<48} {list(s.global_shape)} -> {list(s.local_shape)} {s.dtype}"
@@ -568,6 +633,8 @@ def as_dict(run: DryRun) -> dict[str, Any]:
 __all__ = [
     "as_dict",
     "NOT_SIMULATED",
+    "OPTIMIZERS",
+    "STEP_PARTS",
     "DryRun",
     "RankRun",
     "Read",
