@@ -364,6 +364,8 @@ def cases(world: int) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
         yield ("row_writes", name), partial(_row_writes_case, name)
     yield "row_write_refused", _row_write_refused_case
     yield "init_weights_starts", _init_weights_starts_case
+    for name in CHECKPOINTED:
+        yield ("checkpointed_records", name), partial(_checkpointed_records_case, name)
 
 
 def _settled_odd_case() -> dict[str, Any]:
@@ -494,6 +496,29 @@ def _init_weights_starts_case() -> dict[str, dict[str, torch.Tensor]]:
             model = Reinitialized()
         builder = FullyShardBuilder().device(CPUDevice()).wrap(InnerLinear)
         out[start] = full_state_dict(builder.materialize(InitWeights(seed=4)).build(model))
+    return out
+
+
+CHECKPOINTED = {
+    "stream": lambda: StreamInit(whole_below=0),
+    "shard_first": lambda: ShardFirstReset(seed=3),
+    "checkpoint_free": lambda: DeterministicInit(seed=3),
+}
+
+
+def _checkpointed_records_case(name: str) -> list[bool]:
+    """Whether, right after the build, each FSDP2 record of a checkpointed unit's parameter
+    reads the storage the module's parameter holds (what the optimizer steps)."""
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).activation_checkpointing(Block)
+    model = builder.materialize(CHECKPOINTED[name]()).build(make_model(CFG, device="meta"))
+    out = []
+    for module in model.modules():
+        params = fast_storage.fsdp2_params(module) or []
+        for record in params:
+            held = getattr(record._module_info.module, record._module_info.param_name)
+            storage = held._local_tensor.untyped_storage()._cdata
+            same = storage == record._sharded_param_data.untyped_storage()._cdata
+            out.append(same and record.sharded_param is held)
     return out
 
 
@@ -663,6 +688,16 @@ def test_init_weights_draws_each_shard_apart_whether_the_model_starts_real_or_on
         for name, value in starts["cpu"].items():
             assert not _repeated(value, size), (rank, name)
             assert torch.equal(value, starts["meta"][name]), (rank, name)
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTED))
+def test_checkpointed_units_leave_fsdp2_reading_the_parameters_the_optimizer_steps(
+    name: str,
+) -> None:
+    # A checkpointed unit is sharded through its wrapper; its shards were once given storage
+    # module by module, leaving FSDP2's records on the meta shards until the first forward.
+    for records in scenario(2, ("checkpointed_records", name)):
+        assert records and all(records), records
 
 
 @pytest.mark.parametrize("size", SIZES)

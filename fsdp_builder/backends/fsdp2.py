@@ -499,6 +499,8 @@ class FullyShardBackend:
         kwargs = fully_shard_kwargs(unit, env)
         target = before_shard(unit, env)
         fully_shard(target, **kwargs)
+        if target is not unit.module:
+            env.sharded_roots[id(unit.module)] = target
         target = after_shard(unit, env, target)
         env.logger.debug(
             "fully_shard",

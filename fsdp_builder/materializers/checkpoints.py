@@ -293,7 +293,7 @@ class LocalRun(LoadRun):
         modules = list(unit.modules)
         # In place, so that an ignored parameter stays the one FSDP ignores; it is read whole.
         give_storage_in_place(meta_ignored(modules, env.ignored), env.device)
-        allocate_unit(unit.module, modules, env.device, env.shard_specs)
+        allocate_unit(env.sharded_root(unit), modules, env.device, env.shard_specs)
         targets: dict[str, torch.Tensor] = {}
         loaded: list[str] = []
         written = 0

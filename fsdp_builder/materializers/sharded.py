@@ -180,7 +180,7 @@ class ShardFirstRun:
 
         names = module_names(unit.module)  # one walk for the scope and the initializers
         with settling_ignored(modules, ignored, env.device, env.device, env.plan.root.module):
-            allocate_unit(unit.module, modules, env.device, env.shard_specs)
+            allocate_unit(env.sharded_root(unit), modules, env.device, env.shard_specs)
             with self.init.scope(unit, modules, names):
                 initialize_modules(
                     unit.module, unit.fqn, modules, init, self.who, self.fix, names=names
@@ -247,7 +247,7 @@ class _InitWeightsRun:
         fresh = [m for m in modules if has_meta_states(m)]
         # In place, so that the ignored parameter stays the one fully_shard ignores.
         give_storage_in_place([p for _, _, p in ignored_slots(modules, env.ignored)], env.device)
-        allocated = allocate_unit(unit.module, modules, env.device, env.shard_specs)
+        allocated = allocate_unit(env.sharded_root(unit), modules, env.device, env.shard_specs)
         with torch.no_grad():
             # Defined values until the root's initializer writes them.
             for module in fresh:

@@ -360,7 +360,7 @@ def scatter_unit_state(
     slices. A bad entry is reported after every collective (zeros sent), so no rank is left
     waiting. Returns the bytes received on this rank.
     """
-    allocate_unit(unit.module, list(unit.modules), env.device, env.shard_specs)
+    allocate_unit(env.sharded_root(unit), list(unit.modules), env.device, env.shard_specs)
     is_src = env.rank == src
     problems: list[str] = []
 

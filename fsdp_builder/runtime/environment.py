@@ -9,6 +9,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from attrs import frozen
+from torch import nn
 from torch.distributed.fsdp import ShardingStrategy
 
 from fsdp_builder.common.logs import build_logger, warn_user
@@ -45,6 +46,9 @@ class Environment:
     # Values every unit of the build shares (a backend's build-wide arguments), worked out at
     # the first unit instead of once per unit.
     memo: dict[Any, Any] = attrs.field(factory=dict, repr=False)
+    # The module the backend sharded for a unit whose own module it wrapped first (activation
+    # checkpointing), by the unit module's id: FSDP2's records of the unit are on the wrapper.
+    sharded_roots: dict[int, nn.Module] = attrs.field(factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.logger is None:
@@ -56,6 +60,10 @@ class Environment:
     @property
     def strategy(self) -> ShardingStrategy:
         return self.options.strategy
+
+    def sharded_root(self, unit: Unit) -> nn.Module:
+        """The module holding ``unit``'s FSDP2 records: its wrapper, or the unit's module."""
+        return self.sharded_roots.get(id(unit.module), unit.module)
 
     def shard_first_for(self, unit: Unit) -> bool:
         """Whether ``unit`` is sharded on meta before its materializer runs."""

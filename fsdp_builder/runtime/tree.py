@@ -199,6 +199,8 @@ def _to_empty_unit(root: nn.Module, modules: list[nn.Module], device: torch.devi
         if m is root or any(t.is_meta for t in direct_states(m)):
             _to_empty_keeping_values(m, device)
             allocated += sum(local_tensor(t).numel() * t.element_size() for t in direct_states(m))
+    if not any(m is root for m in modules):  # a wrapper (checkpointing) holds FSDP2's records
+        _to_empty_keeping_values(root, device)
     retie(tied)
     return allocated
 
