@@ -14,6 +14,7 @@ also FSDP2 with its 3-D expert tensors sharded on dim 1. Written to
     python -m benchmarks.dryrun_scale --peaks   # predicted vs measured build peaks, 2 and 4 ranks
     python -m benchmarks.dryrun_scale --timings  # the tests' large dry runs and plans, timed
     python -m benchmarks.dryrun_scale --per-rank --models 405b --worlds 1024,4096,16384
+    python -m benchmarks.dryrun_scale --step --models 8b,70b,405b,mixtral-8x7b --worlds 8,512,4096
 
 ``--timings`` and ``--per-rank`` write to ``benchmarks/results/dryrun_scale.md``: how long the
 dry runs and plans that the tests check (for their results only) take, and one simulated rank's
@@ -350,7 +351,18 @@ def main() -> None:
         help="only one FSDP2 rank's time (first and last rank) for --models at --worlds "
         "(benchmarks/results/dryrun_scale.md, the block --block, default per_rank)",
     )
+    parser.add_argument(
+        "--step",
+        action="store_true",
+        help="only rank 0's build and training-step peak, FSDP2 and HSDP, for --models at "
+        "--worlds (the block step of benchmarks/results/dryrun.md)",
+    )
     args = parser.parse_args()
+    if args.step:
+        models = [m for m in args.models.split(",") if m]
+        worlds = [int(w) for w in args.worlds.split(",")]
+        write_block(args.out, "step", step_rows(models, worlds))
+        return
     if args.timings or args.per_rank:
         out = SCALE_RESULTS if args.out == RESULTS else args.out
         if args.timings:
@@ -527,6 +539,73 @@ def per_rank_rows(models: list[str], worlds: list[int]) -> list[str]:
                     )
                 print(lines[-1], flush=True)
                 gc.collect()
+    return lines
+
+
+# -- the first training step's peak per rank (--step) -----------------------------------------
+
+STEP_BATCH, STEP_SEQ = 1, 4096
+
+
+def _step_builder(layout: str, block: type[nn.Module]) -> ShardingBuilder:
+    # ResetParameters: a FakeTensor draws nothing, so the build costs no time per element; its
+    # build peak holds one unit in full beside the shards (the most any materializer holds).
+    return LAYOUTS[layout]().activation_checkpointing(block).materialize(ResetParameters())
+
+
+def step_rows(models: list[str], worlds: list[int]) -> list[str]:
+    """Rank 0's build and training-step peak (AdamW, activation checkpointing of every decoder
+    layer, bf16 parameters, a causal-LM loss on STEP_BATCH x STEP_SEQ tokens)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    lines = [
+        "| model | layout | world | params (GiB) | build peak (GiB) | step peak (GiB) "
+        "| parameters | gradients | optimizer state | activations | gathered + comm. "
+        "| temporaries | dry run (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    # World by world, so the cheap rows come first; HSDP's rank holds the same at any world
+    # (a shard group of PER_NODE), so it runs at one world size.
+    cells = [
+        (world, size, layout)
+        for world in worlds
+        for size in models
+        for layout in ("FSDP2", "HSDP")
+        if layout == "FSDP2"
+        or (world > PER_NODE and world == min(w for w in worlds if w > PER_NODE))
+    ]
+    for world, size, layout in cells:
+        make = model_factory(size)
+        block = MixtralDecoderLayer if size in MIXTRAL else LlamaDecoderLayer
+        vocab = MIXTRAL[size]["vocab_size"] if size in MIXTRAL else 128256
+
+        def step(model: nn.Module, vocab: int = vocab) -> torch.Tensor:
+            ids = torch.randint(0, vocab, (STEP_BATCH, STEP_SEQ))
+            loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+            return loss
+
+        started = time.perf_counter()
+        run = simulate(partial(_step_builder, layout, block), make, world, step=step)
+        seconds = time.perf_counter() - started
+        r = run.runs[0]
+        head = f"| {size} | {layout} | {world} |"
+        if not r.ok or r.step_peak is None:
+            why = r.error if not r.ok else r.step_note
+            lines.append(f"{head} not simulated: {why} | | | | | | | | | {seconds:.1f} |")
+        else:
+            p = r.step_peak
+            gathered = p.get("gathered parameters", 0) + p.get("communication buffers", 0)
+            parts = [
+                p.get("parameters", 0), p.get("gradients", 0), p.get("optimizer state", 0),
+                p.get("activations", 0), gathered, p.get("temporaries", 0),
+            ]  # fmt: skip
+            lines.append(
+                f"{head} {gib(r.param_bytes)} | {gib(r.build_peak)} | {gib(p['total'])} | "
+                + " | ".join(gib(x) for x in parts)
+                + f" | {seconds:.1f} |"
+            )
+        print(lines[-1], flush=True)
     return lines
 
 

@@ -310,6 +310,12 @@ def test_training_step_peak_from_fsdp_mem_tracker() -> None:
     assert fsdp1.ok and fsdp1.step_peak is not None, fsdp1.step_note
     flat = sum(p.numel() for p in llama().parameters())
     assert 2 * flat * 4 // 8 <= fsdp1.step_peak["optimizer state"] <= 2 * (flat + 64) * 4 // 8 + 256
+    # Each rank's parameters part is its padded shards, rank 0's chunk of every parameter (the
+    # last rank's padded rows of the 300-row embedding once counted as an activation).
+    first, last = simulate(FullyShardBuilder, llama, 8, ranks=(0, 7), step=step).runs
+    assert last.param_bytes < first.param_bytes  # the last rank's shards are padded
+    for r in (first, last):
+        assert r.step_peak is not None and r.step_peak["parameters"] == first.param_bytes, r.rank
     # Without an optimizer there is no optimizer state.
     sgd = simulate(FullyShardBuilder, llama, 8, ranks=(0,), step=step, optimizer=None).runs[0]
     assert sgd.step_peak is not None and not sgd.step_peak.get("optimizer state")

@@ -465,6 +465,13 @@ def _step_peak(
             warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")
             optim = optimizer(model.parameters()) if optimizer is not None else None
             tracker: MemTracker
+            # FSDP2's lazy init (at the first forward) gives a padded shard new storage, which
+            # the tracker would file under activations on the ranks whose shards are padded:
+            # done before it starts, so symmetric ranks report the same parts.
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.unshard()
+                    m.reshard()
             if isinstance(model, FSDPModule):
                 tracker = FSDPMemTracker(model, optim)
             else:
