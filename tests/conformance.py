@@ -54,6 +54,7 @@ import itertools
 import math
 import os
 import random
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -78,6 +79,7 @@ MATERIALIZERS = (
     "FromCheckpoint",  # one .safetensors file
     "FromCheckpoint:index",  # a folder of shards with model.safetensors.index.json
     "FromCheckpoint:dcp",  # a torch.distributed.checkpoint folder
+    "FromCheckpoint:keymap",  # one file whose names a key_map maps to the model's
 )
 SYNCHRONIZERS = ("none", "BroadcastFromRank0", "VerifyReplicas", "Chain")
 # "empty": built under accelerate.init_empty_weights() (parameters on meta, buffers real).
@@ -386,7 +388,9 @@ def checkpoint(model: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-CHECKPOINT_FORMATS = ("file", "index", "dcp")
+CHECKPOINT_FORMATS = ("file", "index", "dcp", "keymap")
+# The prefix of the names the "keymap" checkpoint writes (its key_map takes it off).
+KEYMAP_PREFIX = "net."
 
 
 def checkpoint_key(cell: Cell) -> str:
@@ -397,7 +401,7 @@ def checkpoint_key(cell: Cell) -> str:
 
 def write_checkpoints(folder: Path) -> dict[str, str]:
     """Every variant's checkpoint in every format, written with safetensors' and torch's own
-    calls: one file, an indexed folder of two shards, a DCP folder."""
+    calls: one file, an indexed folder of two shards, a DCP folder, one file under other names."""
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -422,6 +426,8 @@ def write_checkpoints(folder: Path) -> dict[str, str]:
         paths[f"{kind}:index"] = str(index)
         dcp.save(state, checkpoint_id=str(folder / f"{kind}-dcp"), no_dist=True)
         paths[f"{kind}:dcp"] = str(folder / f"{kind}-dcp")
+        paths[f"{kind}:keymap"] = str(folder / f"{kind}-keymap.safetensors")
+        save_file({KEYMAP_PREFIX + k: v for k, v in state.items()}, paths[f"{kind}:keymap"])
     return paths
 
 
@@ -699,6 +705,9 @@ def builder_for(cell: Cell, model: nn.Module, layouts: Layouts, path: Path) -> A
     m = cell.materializer
     if m == "FromStateDict":
         b = b.materialize(fb.FromStateDict(checkpoint(variant(cell)) if rank == 0 else None))
+    elif m == "FromCheckpoint:keymap":
+        prefix = "^" + re.escape(KEYMAP_PREFIX)
+        b = b.materialize(fb.FromCheckpoint(str(path), key_map=[(prefix, "")]))
     elif m.startswith("FromCheckpoint"):
         b = b.materialize(fb.FromCheckpoint(str(path)))
     elif m == "InitFn":
