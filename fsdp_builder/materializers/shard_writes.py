@@ -105,7 +105,7 @@ class LandedWrites(TorchDispatchMode):
                 self.copies[id(out)] = (out, base, None, ())
             elif not _shares_storage(out, base):
                 self.copies[id(out)] = (out, base, func, args[1:])
-        elif func._schema.is_mutable:
+        elif self.copies and func._schema.is_mutable:  # no copy yet: no write can miss
             for leaf in _written(func, args, kwargs):
                 kept = self.copies.get(id(leaf))
                 if kept is not None and kept[0] is leaf:
