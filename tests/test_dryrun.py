@@ -304,7 +304,6 @@ def test_training_step_peak_from_fsdp_mem_tracker() -> None:
     assert fsdp2.step_peak["parameters"] == shards
     assert 2 * shards <= fsdp2.step_peak["optimizer state"] <= 2 * shards + 4 * 64  # + steps
     assert fsdp2.step_peak["total"] > shards * 3
-    assert fsdp2.step_peak["total"] == sum(v for k, v in fsdp2.step_peak.items() if k != "total")
     # FSDP1 through torch's MemTracker: its flat shards, padded to a multiple of 8 elements.
     fsdp1 = simulate(FSDPBuilder, llama, 8, ranks=(0,), step=step).runs[0]
     assert fsdp1.ok and fsdp1.step_peak is not None, fsdp1.step_note
@@ -313,9 +312,9 @@ def test_training_step_peak_from_fsdp_mem_tracker() -> None:
     # Each rank's parameters part is its padded shards, rank 0's chunk of every parameter (the
     # last rank's padded rows of the 300-row embedding once counted as an activation).
     first, last = simulate(FullyShardBuilder, llama, 8, ranks=(0, 7), step=step).runs
-    assert last.param_bytes < first.param_bytes  # the last rank's shards are padded
+    assert last.param_bytes < shards  # the last rank's shards are padded to torch.chunk's
     for r in (first, last):
-        assert r.step_peak is not None and r.step_peak["parameters"] == first.param_bytes, r.rank
+        assert r.step_peak is not None and r.step_peak["parameters"] == shards, r.rank
     # Without an optimizer there is no optimizer state.
     sgd = simulate(FullyShardBuilder, llama, 8, ranks=(0,), step=step, optimizer=None).runs[0]
     assert sgd.step_peak is not None and not sgd.step_peak.get("optimizer state")

@@ -1,6 +1,6 @@
 """The dry run's training-step peak against the measured peak of the same real step.
 
-A small transformers Llama (the one of ``test_dryrun_memory``: about 30 M parameters,
+A small transformers Llama (the one of ``test_dryrun_memory``: about 29 M parameters,
 vocabulary 4,001 so the shards are uneven) is built for real on gloo ranks and trained two
 steps (forward, causal-LM loss, backward, optimizer step) on random tokens; the measured peak is
 the kernel's high-water mark of the resident set (``VmHWM``) during the second step, reset by

@@ -362,7 +362,8 @@ def cases(world: int) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
         yield ("tied", name), partial(_tied_case, name)
     for name in ROW_WRITES:
         yield ("row_writes", name), partial(_row_writes_case, name)
-    yield "row_write_refused", _row_write_refused_case
+    for name in REFUSED_ROW_WRITES:
+        yield ("row_write_refused", name), partial(_row_write_refused_case, name)
     yield "init_weights_starts", _init_weights_starts_case
     for name in CHECKPOINTED:
         yield ("checkpointed_records", name), partial(_checkpointed_records_case, name)
@@ -457,6 +458,7 @@ class RowWritten(nn.Module):
 
 ROW_WRITES = {
     "default": None,
+    "stream_shard_by_shard": lambda: StreamInit(whole_below=0),
     "shard_first": lambda: ShardFirstReset(seed=3),
     "init_weights": lambda: InitWeights(seed=3),
 }
@@ -532,9 +534,20 @@ class NestedRowWrite(nn.Module):
             self.weight[1][2:4].zero_()  # a view of the row's copy: not traced to the shard
 
 
-def _row_write_refused_case() -> str:
+class StaleRowWrite(NestedRowWrite):
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            row = self.weight[1]  # a copy, then the parameter written again
+            self.weight.normal_()
+            row.mul_(2)  # eager doubles the new row; the copy holds the old one
+
+
+REFUSED_ROW_WRITES = {"nested": NestedRowWrite, "stale": StaleRowWrite}
+
+
+def _row_write_refused_case(name: str) -> str:
     with torch.device("meta"):
-        model = nn.Sequential(NestedRowWrite())
+        model = nn.Sequential(REFUSED_ROW_WRITES[name]())
     try:
         FullyShardBuilder().device(CPUDevice()).materialize(ShardFirstReset(seed=3)).build(model)
     except MaterializationError as exc:
@@ -670,11 +683,13 @@ def test_rows_an_initializer_writes_on_a_sharded_parameter_are_as_in_eager(name:
             assert (state[key][~written] != 0).all() and (state[key][~written] != 7).all()
 
 
-def test_a_row_write_that_cannot_reach_its_shard_is_refused() -> None:
-    message = scenario(2, "row_write_refused")[0]
-    assert re.search(
-        r"'0' \(NestedRowWrite\).*aten\.zero_.*copy of a sharded parameter", message, re.S
-    ), message
+@pytest.mark.parametrize(("name", "op"), [("nested", "zero_"), ("stale", "mul_")])
+def test_a_row_write_that_cannot_reach_its_shard_is_refused(name: str, op: str) -> None:
+    cls = REFUSED_ROW_WRITES[name].__name__
+    for message in scenario(2, ("row_write_refused", name)):
+        assert re.search(
+            rf"'0' \({cls}\).*aten\.{op}.*copy of a sharded parameter", message, re.S
+        ), message
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -483,7 +483,7 @@ def test_the_dry_run_takes_the_configs_dtype_and_simulates_the_first_and_last_ra
         (["--builder", "mod:make"], "--builder"),
         (["--simulate", "2", "--world-size", "8"], "--world-size"),
         (["--simulate", "2", "--optimizer", "sgd"], "--optimizer"),
-        (["--simulate", "2", "--param-dtype", "bf16"], "--param-dtype"),
+        (["--simulate", "2", "--param-dtype", "bf16"], "--param-dtype (--mixed-precision)"),
         (["--simulate", "2", "--builder", "mod:make", "--checkpoint", "{folder}"], "--checkpoint"),
         (["--simulate", "2", "--builder", "mod:make", "--backend", "fsdp1"], "--backend"),
         (["--simulate", "2", "--builder", "mod:make", "--wrap", "LlamaDecoderLayer"], "--wrap"),
@@ -493,10 +493,10 @@ def test_the_dry_run_takes_the_configs_dtype_and_simulates_the_first_and_last_ra
         (["--simulate", "2", "--batch", "4"], "--batch"),
         (["--simulate", "2", "--seq", "64"], "--seq"),
         (["--simulate", "2", "--activation-checkpointing"], "--activation-checkpointing"),
-        (["--simulate", "2", "--mixed-precision", "bf16"], "--param-dtype"),
+        (["--simulate", "2", "--mixed-precision", "bf16"], "--param-dtype (--mixed-precision)"),
         (
             ["--simulate", "2", "--step", "--builder", "mod:make", "--mixed-precision", "bf16"],
-            "--param-dtype",
+            "--param-dtype (--mixed-precision)",
         ),
         (
             ["--simulate", "2", "--step", "--builder", "mod:make", "--activation-checkpointing"],
@@ -539,7 +539,6 @@ def test_the_dry_runs_step_from_the_command_line_counts_the_optimizer_and_the_op
     for rank, peak in enumerate(peaks["adamw"]):
         shards = _chunk_bytes(2, rank, torch.float32)
         assert shards * 2 <= peak["optimizer state"] <= shards * 2 + 1024, rank
-        assert peak["total"] == sum(v for k, v in peak.items() if k != "total")
         assert not peaks["sgd"][rank].get("optimizer state")
         assert peaks["ac"][rank]["activations"] < peak["activations"]
         assert peaks["bf16"][rank]["gathered parameters"] < peak["gathered parameters"]
@@ -548,3 +547,11 @@ def test_the_dry_runs_step_from_the_command_line_counts_the_optimizer_and_the_op
     refused = r"--step needs the model's inputs.*simulate\(\.\.\., step="
     with pytest.raises(SystemExit, match=refused):
         main(["plan", "fsdp_builder.tools.demo:DemoTransformer", "--simulate", "2", "--step"])
+
+
+def test_the_steps_optimizers_are_the_estimates() -> None:
+    # One vocabulary: the command line offers the estimate's names and the step looks them up.
+    from fsdp_builder.tools.dryrun import OPTIMIZERS
+    from fsdp_builder.tools.estimate import OPTIMIZER_STATES
+
+    assert set(OPTIMIZERS) == set(OPTIMIZER_STATES)

@@ -4,6 +4,11 @@
 zeroes that copy: the shard keeps its value and nothing fails (``nn.Embedding``'s padding row,
 transformers' ``_init_weights``). Under :class:`LandedWrites`, an in-place op on such a copy is
 written back to the owning rank's shard; a write through a view it cannot map is refused.
+
+``StreamInit`` meets the same copies and answers them otherwise (``streams._ShardWatch``): its
+promise is the whole tensor's stream of draws, so a module that indexes a shard is drawn again
+whole. ``ShardFirstReset`` and ``InitWeights`` promise only eager's distribution, so the write is
+landed where it belongs.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_builder.runtime.shards import local_box
 
@@ -32,10 +38,8 @@ def _shares_storage(a: DTensor, b: DTensor) -> bool:
 
 
 def _sharded_dims(base: DTensor) -> list[int]:
-    shape, offsets = local_box(base)
-    return [
-        d for d, (n, o) in enumerate(zip(shape, offsets, strict=True)) if o or n != base.shape[d]
-    ]
+    # From the placements, not this rank's box: every rank decides alike.
+    return sorted({p.dim for p in base.placements if isinstance(p, Shard)})
 
 
 def _write_back(copy: DTensor, base: DTensor, func: Any, args: tuple[Any, ...]) -> bool:
@@ -84,41 +88,63 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[D
 class LandedWrites(TorchDispatchMode):
     """Around initializers running on sharded parameters: writes through a row copy land.
 
-    Keeps the copies it saw until it exits; enter it around one unit's (or one model's)
-    initializers, not longer."""
+    Remembers each copy while it lives (weakly), with the parameter and the view that made it.
+    A copy made before its parameter was written again is stale: a write into it is refused
+    rather than landing old values."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.copies: dict[int, tuple[DTensor, DTensor, Any, tuple[Any, ...]]] = {}
+        # copy -> (parameter, view, its arguments); view None: a write cannot be mapped back.
+        self.copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.recorded = False
+
+    def _record(self, out: Any, base: DTensor, func: Any, rest: tuple[Any, ...]) -> None:
+        outs = [out] if isinstance(out, DTensor) else pytree.tree_leaves(out)
+        known = self.copies.get(base)
+        for view in outs:
+            if not isinstance(view, DTensor):
+                continue
+            if known is not None:
+                # A view of a copy: a write into it cannot be traced to the parameter.
+                self.copies[view] = (known[0], None, ())
+            elif not _shares_storage(view, base):
+                # One view of one tensor maps back; a list of views (unbind, split) does not.
+                self.copies[view] = (base, func if view is out else None, rest)
+            else:
+                continue
+            self.recorded = True
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not args or not isinstance(args[0], DTensor):
+        if func.is_view:
+            if args and isinstance(args[0], DTensor):
+                self._record(out, args[0], func, args[1:])
             return out
-        base = args[0]
-        if func.is_view and isinstance(out, DTensor):
-            if id(base) in self.copies:
-                # A view of a copy: a write into it cannot be traced to the parameter.
-                self.copies[id(out)] = (out, base, None, ())
-            elif not _shares_storage(out, base):
-                self.copies[id(out)] = (out, base, func, args[1:])
-        elif self.copies and func._schema.is_mutable:  # no copy yet: no write can miss
+        # Before the first copy no write can miss: most initializers make none.
+        if self.recorded and func._schema.is_mutable:
             for leaf in _written(func, args, kwargs):
-                kept = self.copies.get(id(leaf))
-                if kept is not None and kept[0] is leaf:
-                    copy, source, view, view_args = kept
-                    if view is None or not _write_back(copy, source, view, view_args):
+                kept = self.copies.get(leaf)
+                if kept is not None:
+                    source, view, view_args = kept
+                    if view is None or not _write_back(leaf, source, view, view_args):
                         raise LostWrite(
                             f"it runs {func} on a copy of a sharded parameter (made by "
-                            f"{view or 'a view of a view'}), a write its shard would not get"
+                            f"{view or 'a view of a view, or one of several views'}), a write "
+                            "its shard would not get"
                         )
+                else:
+                    # The parameter itself written: copies made from it before are stale.
+                    for copy, (source, _, _) in list(self.copies.items()):
+                        if source is leaf:
+                            self.copies[copy] = (source, None, ())
         return out
 
     def __exit__(self, *exc: object) -> None:
-        self.copies.clear()
+        self.copies = WeakIdKeyDictionary()
+        self.recorded = False
         super().__exit__(*exc)
 
 

@@ -262,7 +262,8 @@ def training_step(factory: str, batch: int, seq: int | None) -> tuple[Any, str]:
     from fsdp_builder.tools.hf_plan import config_file
 
     config = json.loads(config_file(factory).read_text())
-    vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
+    text = config.get("text_config") or {}
+    vocab = int(config.get("vocab_size") or text.get("vocab_size") or 0)
     if vocab < 1:
         raise SystemExit(
             f"--step: {factory}'s config.json names no vocab_size, so the step cannot make its "
@@ -401,7 +402,8 @@ _BUILDER_SETTINGS = (
 
 
 def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    spelled = "--" + name.replace("_", "-")
+    return f"{spelled} (--mixed-precision)" if name == "param_dtype" else spelled
 
 
 def refuse_ineffective(args: argparse.Namespace) -> None:

@@ -453,11 +453,14 @@ def _step_peak(
     """torch's memory tracker over two training steps (``step(model).backward()``, then the
     optimizer's step) on the built model's FakeTensors; the peak of the second, which holds the
     optimizer states too. ``FSDPMemTracker`` for fully_shard models, ``MemTracker`` else."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
     try:
+        # torch's trackers are private modules: a torch without them reports why, beside a
+        # good build.
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+
         with mode.fake, warnings.catch_warnings():
             # FSDP1 reads FakeTensors' (absent) data pointers; the module tracker warns when
             # activation checkpointing re-enters a module, which the totals do not depend on.
@@ -489,11 +492,12 @@ def _step_peak(
                         tracker.reset_mod_stats()
     except Exception as exc:  # the step, not the build: reported beside a good build
         return None, f"{type(exc).__name__}: {exc}"
-    ((_, peak),) = tracker.get_tracker_snapshot("peak").items()
     parts: dict[str, int] = {}
-    for kind, nbytes in peak.items():
-        name = STEP_PARTS.get(getattr(kind, "value", str(kind)), "other")
-        parts[name] = parts.get(name, 0) + int(nbytes)
+    # One device in a dry run (the CPU); summed should a tracker list more.
+    for peak in tracker.get_tracker_snapshot("peak").values():
+        for kind, nbytes in peak.items():
+            name = STEP_PARTS.get(getattr(kind, "value", str(kind)), "other")
+            parts[name] = parts.get(name, 0) + int(nbytes)
     return parts, None
 
 
