@@ -201,7 +201,10 @@ class ShardFirstReset(ResetParameters):
     ``seed=None`` shares the first rank's ``torch.initial_seed()``. Initializers must draw
     element-wise; ones needing the whole tensor (``orthogonal_``) need ``DeterministicInit``.
     A write through one row or a slice of rows (``Embedding``'s padding row) lands on the shard
-    that holds it; a write through a view of such a row is refused.
+    that holds it; a write through a view of such a row is refused. Indexing a row of a sharded
+    parameter gathers it (a collective): with ``builder.timeout(...)`` every unit's failures
+    are agreed before the next unit, so a rank that failed earlier cannot leave the others
+    waiting in such a gather.
     Random buffers differ across shards: add a synchronizer if a module has them.
 
     Raises:
