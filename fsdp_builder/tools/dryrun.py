@@ -395,7 +395,7 @@ def simulate_rank(
         return RankRun(
             rank,
             backend,
-            seconds,
+            time.perf_counter() - started,  # the step included
             plan=env.plan,
             strategy=_STRATEGY_NAMES.get(env.strategy, "full"),
             shard_size=env.groups.world_size,
