@@ -362,7 +362,7 @@ def cases(world: int) -> Iterator[tuple[Hashable, Callable[[], Any]]]:
         yield ("tied", name), partial(_tied_case, name)
     for name in ROW_WRITES:
         yield ("row_writes", name), partial(_row_writes_case, name)
-    for name in REFUSED_ROW_WRITES:
+    for name in [*REFUSED_ROW_WRITES, "init_weights"]:
         yield ("row_write_refused", name), partial(_row_write_refused_case, name)
     yield "init_weights_starts", _init_weights_starts_case
     for name in CHECKPOINTED:
@@ -542,14 +542,26 @@ class StaleRowWrite(NestedRowWrite):
             row.mul_(2)  # eager doubles the new row; the copy holds the old one
 
 
+class NestedInitWeights(nn.Sequential):
+    """A whole-model initializer (InitWeights) that writes through a view of a row copy."""
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        cast(NestedRowWrite, self[0]).reset_parameters()
+
+
 REFUSED_ROW_WRITES = {"nested": NestedRowWrite, "stale": StaleRowWrite}
 
 
 def _row_write_refused_case(name: str) -> str:
     with torch.device("meta"):
-        model = nn.Sequential(REFUSED_ROW_WRITES[name]())
+        model = (
+            NestedInitWeights(NestedRowWrite())
+            if name == "init_weights"
+            else nn.Sequential(REFUSED_ROW_WRITES[name]())
+        )
+    materializer = InitWeights(seed=3) if name == "init_weights" else ShardFirstReset(seed=3)
     try:
-        FullyShardBuilder().device(CPUDevice()).materialize(ShardFirstReset(seed=3)).build(model)
+        FullyShardBuilder().device(CPUDevice()).materialize(materializer).build(model)
     except MaterializationError as exc:
         return str(exc)
     return "built"
@@ -689,6 +701,16 @@ def test_a_row_write_that_cannot_reach_its_shard_is_refused(name: str, op: str) 
     for message in scenario(2, ("row_write_refused", name)):
         assert re.search(
             rf"'0' \({cls}\).*aten\.{op}.*copy of a sharded parameter", message, re.S
+        ), message
+
+
+def test_init_weights_refuses_a_row_write_that_cannot_reach_its_shard() -> None:
+    for message in scenario(2, ("row_write_refused", "init_weights")):
+        assert re.search(
+            r"`InitWeights`: the model's init_weights\(\) cannot run on local shards.*"
+            r"aten\.zero_.*copy of a sharded parameter.*StreamInit",
+            message,
+            re.S,
         ), message
 
 
