@@ -33,6 +33,10 @@ from fsdp_builder import FSDPBuilder, FullyShardBuilder, ResetParameters, Shardi
 from fsdp_builder.tools.dryrun import RankRun, simulate
 from fsdp_builder.tools.launch import run_ranks
 
+# Five real 2-rank builds and steps, each after a warm-up, then their dry runs: about two
+# minutes on 2 busy cores; the hang guards leave room for a slower machine.
+pytestmark = pytest.mark.timeout(600)
+
 BATCH, SEQ = 2, 128
 VOCAB = 4001
 # The dry run's figure against the measured one: a figure off by 2x (or by half) fails.
@@ -150,9 +154,11 @@ def dry_peaks(case: Case, world: int) -> list[RankRun]:
     return list(run.runs)
 
 
-def compare(cases: list[Case], world: int) -> list[list[tuple[int, int, RankRun]]]:
+def compare(
+    cases: list[Case], world: int, timeout: float = 540
+) -> list[list[tuple[int, int, RankRun]]]:
     """Per case, per rank: (dry-run step peak, measured peak, the dry run's rank)."""
-    measured = run_ranks(measure_all, world, cases, timeout=900)
+    measured = run_ranks(measure_all, world, cases, timeout=timeout)
     out = []
     for i, case in enumerate(cases):
         runs = dry_peaks(case, world)
@@ -203,7 +209,7 @@ def table_rows(worlds: tuple[int, ...] = (2, 4)) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for world in worlds:
-        for case, pairs in zip(GRID, compare(GRID, world), strict=True):
+        for case, pairs in zip(GRID, compare(GRID, world, timeout=3600), strict=True):
             for rank, (dry, real, run) in enumerate(pairs):
                 lines.append(
                     f"| {case.label} | {world} | {rank} | {run.param_bytes / 2**20:.2f} "
