@@ -31,9 +31,12 @@ class LostWrite(RuntimeError):
     """An in-place write into a copy of a sharded parameter that cannot be mapped back."""
 
 
-def _shares_storage(a: DTensor, b: DTensor) -> bool:
-    return bool(
-        a.to_local().untyped_storage().data_ptr() == b.to_local().untyped_storage().data_ptr()
+def _gathered(view: DTensor, base: DTensor) -> bool:
+    """Whether DTensor made ``view`` of ``base`` by gathering a dim it shards (a copy, now
+    replicated there). From the placements, not storage: every rank decides alike."""
+    return any(
+        isinstance(b, Shard) and not isinstance(v, Shard)
+        for b, v in zip(base.placements, view.placements, strict=True)
     )
 
 
@@ -107,7 +110,7 @@ class LandedWrites(TorchDispatchMode):
             if known is not None:
                 # A view of a copy: a write into it cannot be traced to the parameter.
                 self.copies[view] = (known[0], None, ())
-            elif not _shares_storage(view, base):
+            elif _gathered(view, base):
                 # One view of one tensor maps back; a list of views (unbind, split) does not.
                 self.copies[view] = (base, func if view is out else None, rest)
             else:
