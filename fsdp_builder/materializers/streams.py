@@ -409,6 +409,9 @@ class _StreamedInit:
     done: list[_Done] = attrs.field(init=False, factory=list)
     # Torch's generators, saved once per build: per unit it costs more than a small unit's draws.
     held: contextlib.AbstractContextManager[object] | None = attrs.field(init=False, default=None)
+    # The unit's dispatch modes, entered by ``scope``.
+    watch: _ShardWatch = attrs.field(init=False, factory=lambda: _ShardWatch())
+    draws: PrivateDraws = attrs.field(init=False, factory=lambda: PrivateDraws())
 
     def __attrs_post_init__(self) -> None:
         self.streams = _Streams(self.seed)
@@ -426,8 +429,11 @@ class _StreamedInit:
         if self.held is None:
             self.held = torch.random.fork_rng(devices=fork_devices(self.env.device))
             self.held.__enter__()
+        # One watch and one set of private generators per unit, reseeded per module: entering
+        # them per module cost more than a small module's draws.
+        self.watch, self.draws = _ShardWatch(), PrivateDraws()
         try:
-            with _StreamMode(streams):
+            with _StreamMode(streams), self.draws, self.watch:
                 yield
         finally:
             streams.names.clear()
@@ -443,14 +449,16 @@ class _StreamedInit:
         Draws not answered from a stream (a buffer's, a new tensor's) come from generators of
         this thread's own (``PrivateDraws``): replicas must not depend on what another thread
         drew meanwhile. Torch's are seeded alike for ops that take no generator."""
-        watch = _ShardWatch()
-        draws = PrivateDraws()
-        with contextlib.suppress(_ShardOp), draws, watch:
+        watch, draws = self.watch, self.draws
+        watch.stopped = None
+        try:
             for d in done:
                 seed = derived_seed(self.seed, d.fqn)
                 seed_generators(seed, self.env.device)
                 draws.reseed(seed)
                 run_initializer(d.module, d.fqn, d.lineage)
+        except _ShardOp:
+            pass
         return watch.stopped
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
