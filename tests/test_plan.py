@@ -183,6 +183,34 @@ def test_a_module_under_two_names_is_planned_once_under_its_first() -> None:
     assert [u.fqn for u in wrapped.units] == ["block.first", "head", ""]
 
 
+def test_each_unit_records_every_slot_of_its_states_once() -> None:
+    """``Unit.states``: one record per (module, name) slot, tied names each, ignored modules'
+    states marked, the tensor read from the slot as it is now; ``owned`` pairs with
+    ``params + buffers``."""
+    model = Tied()
+    model.register_buffer("scale", torch.ones(2))
+    model.register_buffer("steps", torch.zeros(1), persistent=False)
+    model.aside = nn.Linear(2, 2)
+    ignored = resolve_ignored(model, [model.aside])
+    (root,) = plan_units(model, WrapPolicy(), ignored).units
+    assert [(s.name, s.is_param, s.persistent, s.ignored) for s in root.states] == [
+        ("scale", False, True, False),
+        ("steps", False, False, False),
+        ("embed.weight", True, True, False),
+        ("head.weight", True, True, False),
+        ("aside.weight", True, True, True),
+        ("aside.bias", True, True, True),
+        ("body.0.weight", True, True, False),
+        ("body.0.bias", True, True, False),
+    ]
+    assert root.states[2].tensor is root.states[3].tensor is model.embed.weight
+    assert [s.name for s in root.owned] == [t.name for t in root.params + root.buffers]
+    assert root.fqns == ("", "embed", "body", "head", "body.0")  # ignored modules left out
+    replaced = nn.Parameter(torch.zeros(8, 4))
+    model.embed.weight = replaced  # as storage allocation and FSDP2 do
+    assert root.states[2].tensor is replaced
+
+
 def _counting_walks(model: nn.Module) -> list[int]:
     """Counts the walks of ``model`` that go through its own ``named_modules`` (``modules()``,
     ``named_parameters()`` and ``named_buffers()`` do too); children are not counted."""

@@ -46,6 +46,25 @@ class TensorInfo:
 
 
 @frozen(eq=False)
+class UnitState:
+    """One slot of a unit's modules holding a parameter or buffer (a tied parameter has a slot
+    per name). The tensor is read from the slot: a build replaces it (storage, FSDP2's
+    DTensors, loaders), so none is kept here."""
+
+    module: nn.Module = attrs.field(repr=False)
+    local: str  # the attribute name on ``module``
+    name: str  # clean, relative to the root: the state-dict key
+    is_param: bool
+    persistent: bool  # in the state dict (a parameter always is)
+    ignored: bool  # an ignored parameter, or a state of an ignored module below the unit
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        held = self.module._parameters if self.is_param else self.module._buffers
+        return held[self.local]  # type: ignore[return-value]
+
+
+@frozen(eq=False)
 class Unit:
     """A wrap unit: a module and the states it owns, not counting nested units or ignored ones."""
 
@@ -57,6 +76,13 @@ class Unit:
     params: tuple[TensorInfo, ...]
     buffers: tuple[TensorInfo, ...]
     is_root: bool
+    # The clean name of each of ``modules``.
+    fqns: tuple[str, ...] = attrs.field(default=(), repr=False)
+    # Every slot of ``modules`` and of the ignored modules below them, module by module as
+    # ``modules`` (parameters, then buffers): the one name -> tensor view every stage reads.
+    states: tuple[UnitState, ...] = attrs.field(default=(), repr=False)
+    # The slot of each of ``params + buffers``, in that order.
+    owned: tuple[UnitState, ...] = attrs.field(default=(), repr=False)
     # The wrap policy's own arguments for this unit (a torch CustomPolicy's kwargs dict).
     overrides: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
 
@@ -203,36 +229,61 @@ def _plan_units(
     unit_roots = [(fqn, m) for fqn, m in order if m in chosen and not is_wrapped(m)]
     unit_roots.append(("", model))
     unit_set = {m for _, m in unit_roots}
-    stops = unit_set | set(ignored.modules)
 
     # Keyed by id: a tensor's own __hash__ is a Python call, once per parameter and lookup.
     owner_of: dict[int, list[tuple[str, str]]] = {}
     # A buffer registered under several modules is owned (and counted) once, by the first unit.
     seen_buffers: set[int] = set()
-    owned: dict[nn.Module, tuple[list[TensorInfo], list[TensorInfo]]] = {}
+    units: list[Unit] = []
     for unit_fqn, unit_module in unit_roots:
         params: list[TensorInfo] = []
         buffers: list[TensorInfo] = []
-        stack: list[tuple[str, nn.Module]] = [(unit_fqn, unit_module)]
+        # (module id, local name) of each of params, and of buffers.
+        param_slots: list[tuple[int, str]] = []
+        buffer_slots: list[tuple[int, str]] = []
+        # Module id -> its name, the last alias as named_modules(remove_duplicate=False) has it;
+        # walked into ignored modules too, for the names of their states.
+        paths: dict[int, str] = {}
+        stack: list[tuple[str, nn.Module, bool]] = [(unit_fqn, unit_module, False)]
         while stack:
-            fqn, module = stack.pop()
+            fqn, module, inside = stack.pop()
+            paths[id(module)] = fqn
             base = f"{fqn}." if fqn else ""
             # The module's own dicts: named_parameters(recurse=False) is a generator chain.
-            for pname, p in module._parameters.items():
+            for pname, p in module._parameters.items() if not inside else ():
                 if p is None or ignored.ignores(p):
                     continue
                 owners = owner_of.setdefault(id(p), [])
                 owners.append((unit_fqn, base + pname))
                 if len(owners) == 1:
                     params.append(_info(base + pname, p))
-            for bname, b in module._buffers.items():
+                    param_slots.append((id(module), pname))
+            for bname, b in module._buffers.items() if not inside else ():
                 if b is not None and id(b) not in seen_buffers:
                     seen_buffers.add(id(b))
                     buffers.append(_info(base + bname, b))
+                    buffer_slots.append((id(module), bname))
             for cname, child in reversed(module._modules.items()):
-                if child is not None and child not in stops and not is_wrapped(child):
-                    stack.append((base + cname, child))
-        owned[unit_module] = (params, buffers)
+                if child is not None and child not in unit_set and not is_wrapped(child):
+                    stack.append((base + cname, child, inside or child in ignored.modules))
+        walked = unit_modules(unit_module, unit_set)
+        modules = [m for i, m in enumerate(walked) if i == 0 or m not in ignored.modules]
+        states = _states(walked, paths, ignored)
+        by_slot = {(id(s.module), s.local): s for s in states}
+        units.append(
+            Unit(
+                fqn=unit_fqn,
+                module=unit_module,
+                modules=tuple(modules),
+                params=tuple(params),
+                buffers=tuple(buffers),
+                is_root=unit_module is model,
+                overrides=overrides.get(unit_module, {}),
+                fqns=tuple(clean_name(paths[id(m)]) for m in modules),
+                states=states,
+                owned=tuple(by_slot[slot] for slot in param_slots + buffer_slots),
+            )
+        )
 
     split = {p: owners for p, owners in owner_of.items() if len({unit for unit, _ in owners}) > 1}
     if split:
@@ -245,20 +296,29 @@ def _plan_units(
             "live in one unit: change the wrap policy so the modules sharing it are wrapped "
             "together (e.g. do not wrap them separately and let their common parent own them)."
         )
+    return UnitPlan(tuple(units))
 
-    units = tuple(
-        Unit(
-            fqn=fqn,
-            module=module,
-            modules=tuple(unit_modules(module, stops)),
-            params=tuple(owned[module][0]),
-            buffers=tuple(owned[module][1]),
-            is_root=module is model,
-            overrides=overrides.get(module, {}),
-        )
-        for fqn, module in unit_roots
-    )
-    return UnitPlan(units)
+
+def _states(
+    modules: list[nn.Module], paths: dict[int, str], ignored: IgnoredStates
+) -> tuple[UnitState, ...]:
+    """Every slot of ``modules`` (a unit's walk, ignored modules below its first included),
+    module by module: parameters, then buffers."""
+    states: list[UnitState] = []
+    for i, m in enumerate(modules):
+        path = paths[id(m)]
+        base = f"{path}." if path else ""
+        inside = i > 0 and m in ignored.modules
+        for local, p in m._parameters.items():
+            if p is not None:
+                name = clean_name(base + local)
+                states.append(UnitState(m, local, name, True, True, inside or ignored.ignores(p)))
+        transient = m._non_persistent_buffers_set
+        for local, b in m._buffers.items():
+            if b is not None:
+                name = clean_name(base + local)
+                states.append(UnitState(m, local, name, False, local not in transient, inside))
+    return tuple(states)
 
 
 @frozen
