@@ -33,7 +33,6 @@ from fsdp_builder.runtime.collectives import (
     sync_stages,
 )
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import module_names, qualified
 
 
 @runtime_checkable
@@ -212,22 +211,20 @@ def by_stages(states: list[SyncState]) -> list[tuple[Stages, list[SyncState]]]:
 def unit_states(unit: Unit, env: Environment, skip: set[int] | None = None) -> list[SyncState]:
     """The unit's own states, each tensor once. Buffers whose id is in ``skip`` (sent with a
     nested unit) are left out; the ids taken are added to it."""
-    names = module_names(unit.module)
     skip = set() if skip is None else skip
     seen: set[int] = set()
     params: list[tuple[str, torch.Tensor]] = []
     buffers: list[tuple[str, torch.Tensor]] = []
-    for m in unit.modules:
-        prefix = qualified(unit.fqn, names.get(id(m), ""))
-        for pname, p in m.named_parameters(recurse=False):
-            if p not in env.ignored.params and id(p) not in seen:
-                seen.add(id(p))
-                params.append((qualified(prefix, pname), p))
-        for bname, b in m.named_buffers(recurse=False):
-            if id(b) not in seen and id(b) not in skip:
-                seen.add(id(b))
-                skip.add(id(b))
-                buffers.append((qualified(prefix, bname), b))
+    for state in unit.states:
+        if state.ignored or id(t := state.tensor) in seen:
+            continue
+        if state.is_param:
+            seen.add(id(t))
+            params.append((state.name, t))
+        elif id(t) not in skip:
+            seen.add(id(t))
+            skip.add(id(t))
+            buffers.append((state.name, t))
     data_parallel = tuple(sync_stages(env))
     # A plain state is whole on every rank, also along the mesh's other dims (tensor
     # parallelism leaves it as it is); before the backend shards the unit, a DTensor is the
