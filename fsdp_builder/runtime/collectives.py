@@ -23,7 +23,7 @@ from fsdp_builder.groups import collective_device
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.shards import chunk_size
-from fsdp_builder.runtime.tree import allocate_unit, owned_states
+from fsdp_builder.runtime.tree import allocate_unit
 
 DEFAULT_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -384,12 +384,11 @@ def scatter_unit_state(
             f"rank {src} is the source but got no state dict",
             "Pass the full state dict on the source rank and None elsewhere.",
         )
-    states = owned_states(unit.module, unit.fqn)
     layouts: dict[tuple[int, tuple[Any, ...]], _Layout] = {}
     params: list[tuple[DTensor, _Layout, torch.Tensor | None]] = []
     with torch.no_grad():
-        for info in unit.params:
-            param = states[info.name][2]
+        for info, state in zip(unit.params, unit.owned, strict=False):
+            param = state.tensor
             if not isinstance(param, DTensor):
                 raise MaterializationError(
                     f"'{info.name}' is not a DTensor: scatter_unit_state fills units sharded "
@@ -400,12 +399,11 @@ def scatter_unit_state(
                 layouts[key] = _layout(param, src)
             params.append((param, layouts[key], source(info.name, info.shape, info.dtype)))
         received = _scatter_params(params, is_src)
-        for info in unit.buffers:
-            owner, leaf, buffer = states[info.name]
-            if leaf in owner._non_persistent_buffers_set:
+        for info, state in zip(unit.buffers, unit.owned[len(unit.params) :], strict=True):
+            if not state.persistent:
                 continue  # not in any state dict; its module's initializer owns it
             received += _broadcast_buffer(
-                buffer, source(info.name, info.shape, info.dtype), env, src
+                state.tensor, source(info.name, info.shape, info.dtype), env, src
             )
     if problems:
         raise MaterializationError(

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_builder.planning.ignored import IgnoredStates, clean_name
+from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import unit_modules as unit_modules
 from fsdp_builder.runtime.fast_storage import (
     AB_SWITCHES,
@@ -30,17 +30,6 @@ def qualified(prefix: str, name: str) -> str:
 def module_names(root: nn.Module) -> dict[int, str]:
     """Module id → name relative to ``root`` (every alias of a shared module kept)."""
     return {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-
-
-def owned_states(root: nn.Module, root_fqn: str) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    """Clean name → (owning module, local name, tensor) for every state below ``root``."""
-    found: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
-    for prefix, module in root.named_modules(remove_duplicate=False):
-        base = qualified(root_fqn, prefix)
-        for name, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is not None:
-                found.setdefault(clean_name(qualified(base, name)), (module, name, t))
-    return found
 
 
 def direct_states(module: nn.Module) -> list[torch.Tensor]:
