@@ -17,7 +17,6 @@ from fsdp_builder.runtime.fast_storage import (
     give_fsdp2_shards,
     has_direct_api,
     local_tensor,
-    prefault,
     settle_fsdp2_shards,
 )
 
@@ -115,11 +114,8 @@ def _meta_states_alone(module: nn.Module, device: torch.device) -> bool:
 def _empty_as(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     # torch.empty skips empty_like's dispatch from meta; other layouts keep its strides.
     if t.is_contiguous():
-        fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
-    else:
-        fresh = torch.empty_like(t, device=device)
-    prefault(fresh)
-    return fresh
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return torch.empty_like(t, device=device)
 
 
 def _allocate_meta_states(
