@@ -297,7 +297,7 @@ class LocalRun(LoadRun):
         targets: dict[str, torch.Tensor] = {}
         loaded: list[str] = []
         written = 0
-        for entry in unit_entries(unit, env.ignored):
+        for entry in unit_entries(unit):
             name = next((n for n in entry.names if n in self.keys), None)
             if name is None:
                 continue  # strict=False and real: keeps its value

@@ -34,8 +34,8 @@ from fsdp_builder.materializers.nonfinite import (
     nonfinite_verdict,
 )
 from fsdp_builder.planning.context import ConfigureContext
-from fsdp_builder.planning.ignored import IgnoredStates, clean_name
-from fsdp_builder.planning.plan import Unit, UnitPlan
+from fsdp_builder.planning.ignored import clean_name
+from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.agreement import agree
 from fsdp_builder.runtime.collectives import (
     DEFAULT_BUCKET_BYTES,
@@ -46,7 +46,7 @@ from fsdp_builder.runtime.collectives import (
     sync_stages,
 )
 from fsdp_builder.runtime.environment import Environment
-from fsdp_builder.runtime.tree import allocate_empty, module_names, qualified, unit_modules
+from fsdp_builder.runtime.tree import allocate_empty
 from fsdp_builder.sources import CheckpointSource, MissingPath, SourceError, TensorMeta, open_source
 from fsdp_builder.sources.base import listed, reader
 from fsdp_builder.sources.derived import derive
@@ -172,25 +172,15 @@ class Entry:
     tensor: torch.Tensor = attrs.field(eq=False)
 
 
-def unit_entries(
-    unit: Unit, ignored: IgnoredStates, plan: UnitPlan | None = None
-) -> Iterator[Entry]:
+def unit_entries(unit: Unit) -> list[Entry]:
     """The persistent states ``unit`` owns, with the ignored ones below its modules (loaded
-    whole, on every rank); ``plan``: stop at the other units' modules (before wrapping)."""
-    others = {u.module for u in plan} - {unit.module} if plan is not None else set()
-    # No unit lies inside an ignored module: walking into them reaches only ignored states.
-    modules = unit_modules(unit.module, others)
-    rel = module_names(unit.module)
+    whole, on every rank): its state records grouped by the tensor each slot holds now."""
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for m in modules:
-        prefix = qualified(unit.fqn, rel.get(id(m), ""))
-        skip: set[str] = getattr(m, "_non_persistent_buffers_set", set())
-        params = m.named_parameters(recurse=False, remove_duplicate=False)
-        buffers = m.named_buffers(recurse=False, remove_duplicate=False)
-        for name, t in [*params, *((n, b) for n, b in buffers if n not in skip)]:
-            by_id.setdefault(id(t), ([], t))[0].append(clean_name(qualified(prefix, name)))
-    for names, t in by_id.values():
-        yield Entry(tuple(dict.fromkeys(names)), t)
+    for state in unit.states:
+        if state.persistent:
+            t = state.tensor
+            by_id.setdefault(id(t), ([], t))[0].append(state.name)
+    return [Entry(tuple(dict.fromkeys(names)), t) for names, t in by_id.values()]
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -351,8 +341,8 @@ def open_matched(
     opened = open_as(source, spec)
     model = env.plan.root.module
     try:
-        # Each unit's states by name, walked once for both the layout rules and the match.
-        entries = [e for unit in env.plan for e in unit_entries(unit, env.ignored, env.plan)]
+        # Each unit's states by name, read once for both the layout rules and the match.
+        entries = [e for unit in env.plan for e in unit_entries(unit)]
         held = opened.tensors()
         complete = all(any(n in held for n in e.names) for e in entries)
         try:
@@ -503,7 +493,7 @@ class Rank0Run(LoadRun):
         fresh = meta_ignored(modules, env.ignored)
         give_storage_in_place(fresh, device)
         allocate_empty(modules, device)
-        entries = list(unit_entries(unit, env.ignored))
+        entries = unit_entries(unit)
         error: BaseException | None = None
         if read is not None:
             try:
@@ -533,7 +523,7 @@ class Rank0Run(LoadRun):
         if source is not None:
             state = {}
             try:
-                for entry in unit_entries(unit, self.env.ignored):
+                for entry in unit_entries(unit):
                     present = [n for n in entry.names if n in self.keys]
                     if present:
                         state.update(dict.fromkeys(present, source.read(self.keys[present[0]])))
@@ -551,7 +541,7 @@ class Rank0Run(LoadRun):
         received += self._broadcast_ignored(unit, state)
 
         def bad() -> list[str]:
-            entries = unit_entries(unit, self.env.ignored)
+            entries = unit_entries(unit)
             return nonfinite_names((e.names[0], e.tensor) for e in entries)
 
         self.finish(unit, modules, self.env.device, bad, error, scatter_error, alike=False)
@@ -575,7 +565,7 @@ class Rank0Run(LoadRun):
         elsewhere) broadcast; every rank joins, also when rank 0's read failed."""
         env = self.env
         wanted = {id(p) for p in env.ignored.params} | {id(b) for b in env.ignored.buffers}
-        entries = [e for e in unit_entries(unit, env.ignored) if id(e.tensor) in wanted]
+        entries = [e for e in unit_entries(unit) if id(e.tensor) in wanted]
         if not entries:
             return 0
         if state is not None:
