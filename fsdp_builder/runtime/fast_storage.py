@@ -1,35 +1,20 @@
-"""The storage step's pieces that read private torch names or call libc, each with a public
-fallback (see docs/private_names.md and benchmarks/results/private_ab.md).
-
-A large fresh CPU tensor faults in one page per trap as it is first written;
-``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) does it in one call. The builder writes such
-storage in full right after, so this commits nothing the build would not.
-"""
+"""The storage step's pieces that read private torch names, each with a public fallback (see
+docs/private_names.md and benchmarks/results/private_ab.md)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
 import os
 import sys
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-# For benchmarks/results/private_ab.md only: "plain_to_empty", "no_madvise" (comma-separated).
+# For benchmarks/results/private_ab.md only: "plain_to_empty".
 AB_SWITCHES = frozenset(os.environ.get("FSDP_BUILDER_AB", "").split(","))
-
-
-# <sys/mman.h>; the kernel answers EINVAL for an advice it does not know.
-MADV_POPULATE_WRITE = 23
-# Below this a tensor usually lives in malloc's heap, whose pages are mostly there already,
-# and the call would cost more than the faults it saves.
-PREFAULT_MIN_BYTES = 1 << 20
-_PAGE = mmap.PAGESIZE
 
 
 @functools.cache
@@ -44,49 +29,6 @@ def libc_madvise() -> Any:
     call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     call.restype = ctypes.c_int
     return call
-
-
-@attrs.define
-class _Madvise:
-    """The process's ``madvise``, looked up once; a probe on a page of its own heap settles
-    ``works``, so a kernel without the advice pays one failed call per process, and one tensor
-    the kernel refuses (a read-only file mapping, say) does not turn it off for the others."""
-
-    call: Any = None
-    works: bool | None = None if sys.platform.startswith("linux") else False
-
-    def populate(self, address: int, length: int) -> None:
-        if self.call is None:
-            self.call = libc_madvise()
-            if self.call is None:
-                self.works = False
-                return
-        if self.works is None:
-            probe = ctypes.create_string_buffer(2 * _PAGE)
-            page = -(-ctypes.addressof(probe) // _PAGE) * _PAGE
-            self.works = self.call(page, _PAGE, MADV_POPULATE_WRITE) == 0
-            if not self.works:
-                return
-        self.call(address, length, MADV_POPULATE_WRITE)
-
-
-_MADVISE = _Madvise()
-
-
-def prefault(tensor: torch.Tensor) -> None:
-    """Fault in the whole pages of a large CPU ``tensor``'s storage. Precondition: the caller
-    writes all of it next."""
-    # Size first: most tensors of a small unit stop here, before any storage lookup.
-    if tensor.numel() * tensor.element_size() < PREFAULT_MIN_BYTES:
-        return
-    if "no_madvise" in AB_SWITCHES or _MADVISE.works is False or tensor.device.type != "cpu":
-        return
-    storage = tensor.untyped_storage()
-    start = storage.data_ptr()
-    first = -(-start // _PAGE) * _PAGE
-    end = (start + storage.nbytes()) // _PAGE * _PAGE
-    if end > first:
-        _MADVISE.populate(first, end - first)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -149,7 +91,6 @@ def give_fsdp2_shards(params: list[Any], device: torch.device, specs: dict[Any, 
             if not meta.is_meta:
                 continue
             local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            prefault(local)
             spec = getattr(fsdp_param, "_sharding_spec", None)
             if spec is not None:
                 fsdp_param._sharding_spec = specs.setdefault(spec, spec)
