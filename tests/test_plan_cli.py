@@ -1,11 +1,12 @@
-"""``fsdp-builder plan``: the printed plan and estimates agree with the real model, the build
-estimates agree with the benchmark's measured peaks, and a 7B model on meta plans."""
+"""``fsdp-builder plan``: the printed plan and training estimate agree with the real model, the
+plan is the one the dry run builds (``--simulate``, which measures the build's peak), and a 7B
+model on meta plans."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -16,17 +17,14 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.models import BenchConfig, BenchTransformer, Block
 from fsdp_builder.planning.ignored import IgnoredStates
 from fsdp_builder.planning.plan import plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.tools.cli import main
 from fsdp_builder.tools.demo import DemoTransformer, demo_model
-from fsdp_builder.tools.estimate import Estimate, estimate, training_estimate
+from fsdp_builder.tools.estimate import training_estimate
 
-MIB = 1024 * 1024
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "benchmarks" / "results" / "bench.json"
 CLI = (sys.executable, "-m", "fsdp_builder")
 LLAMA = REPO / "docs" / "recipes" / "llama_model.py"
 
@@ -41,17 +39,19 @@ def _plan_rows(text: str) -> dict[str, tuple[int, int]]:
     return rows
 
 
-def _estimate_rows(text: str) -> dict[tuple[str, str], list[str]]:
-    rows = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 7 and parts[0] in ("fsdp1", "fsdp2"):
-            rows[(parts[0], parts[1])] = parts[2:]
-    return rows
+def _dry_run_command(text: str) -> list[str]:
+    """The ``plan --simulate`` command the report names for the build's measured peak."""
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("  fsdp-builder plan ")]
+    return shlex.split(line)[1:]
 
 
 def _figures(text: str) -> list[str]:
-    return [line for line in text.splitlines() if not line.startswith("assumptions: ")]
+    """The report but the lines naming the model (the dtype's source, the dry run command)."""
+    return [
+        line
+        for line in text.splitlines()
+        if not line.startswith(("assumptions: ", "  fsdp-builder plan "))
+    ]
 
 
 def _numel(module: nn.Module) -> int:
@@ -96,7 +96,13 @@ def test_plan_numbers_match_the_model(
     assert rows["<root>"] == (root, root * 4)
     assert rows["total"] == (total, total * 4)
 
-    est = _estimate_rows(out)
+    # The build's memory is the dry run's to measure: the report names the command.
+    assert _dry_run_command(out) == [
+        "plan", "fsdp_builder.tools.demo:demo_model", "--simulate", str(world),
+        "--backend", "fsdp2", "--strategy", "full", "--wrap", "Block",
+    ]  # fmt: skip
+    assert "estimated per-rank memory" not in out
+
     units = [list(b.parameters()) for b in blocks.values()]
     block_ids = {id(p) for ps in units for p in ps}
     units.append([p for p in model.parameters() if id(p) not in block_ids])
@@ -105,14 +111,13 @@ def test_plan_numbers_match_the_model(
     fsdp2 = sum(
         _ceil_div(p.shape[0], world) * (p.numel() // p.shape[0]) * 4 for p in model.parameters()
     )
-    assert est[("fsdp1", "full")][:2] == [str(world), f"{fsdp1 / MIB:.2f}"]
-    assert est[("fsdp2", "full")][:2] == [str(world), f"{fsdp2 / MIB:.2f}"]
-    assert est[("fsdp2", "none")][1] == f"{total * 4 / MIB:.2f}"
-    # Shard-first holds only the shards; a per-unit build adds at most about two units.
-    assert est[("fsdp2", "full")][3] == est[("fsdp2", "full")][1]
-    largest = max(_numel(b) for b in blocks.values()) * 4
-    assert float(est[("fsdp1", "full")][2]) <= (fsdp1 + 2 * largest) / MIB + 0.01
-    assert "hybrid: shard groups of" in out
+    argv = ["plan", "fsdp_builder.tools.demo:demo_model", "--wrap", "Block", "--json"]
+    layouts = [("fsdp1", "full", fsdp1), ("fsdp2", "full", fsdp2), ("fsdp2", "none", total * 4)]
+    for backend, strategy, kept in layouts:
+        more = ["--world-size", str(world), "--backend", backend, "--strategy", strategy]
+        assert main([*argv, *more]) == 0
+        training = json.loads(capsys.readouterr().out)["training"]
+        assert training["params"] == kept, (backend, strategy)
 
 
 def test_plan_console_command(model: DemoTransformer) -> None:
@@ -148,7 +153,8 @@ def test_plan_json_and_training_estimate(capsys: pytest.CaptureFixture[str]) -> 
     total = _numel(model)
     assert out["params"] == total and out["world_size"] == 4
     assert [u["name"] for u in out["units"]] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
-    assert len(out["build"]) == 8
+    assert "build" not in out  # the build's peak: the dry run's, measured
+    assert out["dry_run"].startswith("fsdp-builder plan fsdp_builder.tools.demo:demo_model ")
     train = out["training"]
     assert train["backend"] == "fsdp1" and train["strategy"] == "full"
     assert train["shard_size"] == 4 and train["optimizer"] == "sgd-momentum"
@@ -201,67 +207,39 @@ def test_training_estimate_counts_every_optimizer() -> None:
     assert full.gathered_params < grad_op.gathered_params
 
 
-# -- the estimates against the committed benchmark measurements ------------------------------
-
-# Which build estimate describes each recipe of benchmarks/results/bench.json.
-RECIPE_ESTIMATE: dict[str, tuple[str, str]] = {
-    "builder_fsdp1_reset": ("fsdp1", "per_unit_peak"),
-    "builder_fsdp1_det": ("fsdp1", "per_unit_peak"),
-    "builder_fsdp1_bcast": ("fsdp1", "per_unit_peak"),
-    "fsdp1_meta": ("fsdp1", "per_unit_peak"),
-    "builder_fsdp2_reset": ("fsdp2", "per_unit_peak"),
-    "builder_fsdp2_det": ("fsdp2", "per_unit_peak"),
-    "builder_fsdp2_shard_first": ("fsdp2", "shard_first_peak"),
-    "fsdp2_meta": ("fsdp2", "shard_first_peak"),
-    "fsdp1_full": ("fsdp1", "full_model_peak"),
-}
+# -- one plan: the one the dry run builds -----------------------------------------------------
 
 
-def _measured() -> dict[tuple[str, str, int], tuple[float, dict[str, Any]]]:
-    """Median per-rank peak of each (size, recipe, world size), with the model config."""
-    peaks: dict[tuple[str, str, int], list[int]] = {}
-    configs: dict[str, dict[str, Any]] = {}
-    for r in json.loads(BENCH.read_text())["records"]:
-        if r["error"] is None and r["peak_bytes"] and r["recipe"] in RECIPE_ESTIMATE:
-            peaks.setdefault((r["size"], r["recipe"], r["world_size"]), []).append(r["peak_bytes"])
-            configs[r["size"]] = r["config"]
-    return {k: (statistics.median(v), configs[k[0]]) for k, v in peaks.items()}
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["fsdp_builder.tools.demo:demo_model", "--wrap", "Block", "--world-size", "4"],
+        ["fsdp_builder.tools.demo:demo_model", "--backend", "fsdp1"],
+        ["{llama}", "--world-size", "4", "--strategy", "hybrid", "--devices-per-node", "2"],
+    ],
+    ids=["wrap-classes", "no-wrap", "transformers-hybrid"],
+)
+def test_the_plan_is_the_dry_runs_and_the_named_command_measures_it(
+    argv: list[str], tmp_path: Path, capsys: Any
+) -> None:
+    pytest.importorskip("transformers")
+    import transformers
 
-
-def test_build_estimates_are_within_ten_percent_of_measured_peaks() -> None:
-    measured = _measured()
-    assert {recipe for _, recipe, _ in measured} == set(RECIPE_ESTIMATE)
-    plans = {}
-    for (size, recipe, world), (peak, config) in sorted(measured.items()):
-        if size not in plans:
-            with torch.device("meta"):
-                model = BenchTransformer(BenchConfig(**config))
-            plans[size] = plan_units(model, WrapPolicy(classes=(Block,)), IgnoredStates())
-        backend, field = RECIPE_ESTIMATE[recipe]
-        est: Estimate = estimate(plans[size], world, "full", backend)
-        predicted = getattr(est, field)
-        assert abs(predicted - peak) <= 0.10 * peak, (
-            f"{recipe} at {size}, W={world}: estimated {predicted / MIB:.1f} MiB, "
-            f"measured {peak / MIB:.1f} MiB"
-        )
-
-
-def test_plan_cli_on_the_benchmark_model_matches_the_measured_peaks() -> None:
-    proc = subprocess.run(
-        [*CLI, "plan", "benchmarks.models:bench_model", "--wrap", "Block", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        cwd=REPO,
-    )
-    out = json.loads(proc.stdout)
-    build = {(e["backend"], e["strategy"]): e for e in out["build"]}
-    measured = _measured()
-    size = "200M"
-    for recipe, (backend, field) in RECIPE_ESTIMATE.items():
-        peak, _ = measured[(size, recipe, 2)]
-        assert abs(build[(backend, "full")][field] - peak) <= 0.10 * peak, recipe
+    transformers.LlamaConfig(**TINY_LLAMA).save_pretrained(tmp_path / "llama")
+    argv = [a.format(llama=tmp_path / "llama") for a in argv]
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr().out
+    plan_table = out.split("\n\n")[0]
+    # The command the report names runs the build as ranks of that world size.
+    command = _dry_run_command(out)
+    assert main([*command, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    world = int(command[command.index("--simulate") + 1])
+    assert [r["rank"] for r in run["ranks"]] == [0, world - 1]
+    assert all(r["error"] is None and r["build_peak"] > 0 for r in run["ranks"])
+    # Its report shows the same unit plan, line for line.
+    assert main(command) == 0
+    assert "\n" + plan_table + "\n" in capsys.readouterr().out
 
 
 # -- a 7B Llama on meta ----------------------------------------------------------------------
@@ -363,7 +341,7 @@ def test_plan_of_a_transformers_folder_matches_the_model_and_a_factorys_plan(
     buffer_bytes = sum(b.numel() * b.element_size() for b in eager.buffers())  # RoPE
     assert buffer_bytes > 0
     assert rows["total"] == (_numel(eager), _numel(eager) * 4 + buffer_bytes)
-    # The same model from a Python factory: the same plan and estimates, line for line.
+    # The same model from a Python factory: the same plan and estimate, line for line.
     (tmp_path / "tiny_llama_factory.py").write_text(FACTORY.format(config=TINY_LLAMA))
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "tiny_llama_factory:make", "--world-size", "4"]) == 0
@@ -371,7 +349,7 @@ def test_plan_of_a_transformers_folder_matches_the_model_and_a_factorys_plan(
     assert _figures(capsys.readouterr().out) == _figures(from_folder)
     # config.json itself names the same model.
     assert main(["plan", str(llama_folder / "config.json"), "--world-size", "4"]) == 0
-    assert capsys.readouterr().out == from_folder
+    assert _figures(capsys.readouterr().out) == _figures(from_folder)
 
 
 def test_plan_of_a_transformers_folder_as_json(llama_folder: Path, capsys: Any) -> None:

@@ -1,8 +1,10 @@
 """The ``fsdp-builder`` command (also ``python -m fsdp_builder``).
 
 ``demo`` builds a small transformer sharded over local ranks and trains it a few steps; ``plan``
-prints a model's wrap units and per-rank memory estimates (build and training) without any
-process group; ``bench`` runs the benchmark harness from a checkout of the repository.
+prints a model's wrap units and a per-rank training memory estimate without any process group,
+or with ``--simulate WORLD`` runs the build itself on a fake process group and reports each
+simulated rank's shards, reads and measured peak; ``bench`` runs the benchmark harness from a
+checkout of the repository.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import structlog
 import torch
 import torch.distributed as dist
@@ -210,8 +212,9 @@ def wrap_classes(model: torch.nn.Module, names: list[str] | None) -> list[type[t
 
 
 def cli_builder(args: Any, model: torch.nn.Module) -> Callable[[], ShardingBuilder]:
-    """The builder of ``fsdp-builder plan --simulate`` without ``--builder``: the command line's
-    backend, strategy, wrap classes (found in ``model``) and checkpoint."""
+    """The builder of ``fsdp-builder plan`` without ``--builder``: the command line's backend,
+    strategy, wrap classes (found in ``model``) and checkpoint. Its plan is the plan ``plan``
+    prints; ``--simulate`` builds with it, hybrid groups made on the fake process group."""
     from fsdp_builder.groups import AutoHybridGroups
     from fsdp_builder.materializers.checkpoints import FromCheckpoint
 
@@ -221,7 +224,9 @@ def cli_builder(args: Any, model: torch.nn.Module) -> Callable[[], ShardingBuild
         builder = builder_for(args.backend).sharding(args.strategy)
         if classes:
             builder.wrap(*classes)
-        if args.strategy == "hybrid":
+        # Hybrid groups where there is a process group, the dry run's fake one: the plan
+        # without --simulate needs none.
+        if args.strategy == "hybrid" and dist.is_initialized():
             per_node = args.devices_per_node or 8
             world = dist.get_world_size()
             # A (nodes, devices per node) mesh: both backends take one, and FSDP2's grid check
@@ -255,6 +260,31 @@ def cli_builder(args: Any, model: torch.nn.Module) -> Callable[[], ShardingBuild
     return make
 
 
+def model_factory(args: Any) -> Callable[[], torch.nn.Module]:
+    """The command's model as a function to call under ``torch.device("meta")``: a
+    transformers folder's from its config, else ``MODULE:FACTORY``'s, in ``args.dtype`` when
+    given."""
+    from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
+
+    spec, dtype = args.factory, args.dtype
+    if is_config_path(spec):
+        return functools.partial(meta_model_from_config, spec, dtype)
+    made = load_factory(spec)
+
+    def make() -> torch.nn.Module:
+        model = made()
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigurationError(f"{spec} returned {type(model).__name__}, not an nn.Module")
+        return model if dtype is None else model.to(dtype)
+
+    return make
+
+
+def on_meta(make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    with torch.device("meta"):
+        return make()
+
+
 def training_step(factory: str, batch: int, seq: int | None) -> tuple[Any, str]:
     """The dry run's step for a transformers model: a causal-LM loss on ``batch`` random
     sequences of ``seq`` tokens (default: the config's context, at most 2,048), and the line
@@ -286,7 +316,7 @@ def run_dry_run(args: Any, assumptions: str = "") -> int:
     ``assumptions``: the line saying which dtype and allocator the figures assume. Without
     ``--rank``, the first and the last rank: FSDP2's last ranks hold fewer rows, or none."""
     from fsdp_builder.tools.dryrun import OPTIMIZERS, as_dict, format_dry_run, simulate
-    from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
+    from fsdp_builder.tools.hf_plan import is_config_path
 
     spec = args.factory
     if args.step and not is_config_path(spec):
@@ -298,17 +328,11 @@ def run_dry_run(args: Any, assumptions: str = "") -> int:
     # The builder's spec first: a malformed one is named before the model is made.
     if args.builder:
         builder_factory = load_factory(args.builder, "--builder", "the job's configured builder")
-    model_factory: Callable[[], torch.nn.Module]
-    dtype: torch.dtype | None = getattr(args, "dtype", None)
-    if is_config_path(spec):
-        meta_model_from_config(spec)  # a bad config is named once, before any rank
-        model_factory = functools.partial(meta_model_from_config, spec, dtype)
-    else:
-        made = load_factory(spec)
-        model_factory = made if dtype is None else (lambda: made().to(dtype))
+    make_model = model_factory(args)
     if not args.builder:
-        with torch.device("meta"):
-            builder_factory = cli_builder(args, model_factory())
+        builder_factory = cli_builder(args, on_meta(make_model))
+    elif is_config_path(spec):
+        on_meta(make_model)  # a bad config is named once, before any rank
     step, optimizer = None, None
     if args.step:
         step, step_note = training_step(spec, args.batch or 1, args.seq)
@@ -317,7 +341,7 @@ def run_dry_run(args: Any, assumptions: str = "") -> int:
     try:
         ranks = args.rank or sorted({0, max(args.simulate - 1, 0)})
         run = simulate(
-            builder_factory, model_factory, args.simulate, ranks, step=step, optimizer=optimizer
+            builder_factory, make_model, args.simulate, ranks, step=step, optimizer=optimizer
         )
     except ConfigurationError as exc:
         raise SystemExit(str(exc)) from exc
@@ -330,42 +354,26 @@ def run_dry_run(args: Any, assumptions: str = "") -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fsdp_builder.planning.ignored import IgnoredStates
-    from fsdp_builder.planning.plan import plan_units
-    from fsdp_builder.planning.wrap import WrapPolicy
-    from fsdp_builder.tools.hf_plan import is_config_path, meta_model_from_config
-
     refuse_ineffective(args)
+    given_dtype = args.dtype
     args.dtype, dtype_note = model_dtype(args)
-    if args.simulate is not None:
-        args.backend = args.backend or "fsdp2"
-        args.strategy = args.strategy or "full"
-        return run_dry_run(args, dtype_note)
     args.backend = args.backend or "fsdp2"
     args.strategy = args.strategy or "full"
-    args.world_size = args.world_size or 2
-    args.optimizer = args.optimizer or "adamw"
-    if is_config_path(args.factory):  # a transformers folder or config.json
-        model = meta_model_from_config(args.factory, args.dtype)
-    else:
-        with torch.device("meta"):
-            model = load_factory(args.factory)()
-        if isinstance(model, torch.nn.Module) and args.dtype is not None:
-            model = model.to(args.dtype)
-    if not isinstance(model, torch.nn.Module):
-        raise SystemExit(f"{args.factory} returned {type(model).__name__}, not an nn.Module")
-    classes = tuple(wrap_classes(model, args.wrap))
-    plan = plan_units(model, WrapPolicy(classes=classes), IgnoredStates())
-    world, per_node = args.world_size, args.devices_per_node
+    if args.simulate is not None:
+        return run_dry_run(args, dtype_note)
+    world, per_node = args.world_size or 2, args.devices_per_node
+    model = on_meta(model_factory(args))
+    plan = cli_builder(args, model)().plan_for(model)  # the plan the dry run builds
     training = estimate.training_estimate(
         plan,
         world,
         strategy=args.strategy,
         backend=args.backend,
-        optimizer=args.optimizer,
+        optimizer=args.optimizer or "adamw",
         param_dtype=args.param_dtype,
         devices_per_node=per_node,
     )
+    measure = dry_run_command(args, world, given_dtype)
     if args.json:
         report = {
             "factory": args.factory,
@@ -378,15 +386,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 {"name": u.label, "params": u.numel, "bytes": u.nbytes, "buffers": len(u.buffers)}
                 for u in plan
             ],
-            "build": [attrs.asdict(e) for e in estimate.estimates(plan, world, per_node)],
             "training": training.as_dict(),
+            "dry_run": measure,
         }
         print(json.dumps(report))
     else:
-        estimates = estimate.format_estimates(plan, world, per_node)
+        build = (
+            "build memory per rank: measured by the dry run, which runs this build as ranks of "
+            f"a fake process group (no memory for the model):\n  {measure}"
+        )
         training_text = estimate.format_training(training, world)
-        print(plan.format(), estimates, training_text, f"assumptions: {dtype_note}", sep="\n\n")
+        print(plan.format(), build, training_text, f"assumptions: {dtype_note}", sep="\n\n")
     return 0
+
+
+def dry_run_command(args: argparse.Namespace, world: int, dtype: str | None) -> str:
+    """The ``plan --simulate`` command that builds what this plan describes."""
+    words = ["fsdp-builder", "plan", args.factory, "--simulate", str(world)]
+    words += ["--backend", args.backend, "--strategy", args.strategy]
+    for name in args.wrap or ():
+        words += ["--wrap", name]
+    if args.strategy == "hybrid" and args.devices_per_node:
+        words += ["--devices-per-node", str(args.devices_per_node)]
+    if dtype is not None:
+        words += ["--dtype", dtype]
+    return shlex.join(words)
 
 
 # Options of `plan` that only the dry run (--simulate) reads, those only its training step
@@ -570,11 +594,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan = sub.add_parser(
         "plan",
-        help="print a model's wrap units and per-rank memory estimates; needs no process group",
+        help="print a model's wrap units and a per-rank training memory estimate; with "
+        "--simulate, run the build on a fake process group and measure it",
         description="Build the model on the meta device (no memory), split it into wrap units "
-        "as the builder would, and estimate per-rank memory for the build (every backend and "
-        "strategy) and for training (the chosen backend, strategy, optimizer and mixed "
-        "precision). Imports MODULE from the current directory first, as `python -m` does.",
+        "as the builder does, and estimate per-rank training memory (the chosen backend, "
+        "strategy, optimizer and mixed precision). With --simulate WORLD, run the build itself "
+        "as ranks of a fake process group instead and report each rank's shards, reads and "
+        "measured build peak. Imports MODULE from the current directory first, as `python -m` "
+        "does.",
     )
     plan.add_argument(
         "factory",
@@ -631,7 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="mixed-precision compute dtype, as .mixed_precision(param_dtype=...): adds the "
         "low-precision copies gathered for compute (default: no mixed precision)",
     )
-    plan.add_argument("--json", action="store_true", help="print the plan and estimates as JSON")
+    plan.add_argument(
+        "--json", action="store_true", help="print the plan and estimate (or the dry run) as JSON"
+    )
     plan.add_argument(
         "--simulate",
         type=int,

@@ -1,13 +1,15 @@
-"""Per-rank memory estimates from a unit plan, without any process group.
+"""Per-rank training memory from a unit plan, without any process group or forward.
 
-Shard layouts are the backend object's (``Backend.kept_bytes``, ``Backend.sharding_bytes``):
-FSDP1 pads a unit's flat parameter to a multiple of the shard group, FSDP2 pads each
-parameter's dim 0. Buffers are on every rank. Build peaks are the states held at a build's worst
-moment (``fsdp_builder.tools.dryrun`` counts them in the build itself).
+Shard layouts are the backend object's (``Backend.kept_bytes``): FSDP1 pads a unit's flat
+parameter to a multiple of the shard group, FSDP2 pads each parameter's dim 0. Buffers are on
+every rank. A build's peak is not estimated here: the dry run (``fsdp_builder.tools.dryrun``,
+``fsdp-builder plan ... --simulate WORLD``) measures it in the build itself.
 
 Training estimates (:func:`training_estimate`) add gradients, optimizer states, and the
 parameters and gradients gathered for compute (in the compute dtype under mixed precision); not
-activations, which depend on the batch, the sequence length and activation checkpointing.
+activations, which depend on the batch, the sequence length and activation checkpointing. The
+dry run's ``--step`` measures a step with activations, where the command line can make the
+model's inputs (a transformers folder); this estimate needs only the plan.
 """
 
 from __future__ import annotations
@@ -50,80 +52,6 @@ def shard_size(world_size: int, strategy: str, devices_per_node: int | None = No
     if strategy == "hybrid":
         return hybrid_shard_size(world_size, devices_per_node)
     return world_size
-
-
-@frozen
-class Estimate:
-    backend: str
-    strategy: str
-    shard_size: int
-    after_build: int
-    # Per-unit build (materialize a full unit, then shard it): the worst unit's moment.
-    per_unit_peak: int
-    # Shard on meta first, then give only the local shards storage (backends that support it).
-    shard_first_peak: int | None
-    # The whole model materialized on every rank before sharding.
-    full_model_peak: int
-
-
-def estimate(
-    plan: UnitPlan,
-    world_size: int,
-    strategy: str,
-    backend: str,
-    devices_per_node: int | None = None,
-) -> Estimate:
-    shards = shard_size(world_size, strategy, devices_per_node)
-    layout = backend_named(backend)
-    kept = [layout.kept_bytes(u, shards) + u.buffer_bytes for u in plan]
-    after = sum(kept)
-    # While unit k is sharded the rank holds the shards of units before it, unit k in full and
-    # the backend's working copies (``Backend.sharding_bytes``).
-    peak = done = 0
-    extras = [layout.sharding_bytes(u, shards) for u in plan]
-    for unit, own, extra in zip(plan, kept, extras, strict=True):
-        peak = max(peak, done + unit.nbytes + extra)
-        done += own
-    return Estimate(
-        backend=backend,
-        strategy=strategy,
-        shard_size=shards,
-        after_build=after,
-        per_unit_peak=peak,
-        shard_first_peak=after if layout.supports_shard_first else None,
-        full_model_peak=max(plan.nbytes + max(extras, default=0), peak),
-    )
-
-
-def estimates(
-    plan: UnitPlan, world_size: int, devices_per_node: int | None = None
-) -> list[Estimate]:
-    return [
-        estimate(plan, world_size, strategy, backend, devices_per_node)
-        for backend in BACKENDS
-        for strategy in STRATEGIES
-    ]
-
-
-def format_estimates(plan: UnitPlan, world_size: int, devices_per_node: int | None = None) -> str:
-    hybrid = hybrid_shard_size(world_size, devices_per_node)
-    lines = [
-        f"estimated per-rank memory at world size {world_size} (MiB); hybrid: shard groups of "
-        f"{hybrid}, {world_size // hybrid} replica(s):",
-        f"  {'backend':<8} {'strategy':<9} {'shards':>6} {'after build':>12} "
-        f"{'peak per-unit':>14} {'peak shard-first':>17} {'peak full model':>16}",
-    ]
-    for e in estimates(plan, world_size, devices_per_node):
-        first = "-" if e.shard_first_peak is None else f"{e.shard_first_peak / MIB:.2f}"
-        lines.append(
-            f"  {e.backend:<8} {e.strategy:<9} {e.shard_size:>6} {e.after_build / MIB:>12.2f} "
-            f"{e.per_unit_peak / MIB:>14.2f} {first:>17} {e.full_model_peak / MIB:>16.2f}"
-        )
-    lines.append(
-        f"largest unit: {plan.largest_unit_bytes / MIB:.2f} MiB; model: {plan.nbytes / MIB:.2f} "
-        "MiB. Peaks count states only (no allocator slack or communication buffers)."
-    )
-    return "\n".join(lines)
 
 
 # torch.optim's states per parameter, each of the parameter's dtype and shape (Adam's step
