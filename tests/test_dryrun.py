@@ -248,14 +248,19 @@ def test_read_plan_bytes_equal_a_real_load(backend: str, folder: Path) -> None:
     assert [r.read_bytes for r in run.runs] == expected
     assert [r.param_bytes for r in run.runs] == [r["local_bytes"] for r in real]
     assert run.read_balance == 1.0
-    # Every read is a byte range of the file, inside the tensor it names.
-    size = len(Path(_checkpoint(str(folder))).read_bytes())
+    # Every read is a run of whole rows of the tensor it names, its bytes those rows'.
     for r in run.runs:
-        assert all(x.start is not None and x.stop is not None for x in r.reads)
-        assert all(0 < x.start < x.stop <= size for x in r.reads)  # type: ignore[operator]
+        for x in r.reads:
+            assert x.rows is not None
+            first, stop = x.rows
+            tensor = stored[x.key]
+            assert 0 <= first <= stop <= (len(tensor) if tensor.dim() else 1)
+            assert x.nbytes == tensor[first:stop].nbytes if tensor.dim() else tensor.nbytes
     if backend == "fsdp2":
-        first, second = ({(x.key, x.start, x.stop) for x in r.reads} for r in run.runs)
-        assert not first & second  # the two ranks read disjoint rows
+        first_rank, second_rank = (
+            {(x.key, row) for x in r.reads for row in range(*x.rows or ())} for r in run.runs
+        )
+        assert not first_rank & second_rank  # the two ranks read disjoint rows
 
 
 # -- (3) per-rank build peak ------------------------------------------------------------------
@@ -417,6 +422,31 @@ def test_cli_text_report_lists_each_ranks_shards_and_reads(
         for line in read_lines:
             key, nbytes = line[1], int(line[-2].lstrip("("))
             assert nbytes == math.prod(rows(key, rank)) * plain[key].element_size()
+
+
+def test_a_recorded_reads_bytes_and_rows_for_every_stored_dtype(tmp_path: Path) -> None:
+    # Shapes and dtypes from safetensors, as the loader's source reads them: packed FP4 counts
+    # two values a byte, as a real read takes it.
+    from test_safetensors_dtypes import every_dtype
+
+    from fsdp_builder.tools.dryrun import _header, _read_of
+
+    file = tmp_path / "every.safetensors"
+    save_file(every_dtype(), str(file))
+    header = _header(str(file))
+    for key, full in load_file(str(file)).items():
+        rows: list[tuple[Any, tuple[int, int] | None]] = [
+            (None, (0, len(full) if full.dim() else 1))
+        ]
+        if full.dim():  # 9 rows, or none ("empty")
+            whole = len(full) == 9
+            rows.append(((slice(2, 7),), (2, 7) if whole else (0, 0)))
+            rows.append(((slice(1, None, 3),), None if whole else (0, 0)))  # every third row
+            rows.append(((slice(0, 2), slice(1, 3)), None))  # part of each row
+        for index, expected in rows:
+            read = _read_of(file, key, index, header)
+            assert read.nbytes == (full[index] if index else full).nbytes, (key, index)
+            assert read.rows == expected, (key, index)
 
 
 # -- (5) bad inputs, refused once and clearly; a shared builder is no false alarm ---------------

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_builder.materializers.checkpoints import local_index
 from fsdp_builder.runtime.shards import chunk_size, local_slices
@@ -50,7 +49,7 @@ PLACEMENTS = [
 def test_each_rank_holds_the_piece_torch_chunk_cuts(
     fake_rank: None, placements: tuple[Placement, ...], rank: int
 ) -> None:
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    dist.init_process_group("fake", rank=rank, world_size=4)
     mesh = init_device_mesh("cpu", (2, 2))
     coord = (rank // 2, rank % 2)
     expected = piece(FULL, placements, coord)
@@ -75,7 +74,7 @@ def test_each_rank_of_one_process_gets_its_own_piece_for_a_layout_seen_before() 
     placements = (Shard(0), Shard(0))
     for shape in ((2, 2), (4,), (2, 2)):
         for rank in range(4):
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+            dist.init_process_group("fake", rank=rank, world_size=4)
             try:
                 mesh = init_device_mesh("cpu", shape)
                 place = placements[: len(shape)]

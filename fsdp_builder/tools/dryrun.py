@@ -9,14 +9,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import math
 import os
-import struct
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +36,8 @@ from fsdp_builder.devices import ExplicitDevice
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.plan import UnitPlan
-from fsdp_builder.sources.base import Index
-from fsdp_builder.sources.hf_safetensors import RECORDER
+from fsdp_builder.sources.base import Index, TensorMeta
+from fsdp_builder.sources.hf_safetensors import RECORDER, SafetensorsSource
 
 # What a rank reports when its build needed a value that only other ranks would have sent.
 NOT_SIMULATED = "not simulated"
@@ -78,14 +76,14 @@ class Shard:
 
 @frozen
 class Read:
-    """One read of a checkpoint tensor: ``start``/``stop`` are byte offsets in ``file`` when the
-    read is one contiguous range (whole tensors and row ranges), else None."""
+    """One read of a checkpoint tensor: ``rows`` (first, stop) when it takes a run of whole
+    rows (a whole tensor: all of them; a scalar: (0, 1)), None when it takes part of each row
+    or every n-th row."""
 
     file: str
     key: str
     nbytes: int
-    start: int | None
-    stop: int | None
+    rows: tuple[int, int] | None
 
 
 @frozen
@@ -233,32 +231,27 @@ class _NoStorage(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _header(path: str) -> dict[str, Any]:
-    """A safetensors file's header (its JSON, after the 8-byte length), and where its data
-    begins. Read here rather than through safetensors: ``safe_open`` gives each tensor's
-    shape and dtype (``get_slice``) but not its byte offsets in the file, which the recorded
-    reads report."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header: dict[str, Any] = json.loads(f.read(size))
-    return header | {"__base__": 8 + size}
+def _header(path: str) -> dict[str, TensorMeta]:
+    """Each tensor's shape and dtype in a safetensors file, as the loader's source reads them
+    through safetensors (``safe_open``; a packed dtype as torch holds it, FP4 two to a byte)."""
+    source = SafetensorsSource(f"'{path}'", {Path(path): None})
+    try:
+        return dict(source.tensors())
+    finally:
+        source.close()
 
 
-def _read_of(path: Path, key: str, index: Index | None, header: dict[str, Any]) -> Read:
-    entry = header[key]
-    shape = tuple(entry["shape"])
-    begin, end = (header["__base__"] + offset for offset in entry["data_offsets"])
+def _read_of(path: Path, key: str, index: Index | None, header: Mapping[str, TensorMeta]) -> Read:
+    shape, dtype = header[key].shape, header[key].dtype
     spans = [range(n)[s] for s, n in zip(index or (), shape, strict=False)]
     kept = [len(r) for r in spans] + list(shape[len(spans) :])
-    # Bytes per element from the tensor's own byte range: every stored dtype, packed ones too.
-    nbytes = (end - begin) * math.prod(kept) // max(math.prod(shape), 1)
-    rows_only = all(len(r) == n for r, n in zip(spans[1:], shape[1:], strict=False))
-    if not spans or (rows_only and spans[0].step == 1):
-        row = (end - begin) // max(shape[0], 1) if shape else 0
-        first = spans[0].start if spans and len(spans[0]) else 0
-        start = begin + first * row
-        return Read(path.name, key, nbytes, start, start + nbytes)
-    return Read(path.name, key, nbytes, None, None)
+    nbytes = math.prod(kept) * dtype.itemsize
+    if not spans:
+        return Read(path.name, key, nbytes, (0, shape[0] if shape else 1))
+    first, rest = spans[0], zip(spans[1:], shape[1:], strict=False)
+    if (first.step == 1 or len(first) < 2) and all(len(r) == n for r, n in rest):
+        return Read(path.name, key, nbytes, (first.start, first.start + len(first)))
+    return Read(path.name, key, nbytes, None)
 
 
 @contextlib.contextmanager
@@ -283,14 +276,12 @@ def _recorded_reads(reads: list[Read], mode: _NoStorage) -> Iterator[None]:
 def fake_world(world_size: int, rank: int, local_world_size: int | None = None) -> Iterator[None]:
     """torch's fake process group as the default group, for one simulated ``rank``; with
     ``local_world_size``, torchrun's variables (``RANK``, ``LOCAL_RANK``...) set while it lasts."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     saved = {k: os.environ.get(k) for k in names}
     if local_world_size is not None:
         values = (rank, world_size, rank % local_world_size, local_world_size)
         os.environ.update({k: str(v) for k, v in zip(names, values, strict=True)})
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", rank=rank, world_size=world_size)  # torch makes its store
     try:
         yield
     finally:
@@ -618,7 +609,7 @@ def format_dry_run(run: DryRun, shards: int = 0) -> str:
                 f"from {len(files)} file(s)"
             )
             for x in r.reads[:shards]:
-                where = "strided" if x.start is None else f"bytes {x.start}-{x.stop}"
+                where = "strided" if x.rows is None else f"rows {x.rows[0]}:{x.rows[1]}"
                 lines.append(f"    {x.file}: {x.key} {where} ({x.nbytes} B)")
     balance = run.read_balance
     if balance is not None:
