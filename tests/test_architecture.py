@@ -3,6 +3,7 @@ logging, and what the wheel installs."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import os
 import subprocess
@@ -304,6 +305,46 @@ def test_initial_weights_are_unchanged_by_the_logging_route(world1: None, route:
     eager_init_by_unit(demo_units(expected))
     assert built.keys() == expected.state_dict().keys()
     assert all(torch.equal(built[k], v) for k, v in expected.state_dict().items())
+
+
+# -- imports -----------------------------------------------------------------------------------
+
+
+def _tools_imports() -> dict[str, set[str]]:
+    """Each module of fsdp_builder.tools and the modules of fsdp_builder.tools it imports,
+    imports inside functions included (a lazy import is still a dependency)."""
+    folder = ROOT / "fsdp_builder" / "tools"
+    modules = {path.stem for path in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        named: list[str] = []
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "fsdp_builder.tools":
+                named += [f"fsdp_builder.tools.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                named.append(node.module)
+            elif isinstance(node, ast.Import):
+                named += [alias.name for alias in node.names]
+        graph[name] = {
+            n.split(".")[2] for n in named if n.startswith("fsdp_builder.tools.")
+        } & modules - {name}
+    return graph
+
+
+def test_no_import_cycle_among_the_tools_modules() -> None:
+    graph = _tools_imports()
+    assert "dryrun" in graph["cli"]  # the command line runs the dry run, a library module
+    in_cycle = []
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph[module])
+        if start in seen:
+            in_cycle.append(start)
+    assert not in_cycle, {m: sorted(graph[m]) for m in in_cycle}
 
 
 # -- packaging ------------------------------------------------------------------------------
