@@ -42,21 +42,14 @@ from fsdp_builder.materializers.initializers import (
     MaterializerRun,
 )
 from fsdp_builder.planning.context import ConfigureContext
-from fsdp_builder.planning.ignored import IgnoredStates, clean_name, resolve_ignored
+from fsdp_builder.planning.ignored import IgnoredStates, resolve_ignored
 from fsdp_builder.planning.plan import Unit, UnitPlan, fingerprint_of, plan_model, plan_units
 from fsdp_builder.planning.wrap import WrapPolicy
 from fsdp_builder.runtime.agreement import Agreement
 from fsdp_builder.runtime.collectives import GroupTimeouts
 from fsdp_builder.runtime.environment import Environment, effective_strategy
-from fsdp_builder.runtime.moving import move_unit_states
 from fsdp_builder.runtime.report import BuildReport, debug_enabled
-from fsdp_builder.runtime.tree import (
-    direct_states,
-    has_meta_states,
-    module_names,
-    qualified,
-    unit_modules,
-)
+from fsdp_builder.runtime.tree import has_meta_states, move_unit_states
 from fsdp_builder.synchronizers import NoSync, StateSynchronizer, SyncRun, overwrites
 
 UNIT_STEPS: Final = ("materialize", "synchronize", "shard")
@@ -372,19 +365,13 @@ class _Build:
             with report.measure("materialize", unit.label, env.device, logger) as m:
                 m.bytes = runs.materializer.materialize(unit)
             with report.measure("move", unit.label, env.device, logger) as m:
-                m.bytes = move_unit_states(unit.modules, env.ignored, env.device)
-                params = [
-                    p
-                    for module in unit.modules
-                    for p in module._parameters.values()
-                    if p is not None and not env.ignored.ignores(p)
-                ]
-                if any(p.is_meta for p in params) or any(
-                    b is not None and b.is_meta for m in unit.modules for b in m._buffers.values()
-                ):
+                m.bytes = move_unit_states(unit, env.device)
+                managed = [(s.is_param, s.tensor) for s in unit.states if not s.ignored]
+                if any(t.is_meta for _, t in managed):
                     # Else FSDP1 would give them values of its own (reset_parameters) unsaid.
                     raise _left_on_meta(self.materializer, unit, env)
-                check_compute_device(params, env.device, unit.label, env.rank)
+                params = [t for is_param, t in managed if is_param]
+                check_compute_device(params, env.device, unit.label, env.rank)  # type: ignore[arg-type]
 
         def synchronize() -> None:
             with report.measure("synchronize", unit.label, env.device, logger) as m:
@@ -413,13 +400,7 @@ class _Build:
 
 def _holds_real_states(configured: _Configured) -> bool:
     """Whether this rank holds a managed state that is not on meta."""
-    ignored = configured.ignored
-    return any(
-        not t.is_meta
-        for m in unit_modules(configured.plan.root.module, ignored.modules)
-        for t in direct_states(m)
-        if not ignored.ignores(t)
-    )
+    return any(not s.ignored and not s.tensor.is_meta for u in configured.plan for s in u.states)
 
 
 def _checked_run(strategy: object, run: Any, run_type: type) -> Any:
@@ -433,13 +414,7 @@ def _checked_run(strategy: object, run: Any, run_type: type) -> Any:
 
 
 def _left_on_meta(materializer: Materializer, unit: Unit, env: Environment) -> MaterializationError:
-    names = module_names(unit.module)
-    left = [
-        clean_name(qualified(qualified(unit.fqn, names.get(id(m), "")), n))
-        for m in unit.modules
-        for n, t in [*m._parameters.items(), *m._buffers.items()]
-        if t is not None and t.is_meta and not env.ignored.ignores(t)
-    ]
+    left = [s.name for s in unit.states if not s.ignored and s.tensor.is_meta]
     fix = "fix its materialize()"
     if isinstance(materializer, BaseMaterializer) and type(materializer).wants is not (
         BaseMaterializer.wants

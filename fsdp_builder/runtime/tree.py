@@ -1,4 +1,4 @@
-"""Walking a unit's own modules and giving their states storage."""
+"""Walking a unit's own modules, giving their states storage and moving them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_builder.planning.ignored import IgnoredStates
+from fsdp_builder.planning.plan import Unit
 from fsdp_builder.planning.plan import unit_modules as unit_modules
 from fsdp_builder.runtime.fast_storage import (
     AB_SWITCHES,
@@ -19,6 +20,30 @@ from fsdp_builder.runtime.fast_storage import (
     local_tensor,
     settle_fsdp2_shards,
 )
+
+CPU = torch.device("cpu")
+
+
+def move_unit_states(unit: Unit, device: torch.device) -> int:
+    """The move step: as FSDP does, only the unit's managed CPU states (and grads) move to
+    ``device`` (a state on another GPU is left for the compute device check to report).
+    Returns the bytes moved."""
+    if device == CPU:
+        return 0
+    moved = 0
+    seen: set[int] = set()  # a tied parameter's slots hold one tensor
+    with torch.no_grad():
+        for state in unit.states:
+            t = state.tensor
+            if state.ignored or t.device != CPU or id(t) in seen:
+                continue
+            seen.add(id(t))
+            # Swap .data, as nn.Module._apply does, so optimizers and ties keep the same object.
+            t.data = t.to(device)
+            if t.grad is not None:
+                t.grad.data = t.grad.to(device)
+            moved += t.numel() * t.element_size()
+    return moved
 
 
 def qualified(prefix: str, name: str) -> str:
