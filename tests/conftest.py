@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -10,11 +12,15 @@ import structlog
 import torch.distributed as dist
 from isolated import PRELOAD
 
-from fsdp_builder.tools.launch import free_port
+from fsdp_builder.tools.launch import RANK_SLOTS, free_port
 
 
 def pytest_configure(config: pytest.Config) -> None:
     multiprocessing.set_forkserver_preload(PRELOAD)
+    # The workers of one run share the cores: their launches (and the CLI processes they start)
+    # wait for each other instead of running more ranks than cores at once.
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    os.environ.setdefault(RANK_SLOTS, os.path.join(tempfile.gettempdir(), f"fsdp-ranks-{run}"))
 
 
 @pytest.fixture

@@ -3,20 +3,50 @@ Every run has a deadline: a rank that hangs is killed and the call raises."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Set to a path prefix, launches from many processes (a test run's workers) share the machine's
+# cores: each holds min(ranks, cores) of the lock files PREFIX.0, PREFIX.1, ... while its ranks
+# run, so no more ranks than cores run at once.
+RANK_SLOTS = "FSDP_BUILDER_RANK_SLOTS"
+
+
+@contextlib.contextmanager
+def rank_slots(world_size: int) -> Iterator[int]:
+    """Hold this launch's share of the cores named by ``$FSDP_BUILDER_RANK_SLOTS`` (blocking,
+    in index order, so launches cannot deadlock); yields how many are held, 0 when the variable
+    is unset or the platform has no ``flock``."""
+    prefix = os.environ.get(RANK_SLOTS)
+    if not prefix or not sys.platform.startswith("linux"):
+        yield 0
+        return
+    import fcntl
+
+    held: list[Any] = []
+    try:
+        for slot in range(min(world_size, os.cpu_count() or 1)):
+            f = open(f"{prefix}.{slot}", "a")  # closed below
+            held.append(f)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield len(held)
+    finally:
+        for f in reversed(held):
+            f.close()  # closing the descriptor releases its lock
 
 
 class RankFailure(RuntimeError):
@@ -53,6 +83,8 @@ def _worker(
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
+    # The launch holds the slots: a rank's own launches must not wait for them.
+    os.environ.pop(RANK_SLOTS, None)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -106,7 +138,22 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(*args)`` (importable, module level) on ``world_size`` new ranks with a process
     group; return the per-rank results. ``grace``: seconds the others get once a rank died
-    without reporting. Raises RankFailure naming every rank's story."""
+    without reporting. With ``$FSDP_BUILDER_RANK_SLOTS`` set, the ranks start once this launch
+    holds its cores (``rank_slots``), and the deadline counts from then. Raises RankFailure
+    naming every rank's story."""
+    with rank_slots(world_size):
+        return _run_ranks(fn, world_size, args, timeout, backend, start_method, grace)
+
+
+def _run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    backend: str,
+    start_method: str,
+    grace: float,
+) -> list[Any]:
     ctx: Any = mp.get_context(start_method)  # every context has Process and Queue
     results = ctx.Queue()
     limit = timedelta(seconds=timeout)
