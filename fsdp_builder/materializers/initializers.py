@@ -4,8 +4,7 @@ objects stay immutable and shareable."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import attrs
@@ -213,12 +212,19 @@ class Materializer(Protocol):
 def placed_states(context: ConfigureContext) -> list[tuple[str, torch.Tensor]]:
     """The states the units own that are DTensors before the build (tensor parallelism on
     other mesh dims), by name; children sharded before the build are no unit's."""
-    model = context.plan.root.module
-    found: list[tuple[str, torch.Tensor]] = []
-    for unit in context.plan:
-        for infos, get in ((unit.params, model.get_parameter), (unit.buffers, model.get_buffer)):
-            found += [(i.name, t) for i in infos if isinstance(t := get(i.name), DTensor)]
-    return found
+    return [
+        (info.name, t)
+        for unit in context.plan
+        for info, state in zip(unit.params + unit.buffers, unit.owned, strict=True)
+        if isinstance(t := state.tensor, DTensor)
+    ]
+
+
+def names_below(root: nn.Module, root_fqn: str, modules: list[nn.Module]) -> dict[int, str]:
+    """Module id -> clean name of ``modules``, found below ``root`` (a unit's ``fqn_of`` has
+    them without a walk)."""
+    names = module_names(root)
+    return {id(m): clean_name(qualified(root_fqn, names.get(id(m), ""))) for m in modules}
 
 
 def initialize_modules(
@@ -228,16 +234,17 @@ def initialize_modules(
     init: Callable[[nn.Module, str], None],
     who: str,
     fix: str,
-    names: dict[int, str] | None = None,
+    fqns: Mapping[int, str] | None = None,
     parents_first: bool = False,
 ) -> None:
     """``init(module, fqn)`` over breadth-first ``modules``, children first unless ``parents_first``
-    (a parent may set its children's values and must win, as at construction)."""
-    if names is None:
-        names = module_names(root)
+    (a parent may set its children's values and must win, as at construction). ``fqns``: each
+    module's clean name by id (a unit's ``fqn_of``); by default, named below ``root``."""
+    if fqns is None:
+        fqns = names_below(root, root_fqn, modules)
     with torch.no_grad():
         for module in modules if parents_first else reversed(modules):
-            fqn = clean_name(qualified(root_fqn, names.get(id(module), "")))
+            fqn = fqns[id(module)]
             try:
                 init(module, fqn)
             except MaterializationError:
@@ -310,6 +317,7 @@ class BaseMaterializer(DeclaredHooks):
             list(unit.modules),
             env.ignored,
             model=env.plan.root.module,
+            fqns=unit.fqn_of,
         )
 
     def materialize_modules(
@@ -320,9 +328,12 @@ class BaseMaterializer(DeclaredHooks):
         modules: list[nn.Module],
         ignored: IgnoredStates | None = None,
         model: nn.Module | None = None,
+        *,
+        fqns: Mapping[int, str] | None = None,
     ) -> int:
         """Give ``modules`` (owned, below ``root``) storage and values; returns the bytes given
-        storage. ``model`` (default ``root``) is the whole model, for subtree rules."""
+        storage. ``model`` (default ``root``) is the whole model, for subtree rules; ``fqns``:
+        the modules' names (a unit's ``fqn_of``), else found below ``root``."""
         ignored = ignored or IgnoredStates()
         if (
             not self.reinitialize
@@ -367,6 +378,7 @@ class BaseMaterializer(DeclaredHooks):
                 init,
                 type(self).__name__,
                 "Fix its initializer or pass another materializer.",
+                fqns,
             )
             with torch.no_grad():
                 for state, value in kept:
@@ -391,7 +403,9 @@ class BaseMaterializer(DeclaredHooks):
         computed = buffers_to_compute(model, ignored)
         for unit in plan:
             modules = list(unit.modules)
-            self.materialize_modules(unit.module, unit.fqn, device, modules, ignored, model=model)
+            self.materialize_modules(
+                unit.module, unit.fqn, device, modules, ignored, model=model, fqns=unit.fqn_of
+            )
             fill_buffers(modules, computed, device)
         return model
 
@@ -650,6 +664,7 @@ class InitFn(BaseMaterializer):
             env.device,
             list(unit.modules),
             env.ignored,
+            fqns=unit.fqn_of,
             # When the synchronizer overwrites with rank 0's values, only they count.
             judge_unwritten=not env.values_from_rank0 or env.rank == 0,
         )
@@ -664,6 +679,7 @@ class InitFn(BaseMaterializer):
         ignored: IgnoredStates | None = None,
         model: nn.Module | None = None,
         *,
+        fqns: Mapping[int, str] | None = None,
         judge_unwritten: bool = True,
     ) -> int:
         ignored = ignored or IgnoredStates()
@@ -672,10 +688,10 @@ class InitFn(BaseMaterializer):
         pending = [(m, n, t) for m in modules for n, t in _named_direct(m) if t.is_meta]
         # fn may replace an ignored parameter (to_empty): put back the one FSDP ignores.
         ignored_meta = [s for s in ignored_slots(modules, ignored) if s[2].is_meta]
-        names = module_names(root)
+        named = fqns if fqns is not None else names_below(root, root_fqn, modules)
 
         def fqn_of(module: nn.Module, name: str) -> str:
-            return clean_name(qualified(qualified(root_fqn, names.get(id(module), "")), name))
+            return qualified(named[id(module)], name)
 
         if self.allocate:
             allocate_empty(modules, device)
@@ -694,7 +710,7 @@ class InitFn(BaseMaterializer):
             call,
             "InitFn",
             "Fix the function, or pass another materializer.",
-            names,
+            named,
             parents_first=not self.allocate,  # FSDP1's order, unless fn only writes values
         )
         retie(tied)
@@ -903,7 +919,10 @@ class KeepAsIs(BaseMaterializer):
     def check_context(self, context: ConfigureContext) -> None:
         plan, ignored = context.plan, context.ignored
         meta = [
-            t.name for u in plan for t in u.params + u.buffers if _is_meta(u.module, t.name, u.fqn)
+            info.name
+            for u in plan
+            for info, state in zip(u.params + u.buffers, u.owned, strict=True)
+            if state.tensor.is_meta
         ]
         if any(p.is_meta for p in ignored.params):  # materialized by the others, not here
             meta += [
@@ -921,11 +940,3 @@ class KeepAsIs(BaseMaterializer):
     @override
     def materialize(self, unit: Unit, env: Environment) -> int:
         return 0
-
-
-def _is_meta(unit_module: nn.Module, name: str, unit_fqn: str) -> bool:
-    rel = name[len(unit_fqn) + 1 :] if unit_fqn else name
-    for get in (unit_module.get_parameter, unit_module.get_buffer):
-        with contextlib.suppress(AttributeError):
-            return bool(get(rel).is_meta)
-    return False

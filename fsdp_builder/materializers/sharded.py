@@ -52,7 +52,6 @@ from fsdp_builder.runtime.tree import (
     direct_states,
     has_meta_states,
     local_tensor,
-    module_names,
     needs_materialization,
 )
 
@@ -92,9 +91,7 @@ class ShardFirstInit(Protocol):
     """What a shard-first materializer adds to :class:`ShardFirstRun`: a per-unit scope and
     how one module is initialized."""
 
-    def scope(
-        self, unit: Unit, modules: list[nn.Module], names: dict[int, str]
-    ) -> AbstractContextManager[object]:
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
         """Entered around one unit's initializers, storage already given."""
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
@@ -129,9 +126,7 @@ class _PerShardSeed:
     index: int
     device: torch.device
 
-    def scope(
-        self, unit: Unit, modules: list[nn.Module], names: dict[int, str]
-    ) -> AbstractContextManager[object]:
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
         # Torch's generators saved once per unit, not per module (as ``run_seeded`` would):
         # each module seeds them itself before its initializer, so the values are the same.
         return _watched(modules, torch.random.fork_rng(devices=fork_devices(self.device)))
@@ -178,12 +173,11 @@ class ShardFirstRun:
             ):
                 self.init.init_module(module, fqn, lineage)
 
-        names = module_names(unit.module)  # one walk for the scope and the initializers
         with settling_ignored(modules, ignored, env.device, env.device, env.plan.root.module):
             allocate_unit(env.sharded_root(unit), modules, env.device, env.shard_specs)
-            with self.init.scope(unit, modules, names):
+            with self.init.scope(unit, modules):
                 initialize_modules(
-                    unit.module, unit.fqn, modules, init, self.who, self.fix, names=names
+                    unit.module, unit.fqn, modules, init, self.who, self.fix, unit.fqn_of
                 )
         fill_buffers(modules, self.computed, env.device)
         return sum(local_tensor(t).nbytes for m in modules for t in direct_states(m))

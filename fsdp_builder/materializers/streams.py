@@ -47,11 +47,10 @@ from fsdp_builder.materializers.initializers import (
     seed_generators,
 )
 from fsdp_builder.materializers.sharded import ShardFirstRun, agree_on_seed, fork_devices
-from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.shards import local_box, local_slices
-from fsdp_builder.runtime.tree import local_tensor, qualified
+from fsdp_builder.runtime.tree import local_tensor
 
 log = get_logger(__name__)
 
@@ -417,15 +416,12 @@ class _StreamedInit:
         self.streams = _Streams(self.seed)
 
     @contextlib.contextmanager
-    def scope(self, unit: Unit, modules: list[nn.Module], names: dict[int, str]) -> Iterator[None]:
+    def scope(self, unit: Unit, modules: list[nn.Module]) -> Iterator[None]:
         streams = self.streams
         streams.draws.clear()  # names and done are emptied when each scope ends
-        ignored = self.env.ignored
-        for module in modules:
-            base = qualified(unit.fqn, names.get(id(module), ""))
-            for local_name, param in module._parameters.items():
-                if param is not None and not ignored.ignores(param):
-                    streams.names.setdefault(id(param), clean_name(qualified(base, local_name)))
+        for state in unit.states:
+            if state.is_param and not state.ignored:
+                streams.names.setdefault(id(state.tensor), state.name)
         if self.held is None:
             self.held = torch.random.fork_rng(devices=fork_devices(self.env.device))
             self.held.__enter__()

@@ -90,6 +90,11 @@ class Unit:
     def label(self) -> str:
         return self.fqn or "<root>"
 
+    @functools.cached_property
+    def fqn_of(self) -> dict[int, str]:
+        """Module id -> clean name, for each of ``modules``."""
+        return {id(m): fqn for m, fqn in zip(self.modules, self.fqns, strict=True)}
+
     # Sizes are read several times per unit during a build (stage records, shard-first
     # choice): summed once per unit, the plan being immutable.
     @functools.cached_property
