@@ -564,7 +564,7 @@ class Rank0Run(LoadRun):
         """The unit's ignored states, whole on every rank: rank 0's values (``state``, None
         elsewhere) broadcast; every rank joins, also when rank 0's read failed."""
         env = self.env
-        wanted = {id(p) for p in env.ignored.params} | {id(b) for b in env.ignored.buffers}
+        wanted = {id(s.tensor) for s in unit.states if s.ignored}
         entries = [e for e in unit_entries(unit) if id(e.tensor) in wanted]
         if not entries:
             return 0
