@@ -12,7 +12,7 @@ import structlog
 import torch.distributed as dist
 from isolated import PRELOAD
 
-from fsdp_builder.tools.launch import RANK_SLOTS, free_port
+from fsdp_builder.tools.launch import RANK_SLOTS
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -26,9 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def world1() -> Iterator[None]:
     """A default process group of one rank (gloo), torn down after the test."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:

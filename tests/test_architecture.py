@@ -194,13 +194,10 @@ _BUILD = textwrap.dedent(
     import torch.distributed as dist
     from fsdp_builder import CPUDevice, FSDPBuilder
     from fsdp_builder.tools.demo import Block, DemoConfig, DemoTransformer
-    from fsdp_builder.tools.launch import free_port
 
     if sys.argv[1] == "debug":
         logging.basicConfig(level=logging.DEBUG)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = DemoConfig(vocab=32, dim=16, heads=2, layers=2, seq=4)
     builder = FSDPBuilder().device(CPUDevice()).wrap(Block).sharding("none")
     builder.build(DemoTransformer(cfg))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Hashable, Iterator
@@ -13,8 +14,6 @@ from typing import Any
 import pytest
 from isolated import Results, Spawns, run_each, values
 from models import RECIPES, recipe_module
-
-from fsdp_builder.tools.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -61,7 +60,9 @@ def test_torchrun_one_node() -> None:
 
 @pytest.mark.timeout(180)
 def test_several_nodes_with_c10d_rendezvous() -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
+    with socket.socket() as s:  # a port free now, for the rendezvous the first node hosts
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
     command = [
         *TORCHRUN,
         "--nnodes", "2",

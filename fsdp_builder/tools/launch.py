@@ -9,7 +9,6 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import sys
 import time
 import traceback
@@ -51,12 +50,6 @@ def rank_slots(world_size: int) -> Iterator[int]:
 
 class RankFailure(RuntimeError):
     """A rank raised, died or missed the deadline; the message holds every rank's story."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def end_process_group() -> None:
