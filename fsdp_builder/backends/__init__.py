@@ -54,9 +54,6 @@ class Backend(Protocol):
     def kept_bytes(self, unit: Unit, shards: int) -> int:
         """Parameter bytes of ``unit`` that one rank keeps when split over ``shards`` ranks."""
 
-    def sharding_bytes(self, unit: Unit, shards: int) -> int:
-        """Bytes allocated on top of the full unit while sharding it (peak estimate)."""
-
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device, plan: UnitPlan
     ) -> ProcessGroups:

@@ -272,10 +272,6 @@ class FSDP1Backend:
             by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel
         return sum(chunk_size(n, shards) * d.itemsize for d, n in by_dtype.items())
 
-    def sharding_bytes(self, unit: Unit, shards: int) -> int:
-        """The flat tensor (a second full copy), then the shard copied out of it."""
-        return unit.param_bytes + (self.kept_bytes(unit, shards) if shards > 1 else 0)
-
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device, plan: UnitPlan
     ) -> ProcessGroups:

@@ -479,10 +479,6 @@ class FullyShardBackend:
             total += chunk_size(rows, shards) * per_row * p.dtype.itemsize
         return total
 
-    def sharding_bytes(self, unit: Unit, shards: int) -> int:
-        """Only the local shard of each state is copied out."""
-        return self.kept_bytes(unit, shards) + unit.buffer_bytes if shards > 1 else 0
-
     def prepare_groups(
         self, groups: ProcessGroups, options: ShardingOptions, device: torch.device, plan: UnitPlan
     ) -> ProcessGroups:
