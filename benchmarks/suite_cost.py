@@ -7,6 +7,13 @@ CPU seconds are the figure to compare between machines and commits: wall time on
 (``-n 2``), so its wall time is about half the sum below when nothing else runs.
 
     python -m benchmarks.suite_cost --out benchmarks/results/suite_cost.md
+
+``--whole``: the default test command (``pytest -q``, two workers) once per way, alternated: as it
+is, and with ``FSDP_BUILDER_RANK_SLOTS`` empty (its launches not sharing the cores). While it
+runs, the processes it started are sampled every 0.1 s: how many are running or waiting for a
+core (state R), against the machine's cores.
+
+    python -m benchmarks.suite_cost --whole --repeats 2 --out-whole FILE.md
 """
 
 from __future__ import annotations
@@ -41,11 +48,100 @@ def cost(test_file: Path) -> tuple[float, float, int]:
     return cpu, wall, done.returncode
 
 
+def _descendants(root: int) -> list[str]:
+    """The states (R, S, D, ...) of ``root``'s descendant processes, read from /proc."""
+    parents: dict[int, int] = {}
+    states: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name is in parentheses and may hold spaces: split after its last ")".
+        fields = stat[stat.rindex(")") + 2 :].split()
+        states[int(entry)], parents[int(entry)] = fields[0], int(fields[1])
+    found, frontier = [], {root}
+    while frontier:
+        children = {pid for pid, parent in parents.items() if parent in frontier}
+        found += [states[pid] for pid in children]
+        frontier = children
+    return found
+
+
+def whole(shared: bool) -> dict[str, float]:
+    """One run of the default test command; ``shared``: launches share the cores (the default)."""
+    env = dict(os.environ)
+    if not shared:
+        env["FSDP_BUILDER_RANK_SLOTS"] = ""
+    else:
+        env.pop("FSDP_BUILDER_RANK_SLOTS", None)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    running: list[int] = []
+    while proc.poll() is None:
+        running.append(sum(state == "R" for state in _descendants(proc.pid)))
+        time.sleep(0.1)  # a sampling period, not a synchronization
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cores = os.cpu_count() or 1
+    return {
+        "exit": float(proc.returncode),
+        "wall": wall,
+        "cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "running_mean": sum(running) / max(len(running), 1),
+        "running_max": float(max(running, default=0)),
+        "over_cores": sum(n > cores for n in running) / max(len(running), 1),
+    }
+
+
+def main_whole(repeats: int, out: Path | None) -> None:
+    runs: list[tuple[str, dict[str, float]]] = []
+    for repeat in tqdm(range(repeats), desc="whole suite"):
+        ways = [("shared", True), ("not shared", False)]
+        for name, shared in ways if repeat % 2 == 0 else ways[::-1]:
+            runs.append((name, whole(shared)))
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    lines = [
+        f"`python -m benchmarks.suite_cost --whole --repeats {repeats}` at `{commit}`, "
+        f"{os.cpu_count()} cores. Running: processes the command started that were running or "
+        "waiting for a core, sampled every 0.1 s.",
+        "",
+        "| way | exit | wall s | CPU s | running, mean | running, max | samples above the cores |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {name} | {r['exit']:.0f} | {r['wall']:.0f} | {r['cpu']:.0f} | "
+            f"{r['running_mean']:.2f} | {r['running_max']:.0f} | {100 * r['over_cores']:.0f} % |"
+            for name, r in runs
+        ),
+    ]
+    text = "\n".join(lines) + "\n"
+    if out is not None:
+        out.write_text(text)
+    sys.stdout.write(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("files", nargs="*", type=Path, help="test files (default: all)")
+    parser.add_argument("--whole", action="store_true", help="the whole command, both ways")
+    parser.add_argument("--repeats", type=int, default=2, help="--whole runs per way")
+    parser.add_argument("--out-whole", type=Path, default=None, help="--whole's table")
     args = parser.parse_args(argv)
+    if args.whole:
+        main_whole(args.repeats, args.out_whole)
+        return
     files = args.files or sorted((ROOT / "tests").glob("test_*.py"))
     rows = []
     for path in tqdm(files, desc="test files"):
