@@ -15,6 +15,7 @@ a mapped file do not hide what a loader holds. After one unrecorded run of each 
 interleaved (each repeat in the next of the six orders) and repeated; medians.
 
     python -m benchmarks.hf_load [--params 200] [--world 2] [--repeats 3]
+    python -m benchmarks.hf_load --mapped [--params 200]   # where from_pretrained's weights live
 """
 
 from __future__ import annotations
@@ -152,13 +153,44 @@ def _load(method: str, folder: str) -> dict[str, Any]:
     }
 
 
+def mapped_fraction(folder: str) -> float:
+    """The share of ``from_pretrained(folder)``'s parameter bytes that lie in a mapping of one of
+    the folder's files (Linux ``/proc/self/maps``): 1.0 when transformers hands out views of the
+    files rather than copies, so that ``fully_shard`` makes the only copy a rank keeps."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder)
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].startswith(str(Path(folder).resolve())):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end))
+    total = mapped = 0
+    for p in model.parameters():
+        nbytes = p.numel() * p.element_size()
+        total += nbytes
+        if any(start <= p.data_ptr() < end for start, end in spans):
+            mapped += nbytes
+    return mapped / max(total, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=200, help="model size, millions")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "hf_load.md")
+    parser.add_argument("--mapped", action="store_true", help="print mapped_fraction and stop")
     args = parser.parse_args(argv)
+    if args.mapped:
+        from transformers import LlamaForCausalLM
+
+        with tempfile.TemporaryDirectory() as tmp:
+            LlamaForCausalLM(config_for(args.params)).save_pretrained(tmp, max_shard_size="200MB")
+            share = mapped_fraction(tmp)
+        print(f"from_pretrained parameter bytes in a mapping of the files: {share:.3f}")
+        return 0
 
     from transformers import LlamaForCausalLM
 
