@@ -24,6 +24,7 @@ from fsdp_builder.sources.registry import (
     open_source,
     register_format,
     unregister_format,
+    wrapping_sources,
 )
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "open_source",
     "register_format",
     "unregister_format",
+    "wrapping_sources",
 ]

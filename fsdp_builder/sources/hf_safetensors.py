@@ -5,11 +5,9 @@ own ``safe_open`` / ``get_slice``: every dtype it reads, only the rows asked for
 from __future__ import annotations
 
 import json
-import mmap
+import math
 import os
-import threading
-from collections.abc import Callable, Mapping
-from contextvars import ContextVar
+from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -18,7 +16,6 @@ import torch
 from safetensors import safe_open
 
 from fsdp_builder.common.logs import get_logger
-from fsdp_builder.runtime.fast_storage import libc_madvise as _madvise
 from fsdp_builder.sources.base import (
     Index,
     SourceError,
@@ -32,70 +29,14 @@ from fsdp_builder.sources.base import (
 log = get_logger(__name__)
 
 # safe_open maps its file (privately, never written) and its slices view the mapping: the pages
-# a read touches count as the process's memory until they are dropped. Where the mapping can be
-# told (Linux, /proc/self/maps), a source copies a read in runs of rows of at most _RUN_BYTES and
-# drops the mapping's pages with madvise(MADV_DONTNEED) after each: the page cache keeps the
-# data, and unwritten pages of a private file mapping fault back in from it. Elsewhere it unmaps
-# the files read from after _MAPPED_BYTES read (they reopen at their next read; a smaller budget
-# is slower). Either way a rank's mapped pages stay near that bound instead of its whole share of
-# the checkpoint (benchmarks/results/file_pages.md).
-_MAPPED_BYTES = 16 << 20
-_RUN_BYTES = 2 << 20
-_MADV_DONTNEED = 4
-_HUGE = 2 << 20
-_PAGE = mmap.PAGESIZE
-
-# Sources opened while a recorder is set (a dry run's, ``fsdp_builder.tools.dryrun``) hand it
-# each read (file, key, index) and make none; the read returns an uninitialized tensor.
-# The recorder is handed the destination too, as the read would write it.
-RECORDER: ContextVar[Callable[[Path, str, Index | None, torch.Tensor], None] | None] = ContextVar(
-    "safetensors_recorder", default=None
-)
-
-
-def _file_mapping(path: Path, address: int) -> tuple[int, int] | None:
-    """The address range of the mapping of the file ``path`` that holds ``address``: the run of
-    /proc/self/maps entries naming that file (its device and inode, or its resolved path) around
-    it. None where there is none, or no such listing."""
-    try:
-        stat = os.stat(path)
-        with open("/proc/self/maps") as maps:
-            entries = maps.read().splitlines()
-    except OSError:
-        return None
-    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}"
-    real = os.path.realpath(path)
-    run: tuple[int, int] | None = None
-    for entry in entries:
-        fields = entry.split(maxsplit=5)
-        start, end = (int(bound, 16) for bound in fields[0].split("-"))
-        ours = (
-            len(fields) == 6
-            and fields[4] != "0"
-            and ((fields[3], fields[4]) == (device, str(stat.st_ino)) or fields[5] == real)
-        )
-        if ours and run is not None and run[1] == start:
-            run = (run[0], end)
-            continue
-        if run is not None and run[0] <= address < run[1]:
-            return run
-        run = (start, end) if ours else None
-    return run if run is not None and run[0] <= address < run[1] else None
-
-
-def _touched(piece: torch.Tensor, span: tuple[int, int], last: bool) -> tuple[int, int] | None:
-    """The address and length of the pages a copy of ``piece`` (a view into ``span``) touched,
-    widened to whole huge pages before it, and after it if ``last`` (a read's last run; the next
-    run's drop takes those after an earlier run): the kernel maps pages around a fault too, up to a
-    huge page of a large folio. None for an empty one."""
-    if not piece.numel():
-        return None
-    extent = sum((n - 1) * stride for n, stride in zip(piece.shape, piece.stride(), strict=True))
-    start = piece.data_ptr()
-    end = start + (extent + 1) * piece.element_size()
-    align = _HUGE if last else _PAGE
-    first, end = max(span[0], start // _HUGE * _HUGE), min(span[1], -(-end // align) * align)
-    return (first, end - first) if end > first else None
+# a read touches count as the process's memory for as long as the file stays mapped, and the
+# kernel maps more than the rows asked for (the page-cache folio around each fault, up to a huge
+# page). A source copies a read in runs of rows spanning at most _MAPPED_BYTES of the file and
+# unmaps the file after each run (drops its handle and slices; the next read opens it again):
+# a rank holds about one run of the checkpoint mapped while it reads, and none between reads,
+# whatever the size of a read or of its share of a file (benchmarks/results/file_pages.md). The
+# page cache keeps the data either way; a smaller run reopens the file more often.
+_MAPPED_BYTES = 2 << 20
 
 
 class _File:
@@ -105,40 +46,27 @@ class _File:
         self.path = path
         self._handle: Any = safe_open(str(path), framework="pt")
         self.slices: dict[str, Any] = {}
-        # The address range of the handle's mapping, looked for at its first read (None: not
-        # found, the budgeted unmap applies); the source's lock guards both.
-        self.span: tuple[int, int] | None = None
-        self.searched = False
         # Keys of a dtype safetensors reads whole but does not slice (packed FP4): their rows
         # are taken from the whole tensor, itself a view of the mapping.
         self.whole: set[str] = set()
 
     @property
     def handle(self) -> Any:
-        if self._handle is None:
-            self._handle = safe_open(str(self.path), framework="pt")
-        return self._handle
+        handle = self._handle  # another thread may unmap the file meanwhile
+        if handle is None:
+            handle = self._handle = safe_open(str(self.path), framework="pt")
+        return handle
 
     def unmap(self) -> None:
-        """Drop the file's mapping (its next read opens it again): the slices hold it too."""
-        self.slices, self._handle, self.span, self.searched = {}, None, None, False
-
-    def mapped(self, part: torch.Tensor) -> tuple[int, int] | None:
-        """The range of this file's mapping, where ``part`` (read from it) lies wholly in it."""
-        storage = part.untyped_storage()
-        start = storage.data_ptr()
-        if not self.searched and start:
-            self.searched = True
-            self.span = _file_mapping(self.path, start) if _madvise() is not None else None
-        span = self.span
-        if span is None or not span[0] <= start <= start + storage.nbytes() <= span[1]:
-            return None
-        return span
+        """Drop the file's mapping (its next read opens it again): the slices hold it too, and
+        each part read from it until that part is dropped."""
+        self.slices, self._handle = {}, None
 
     def piece(self, key: str) -> Any:
-        piece = self.slices.get(key)
+        slices = self.slices
+        piece = slices.get(key)
         if piece is None:
-            piece = self.slices[key] = self.handle.get_slice(key)
+            piece = slices[key] = self.handle.get_slice(key)
         return piece
 
     def part(self, key: str, index: Index | None) -> torch.Tensor:
@@ -180,19 +108,21 @@ class _File:
         return TensorMeta(tuple(whole.shape), whole.dtype)
 
 
+def _shape(meta: TensorMeta, index: Index | None) -> tuple[int, ...]:
+    """The shape of ``tensor[index]``."""
+    kept = [len(range(n)[s]) for s, n in zip(index or (), meta.shape, strict=False)]
+    return (*kept, *meta.shape[len(kept) :])
+
+
 class SafetensorsSource:
     """Tensors spread over safetensors files, read through safe_open until close()."""
 
     def __init__(self, describe: str, files: Mapping[Path, list[str] | None]) -> None:
         """``files``: each existing file with the keys to take from it (None: all it holds)."""
         self.describe = describe
-        self._record = RECORDER.get()
         self._meta: dict[str, TensorMeta] = {}
         self._where: dict[str, _File] = {}
         self._files: list[_File] = []
-        self._read = 0  # bytes read since the files in `_mapped` were last unmapped
-        self._mapped: dict[Path, _File] = {}
-        self._lock = threading.Lock()
         absent: list[str] = []
         try:
             for path, keys in files.items():
@@ -212,6 +142,7 @@ class SafetensorsSource:
                         continue
                     self._meta[key] = file.meta(describe, key, known)
                     self._where[key] = file
+                file.unmap()  # mapped again for each run of rows read from it
             if absent:
                 raise SourceError(
                     f"{describe} has {len(absent)} key(s) in its index but not in their file: "
@@ -224,63 +155,51 @@ class SafetensorsSource:
     def tensors(self) -> Mapping[str, TensorMeta]:
         return self._meta
 
+    def file_of(self, key: str) -> Path:
+        """The file holding ``key`` (a key of :meth:`tensors`)."""
+        return self._where[key].path
+
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
-        file = self._where[key]
-        if self._record is not None:
-            part = torch.empty(self._meta[key].shape, dtype=self._meta[key].dtype, device="meta")
-            made = part[index or ()].new_empty(part[index or ()].shape, device="cpu")
-            self._record(file.path, key, index, made)
-            return made
-        part = file.part(key, index)
-        # A tensor of its own: the part is a view of the file's mapping.
-        out = torch.empty(part.shape, dtype=part.dtype)
-        self._copy(file, part, out)
+        meta = self._meta[key]
+        # A tensor of its own: a part read is a view of the file's mapping.
+        out = torch.empty(_shape(meta, index), dtype=meta.dtype)
+        self._copy(key, index, out)
         return out
 
     def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
         """Write ``tensor[index]`` into ``out`` (its shape; any dtype, converted)."""
-        file = self._where[key]
-        if self._record is not None:
-            return self._record(file.path, key, index, out)
-        part = file.part(key, index)
-        if part.shape != out.shape:
+        shape = _shape(self._meta[key], index)
+        if shape != tuple(out.shape):
             where = f"'{key}'[{rows(index)}]" if index else f"'{key}'"
-            raise ValueError(f"{where} is {list(part.shape)}, the destination {list(out.shape)}")
-        self._copy(file, part, out)
+            raise ValueError(f"{where} is {list(shape)}, the destination {list(out.shape)}")
+        self._copy(key, index, out)
 
-    def _copy(self, file: _File, part: torch.Tensor, out: torch.Tensor) -> None:
-        """``out.copy_(part)``, then the pages it touched in ``file``'s mapping dropped: after each
-        run of rows where the mapping is known, else by the budgeted unmap."""
-        with self._lock:
-            span = file.mapped(part)
-        if span is None:
-            out.copy_(part)
-            nbytes = part.nbytes
-            del part
-            return self._count(file, nbytes)
-        runs: list[Any] = [...]
-        if part.dim() and part.numel():
-            step = max(1, _RUN_BYTES * len(part) // part.nbytes)
-            runs = [slice(first, first + step) for first in range(0, len(part), step)]
-        for run in runs:
-            piece = part[run]
-            out[run].copy_(piece)
-            drop = _touched(piece, span, run is runs[-1])
-            with self._lock:  # `part` holds the mapping: `span` is still the file's
-                if file.span == span and drop and _madvise()(*drop, _MADV_DONTNEED):
-                    file.span = None  # refused: the budgeted unmap from now on
+    def _copy(self, key: str, index: Index | None, out: torch.Tensor) -> None:
+        """``out.copy_(key[index])``, in runs of rows each spanning at most _MAPPED_BYTES of the
+        file (one row where a row is larger), the file unmapped after each."""
+        file, meta = self._where[key], self._meta[key]
+        if not out.dim():
+            return self._run(file, key, index, out)
+        row = math.prod(meta.shape[1:]) * meta.dtype.itemsize
+        chosen = range(meta.shape[0])[index[0]] if index else range(meta.shape[0])
+        per_run = max(1, (_MAPPED_BYTES // max(row, 1) - 1) // chosen.step + 1)
+        rest = tuple(index[1:]) if index else ()
+        for at in range(0, max(len(chosen), 1), per_run):
+            run = chosen[at : at + per_run]
+            stop = run.stop if run.stop >= 0 else None
+            self._run(file, key, (slice(run.start, stop, run.step), *rest), out[at : at + per_run])
 
-    def _count(self, file: _File, nbytes: int) -> None:
-        with self._lock:
-            self._mapped[file.path] = file
-            self._read += nbytes
-            if self._read >= _MAPPED_BYTES:
-                for mapped in self._mapped.values():
-                    mapped.unmap()
-                self._mapped, self._read = {}, 0
+    @staticmethod
+    def _run(file: _File, key: str, index: Index | None, out: torch.Tensor) -> None:
+        try:
+            out.copy_(file.part(key, index))
+        finally:
+            # The part is gone: nothing else holds the mapping (a part another thread is
+            # copying from holds it until that copy is done).
+            file.unmap()
 
     def close(self) -> None:
-        self._files, self._where, self._mapped = [], {}, {}
+        self._files, self._where = [], {}
 
 
 def _unreadable(describe: str, file: Path, exc: BaseException) -> str:

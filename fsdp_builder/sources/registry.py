@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +159,42 @@ def formats() -> list[str]:
     return [f.name for f in (*_USER, *_BUILT_IN)]
 
 
+# What each source opened in a `wrapping_sources` context is handed to, innermost first.
+_WRAPS: ContextVar[tuple[Callable[[CheckpointSource], CheckpointSource], ...]] = ContextVar(
+    "source_wraps", default=()
+)
+
+
+@contextmanager
+def wrapping_sources(wrap: Callable[[CheckpointSource], CheckpointSource]) -> Iterator[None]:
+    """Within this context (this thread, or this asyncio task), every source that
+    :func:`open_source` opens (the loaders open theirs through it) is handed to ``wrap``, and
+    the loader reads through the source ``wrap`` returns: the source itself, or one that
+    records, counts or replaces its reads. Contexts nest; the outer ``wrap`` sees the source the
+    inner one returned. A source ``wrap`` raises on is closed. The dry run
+    (``fsdp_builder.tools.dryrun``) records a build's safetensors reads this way."""
+    token = _WRAPS.set((wrap, *_WRAPS.get()))
+    try:
+        yield
+    finally:
+        _WRAPS.reset(token)
+
+
 def open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> CheckpointSource:
     """Open ``source``: a state dict in memory, or a path whose format is detected; a
-    SourceError (:class:`MissingPath` for a missing path) says what is wrong."""
+    SourceError (:class:`MissingPath` for a missing path) says what is wrong. Inside
+    :func:`wrapping_sources`, the source its ``wrap`` returns."""
+    opened = _open_source(source)
+    for wrap in _WRAPS.get():
+        try:
+            opened = wrap(opened)
+        except BaseException:
+            opened.close()
+            raise
+    return opened
+
+
+def _open_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> CheckpointSource:
     if isinstance(source, Mapping):
         return memory.open_state_dict(source)
     path = Path(os.fspath(source))
@@ -271,4 +306,5 @@ __all__ = [
     "register_format",
     "registered_formats",
     "unregister_format",
+    "wrapping_sources",
 ]

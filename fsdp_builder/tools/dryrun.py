@@ -36,8 +36,9 @@ from fsdp_builder.devices import ExplicitDevice
 from fsdp_builder.errors import ConfigurationError, config_error
 from fsdp_builder.planning.ignored import clean_name
 from fsdp_builder.planning.plan import UnitPlan
-from fsdp_builder.sources.base import Index, TensorMeta
-from fsdp_builder.sources.hf_safetensors import RECORDER, SafetensorsSource
+from fsdp_builder.sources.base import CheckpointSource, Index, TensorMeta
+from fsdp_builder.sources.hf_safetensors import SafetensorsSource
+from fsdp_builder.sources.registry import wrapping_sources
 
 # What a rank reports when its build needed a value that only other ranks would have sent.
 NOT_SIMULATED = "not simulated"
@@ -256,20 +257,38 @@ def _read_of(path: Path, key: str, index: Index | None, header: Mapping[str, Ten
 
 @contextlib.contextmanager
 def _recorded_reads(reads: list[Read], mode: _NoStorage) -> Iterator[None]:
-    """Safetensors sources opened in this context record each read (file, tensor, byte range
-    from the file's header) instead of making it; sources elsewhere read as usual. The read's
-    destination counts as written, as the real read writes it: its pages are held from then."""
+    """Safetensors sources opened in this context are read through a source that records each
+    read (file, tensor, the rows it takes) and makes none; sources of other formats read as
+    usual. The read's destination counts as written, as the real read writes it: its pages are
+    held from then."""
     header = functools.cache(_header)  # each file's header read once
 
-    def record(path: Path, key: str, index: Index | None, out: torch.Tensor) -> None:
-        reads.append(_read_of(path, key, index, header(str(path))))
-        mode.written(out)
+    class Recorded:
+        """A safetensors source's listing, its reads recorded instead of made."""
 
-    token = RECORDER.set(record)
-    try:
+        def __init__(self, source: SafetensorsSource) -> None:
+            self.describe = source.describe
+            self.tensors = source.tensors
+            self.close = source.close
+            self.file_of = source.file_of
+
+        def read(self, key: str, index: Index | None = None) -> torch.Tensor:
+            meta = self.tensors()[key]
+            part = torch.empty(meta.shape, dtype=meta.dtype, device="meta")[index or ()]
+            made = part.new_empty(part.shape, device="cpu")
+            self.read_into(key, index, made)
+            return made
+
+        def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
+            path = self.file_of(key)
+            reads.append(_read_of(path, key, index, header(str(path))))
+            mode.written(out)
+
+    def wrap(source: CheckpointSource) -> CheckpointSource:
+        return Recorded(source) if isinstance(source, SafetensorsSource) else source
+
+    with wrapping_sources(wrap):
         yield
-    finally:
-        RECORDER.reset(token)
 
 
 @contextlib.contextmanager
