@@ -3,10 +3,7 @@ docs/private_names.md and benchmarks/results/private_ab.md)."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
-import sys
 from typing import Any
 
 import torch
@@ -15,20 +12,6 @@ from torch.distributed.tensor import DTensor
 
 # For benchmarks/results/private_ab.md only: "plain_to_empty".
 AB_SWITCHES = frozenset(os.environ.get("FSDP_BUILDER_AB", "").split(","))
-
-
-@functools.cache
-def libc_madvise() -> Any:
-    """libc's ``madvise`` (address, length, advice) -> 0 or -1, on Linux; None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    call.restype = ctypes.c_int
-    return call
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
