@@ -213,9 +213,9 @@ def placed_states(context: ConfigureContext) -> list[tuple[str, torch.Tensor]]:
     """The states the units own that are DTensors before the build (tensor parallelism on
     other mesh dims), by name; children sharded before the build are no unit's."""
     return [
-        (info.name, t)
+        (state.name, t)
         for unit in context.plan
-        for info, state in zip(unit.params + unit.buffers, unit.owned, strict=True)
+        for state in unit.owned
         if isinstance(t := state.tensor, DTensor)
     ]
 
@@ -918,12 +918,7 @@ class KeepAsIs(BaseMaterializer):
     @override
     def check_context(self, context: ConfigureContext) -> None:
         plan, ignored = context.plan, context.ignored
-        meta = [
-            info.name
-            for u in plan
-            for info, state in zip(u.params + u.buffers, u.owned, strict=True)
-            if state.tensor.is_meta
-        ]
+        meta = [state.name for u in plan for state in u.owned if state.tensor.is_meta]
         if any(p.is_meta for p in ignored.params):  # materialized by the others, not here
             meta += [
                 clean_name(n)

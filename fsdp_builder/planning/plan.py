@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -45,13 +45,12 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
-@frozen(eq=False)
-class UnitState:
+class UnitState(NamedTuple):
     """One slot of a unit's modules holding a parameter or buffer (a tied parameter has a slot
     per name). The tensor is read from the slot: a build replaces it (storage, FSDP2's
-    DTensors, loaders), so none is kept here."""
+    DTensors, loaders), so none is kept here. A tuple: a plan makes one per slot."""
 
-    module: nn.Module = attrs.field(repr=False)
+    module: nn.Module
     local: str  # the attribute name on ``module``
     name: str  # clean, relative to the root: the state-dict key
     is_param: bool
@@ -81,7 +80,7 @@ class Unit:
     # Every slot of ``modules`` and of the ignored modules below them, module by module as
     # ``modules`` (parameters, then buffers): the one name -> tensor view every stage reads.
     states: tuple[UnitState, ...] = attrs.field(default=(), repr=False)
-    # The slot of each of ``params + buffers``, in that order.
+    # The slot of each of ``params + buffers``, in that order and by the same names.
     owned: tuple[UnitState, ...] = attrs.field(default=(), repr=False)
     # The wrap policy's own arguments for this unit (a torch CustomPolicy's kwargs dict).
     overrides: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
@@ -243,9 +242,9 @@ def _plan_units(
     for unit_fqn, unit_module in unit_roots:
         params: list[TensorInfo] = []
         buffers: list[TensorInfo] = []
-        # (module id, local name) of each of params, and of buffers.
-        param_slots: list[tuple[int, str]] = []
-        buffer_slots: list[tuple[int, str]] = []
+        # The slot of each of params, and of buffers.
+        param_slots: list[UnitState] = []
+        buffer_slots: list[UnitState] = []
         # Module id -> its name, the last alias as named_modules(remove_duplicate=False) has it;
         # walked into ignored modules too, for the names of their states.
         paths: dict[int, str] = {}
@@ -261,20 +260,19 @@ def _plan_units(
                 owners = owner_of.setdefault(id(p), [])
                 owners.append((unit_fqn, base + pname))
                 if len(owners) == 1:
-                    params.append(_info(base + pname, p))
-                    param_slots.append((id(module), pname))
+                    params.append(info := _info(base + pname, p))
+                    param_slots.append(UnitState(module, pname, info.name, True, True, False))
+            transient = module._non_persistent_buffers_set
             for bname, b in module._buffers.items() if not inside else ():
                 if b is not None and id(b) not in seen_buffers:
                     seen_buffers.add(id(b))
-                    buffers.append(_info(base + bname, b))
-                    buffer_slots.append((id(module), bname))
+                    buffers.append(info := _info(base + bname, b))
+                    kept = bname not in transient
+                    buffer_slots.append(UnitState(module, bname, info.name, False, kept, False))
             for cname, child in reversed(module._modules.items()):
                 if child is not None and child not in unit_set and not is_wrapped(child):
                     stack.append((base + cname, child, inside or child in ignored.modules))
-        walked = unit_modules(unit_module, unit_set)
-        modules = [m for i, m in enumerate(walked) if i == 0 or m not in ignored.modules]
-        states = _states(walked, paths, ignored)
-        by_slot = {(id(s.module), s.local): s for s in states}
+        modules, fqns, states = _states(unit_modules(unit_module, unit_set), paths, ignored)
         units.append(
             Unit(
                 fqn=unit_fqn,
@@ -284,9 +282,9 @@ def _plan_units(
                 buffers=tuple(buffers),
                 is_root=unit_module is model,
                 overrides=overrides.get(unit_module, {}),
-                fqns=tuple(clean_name(paths[id(m)]) for m in modules),
-                states=states,
-                owned=tuple(by_slot[slot] for slot in param_slots + buffer_slots),
+                fqns=tuple(fqns),
+                states=tuple(states),
+                owned=(*param_slots, *buffer_slots),
             )
         )
 
@@ -305,25 +303,32 @@ def _plan_units(
 
 
 def _states(
-    modules: list[nn.Module], paths: dict[int, str], ignored: IgnoredStates
-) -> tuple[UnitState, ...]:
-    """Every slot of ``modules`` (a unit's walk, ignored modules below its first included),
-    module by module: parameters, then buffers."""
+    walked: list[nn.Module], paths: dict[int, str], ignored: IgnoredStates
+) -> tuple[list[nn.Module], list[str], list[UnitState]]:
+    """A unit's modules, their clean names, and every slot of ``walked`` (a unit's walk,
+    ignored modules below its first included), module by module: parameters, then buffers."""
+    modules: list[nn.Module] = []
+    fqns: list[str] = []
     states: list[UnitState] = []
-    for i, m in enumerate(modules):
-        path = paths[id(m)]
-        base = f"{path}." if path else ""
+    # Read in place: ``ignored.ignores`` is a call per parameter.
+    ignored_params = ignored.params
+    for i, m in enumerate(walked):
+        fqn = clean_name(paths[id(m)])
         inside = i > 0 and m in ignored.modules
+        if not inside:
+            modules.append(m)
+            fqns.append(fqn)
+        base = f"{fqn}." if fqn else ""  # a state's own name is never a wrapper's
         for local, p in m._parameters.items():
             if p is not None:
-                name = clean_name(base + local)
-                states.append(UnitState(m, local, name, True, True, inside or ignored.ignores(p)))
+                left = inside or (bool(ignored_params) and p in ignored_params)
+                states.append(UnitState(m, local, base + local, True, True, left))
         transient = m._non_persistent_buffers_set
         for local, b in m._buffers.items():
             if b is not None:
-                name = clean_name(base + local)
-                states.append(UnitState(m, local, name, False, local not in transient, inside))
-    return tuple(states)
+                kept = local not in transient
+                states.append(UnitState(m, local, base + local, False, kept, inside))
+    return modules, fqns, states
 
 
 @frozen
