@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fsdp_builder.errors import MaterializationError, config_error
+from fsdp_builder.materializers.known_buffers import KNOWN_BY_NAME
 from fsdp_builder.runtime.tree import local_tensor
 
 # A parent's whole-subtree initializer as a per-parameter rule: the parent's own initializer
@@ -128,8 +129,6 @@ def _known_by_name(cls: type[nn.Module]) -> ModuleInitializer | None:
     """An initializer the library knows for a class of another library (diffusers' positional
     embeddings), by the class's module and name: that library is not imported to register it.
     One registered for the class takes precedence."""
-    from fsdp_builder.materializers.buffers import KNOWN_BY_NAME
-
     return next(
         (
             KNOWN_BY_NAME[key]
