@@ -101,15 +101,6 @@ class ShardFirstInit(Protocol):
         """Put back whatever the scopes kept; called after success or failure."""
 
 
-def run_seeded(
-    module: nn.Module, fqn: str, lineage: Lineage, seed: int, device: torch.device
-) -> None:
-    """The module's initializer under a generator seeded with ``seed`` (restored after)."""
-    with torch.random.fork_rng(devices=fork_devices(device)):
-        seed_generators(seed, device)
-        run_initializer(module, fqn, lineage)
-
-
 @contextlib.contextmanager
 def _watched(modules: list[nn.Module], inner: AbstractContextManager[object]) -> Iterator[None]:
     """``inner``, and :class:`LandedWrites` when a module has a sharded parameter (FSDP2)."""
@@ -127,7 +118,7 @@ class _PerShardSeed:
     device: torch.device
 
     def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
-        # Torch's generators saved once per unit, not per module (as ``run_seeded`` would):
+        # Torch's generators saved once per unit, not per module:
         # each module seeds them itself before its initializer, so the values are the same.
         return _watched(modules, torch.random.fork_rng(devices=fork_devices(self.device)))
 
@@ -358,7 +349,6 @@ __all__ = [
     "ShardFirstInit",
     "ShardFirstReset",
     "ShardFirstRun",
-    "run_seeded",
     "shard_index",
     "shard_seed",
 ]
