@@ -9,9 +9,10 @@ Each revision's ``fsdp_builder`` is taken from git (``git archive``) and read wi
   ``TorchFunctionMode``, and assignments that replace an attribute of another module;
 - error channels besides the agreement: calls of ``broadcast_object_list``,
   ``all_gather_object`` or ``gather_object`` outside ``runtime/agreement.py``;
-- unit-view walks: calls that rebuild a name -> state view of a module subtree
-  (``module_names``, ``owned_states``, ``unit_entries``, ``named_modules``, ``named_parameters``,
-  ``named_buffers``, ``state_dict``) outside the planner (``planning/``);
+- subtree walks: call sites of a walk that names a module subtree's states (``module_names``,
+  ``owned_states``, ``named_modules``, ``named_parameters``, ``named_buffers``, ``state_dict``)
+  outside the planner (``planning/``), whole-model checks, export and the dry run included; the
+  per-unit walks among them are what the unit record replaces;
 - inline list cuts (``[:8]``) and list formatters (functions named like ``*names*`` /
   ``*listed*`` returning a joined string);
 - modules in an import cycle (module-level and function-level imports alike);
@@ -34,7 +35,6 @@ REPO = Path(__file__).resolve().parent.parent
 WALKS = {
     "module_names",
     "owned_states",
-    "unit_entries",
     "named_modules",
     "named_parameters",
     "named_buffers",
@@ -156,7 +156,7 @@ def counts(package: Path) -> tuple[Counter[str], list[str]]:
                 deps.update(a.name for a in node.names)
         name = _module(package, path)
         imports[name] = {d for d in deps if d in modules and d != name}
-    result["unit-view walks outside the planner"] = len(walks)
+    result["subtree-walk call sites outside the planner"] = len(walks)
     result["modules in an import cycle"] = len(_cycles(imports))
     return result, sorted(walks)
 
