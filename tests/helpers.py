@@ -110,3 +110,19 @@ def check_model(
             device=torch.device("cpu"),
         )
     )
+
+
+def assert_reads(source: Any, key: str, full: torch.Tensor, indexes: list[Any]) -> None:
+    """``source``'s ``read`` and ``read_into`` (same dtype, and float64 for a float tensor) of
+    ``key[index]`` for each index equal ``full[index]`` (``full``: the tensor as saved)."""
+    for index in indexes:
+        expected = full[index] if index else full
+        got = source.read(key, index)
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (key, index)
+        into = torch.full_like(expected, 1)
+        source.read_into(key, index, into)
+        assert torch.equal(into, expected), (key, index)
+        if full.is_floating_point():
+            wide = torch.empty(expected.shape, dtype=torch.float64)
+            source.read_into(key, index, wide)
+            assert torch.equal(wide, expected.double()), (key, index)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_reads
 
 import fsdp_builder.sources.hf_safetensors as hf
 
@@ -176,17 +177,7 @@ def test_runs_of_rows_read_what_load_file_reads(
                 indexes += [(slice(0, None, 2),), (slice(1, n, 3),)]
             if full.dim() > 1:
                 indexes += [(slice(2, None), slice(1, 2)), (slice(None), slice(0, 1))]
-            for index in indexes:
-                expected = full[index] if index else full
-                got = source.read(key, index)
-                assert got.dtype == expected.dtype and torch.equal(got, expected), (key, index)
-                into = torch.full_like(expected, 1)
-                source.read_into(key, index, into)
-                assert torch.equal(into, expected), (key, index)
-                if full.is_floating_point():
-                    wide = torch.empty(expected.shape, dtype=torch.float64)
-                    source.read_into(key, index, wide)
-                    assert torch.equal(wide, expected.double()), (key, index)
+            assert_reads(source, key, full, indexes)
     finally:
         source.close()
 

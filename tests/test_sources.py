@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import full_state_dict
+from helpers import assert_reads, full_state_dict
 from isolated import Results, Spawns, run_each, values
 from torch import nn
 
@@ -703,17 +703,7 @@ def test_the_safetensors_reader_is_bit_equal_to_safetensors_load_file(tmp_path: 
                 indexes += [(slice(0, None, 2),)]
             if full.dim() > 1:
                 indexes += [(slice(1, 3), slice(1, 2)), (slice(None), slice(0, 1))]
-            for index in indexes:
-                expected = full[index] if index else full
-                got = source.read(key, index)
-                assert got.dtype == expected.dtype and torch.equal(got, expected), (key, index)
-                into = torch.full_like(expected, 1)
-                source.read_into(key, index, into)
-                assert torch.equal(into, expected), (key, index)
-                if full.is_floating_point():
-                    wide = torch.empty(expected.shape, dtype=torch.float64)
-                    source.read_into(key, index, wide)
-                    assert torch.equal(wide, expected.double()), (key, index)
+            assert_reads(source, key, full, indexes)
     finally:
         source.close()
 
