@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import io
-import subprocess
 import sys
-import tarfile
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.against import extract
+
 WALKS = {
     "module_names",
     "owned_states",
@@ -42,23 +40,6 @@ WALKS = {
 }
 CHANNELS = {"broadcast_object_list", "all_gather_object", "gather_object"}
 MODES = {"TorchDispatchMode", "TorchFunctionMode"}
-
-
-def _extract(rev: str, into: Path) -> tuple[str, Path]:
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", f"{rev}^{{commit}}"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    data = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", commit, "fsdp_builder"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
-    return commit, into / "fsdp_builder"
 
 
 def _called(node: ast.Call) -> str:
@@ -170,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     columns: list[tuple[str, Counter[str], list[str]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, rev in enumerate(args.revs):
-            commit, package = _extract(rev, Path(tmp) / str(i))
-            columns.append((commit, *counts(package)))
+            commit, folder = extract(rev, Path(tmp) / str(i))
+            columns.append((commit[:7], *counts(folder / "fsdp_builder")))
     keys = list(dict.fromkeys(k for _, col, _ in columns for k in col))
     lines = [
         f"`python -m benchmarks.lean_counts {' '.join(args.revs)}`",
