@@ -429,11 +429,14 @@ def test_a_recorded_reads_bytes_and_rows_for_every_stored_dtype(tmp_path: Path) 
     # two values a byte, as a real read takes it.
     from test_safetensors_dtypes import every_dtype
 
-    from fsdp_builder.tools.dryrun import _header, _read_of
+    from fsdp_builder.sources.hf_safetensors import open_file
+    from fsdp_builder.tools.dryrun import _read_of
 
     file = tmp_path / "every.safetensors"
     save_file(every_dtype(), str(file))
-    header = _header(str(file))
+    source = open_file(file)
+    header = dict(source.tensors())
+    source.close()
     for key, full in load_file(str(file)).items():
         rows: list[tuple[Any, tuple[int, int] | None]] = [
             (None, (0, len(full) if full.dim() else 1))
@@ -444,7 +447,7 @@ def test_a_recorded_reads_bytes_and_rows_for_every_stored_dtype(tmp_path: Path) 
             rows.append(((slice(1, None, 3),), None if whole else (0, 0)))  # every third row
             rows.append(((slice(0, 2), slice(1, 3)), None))  # part of each row
         for index, expected in rows:
-            read = _read_of(file, key, index, header)
+            read = _read_of(file, key, index, header[key])
             assert read.nbytes == (full[index] if index else full).nbytes, (key, index)
             assert read.rows == expected, (key, index)
 

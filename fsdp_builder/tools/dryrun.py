@@ -14,7 +14,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -232,18 +232,10 @@ class _NoStorage(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _header(path: str) -> dict[str, TensorMeta]:
-    """Each tensor's shape and dtype in a safetensors file, as the loader's source reads them
-    through safetensors (``safe_open``; a packed dtype as torch holds it, FP4 two to a byte)."""
-    source = SafetensorsSource(f"'{path}'", {Path(path): None})
-    try:
-        return dict(source.tensors())
-    finally:
-        source.close()
-
-
-def _read_of(path: Path, key: str, index: Index | None, header: Mapping[str, TensorMeta]) -> Read:
-    shape, dtype = header[key].shape, header[key].dtype
+def _read_of(path: Path, key: str, index: Index | None, meta: TensorMeta) -> Read:
+    """The read of ``key[index]``, whose shape and dtype the source reads as ``meta`` (a packed
+    dtype as torch holds it, FP4 two to a byte)."""
+    shape, dtype = meta.shape, meta.dtype
     spans = [range(n)[s] for s, n in zip(index or (), shape, strict=False)]
     kept = [len(r) for r in spans] + list(shape[len(spans) :])
     nbytes = math.prod(kept) * dtype.itemsize
@@ -261,8 +253,6 @@ def _recorded_reads(reads: list[Read], mode: _NoStorage) -> Iterator[None]:
     read (file, tensor, the rows it takes) and makes none; sources of other formats read as
     usual. The read's destination counts as written, as the real read writes it: its pages are
     held from then."""
-    header = functools.cache(_header)  # each file's header read once
-
     class Recorded:
         """A safetensors source's listing, its reads recorded instead of made."""
 
@@ -280,8 +270,7 @@ def _recorded_reads(reads: list[Read], mode: _NoStorage) -> Iterator[None]:
             return made
 
         def read_into(self, key: str, index: Index | None, out: torch.Tensor) -> None:
-            path = self.file_of(key)
-            reads.append(_read_of(path, key, index, header(str(path))))
+            reads.append(_read_of(self.file_of(key), key, index, self.tensors()[key]))
             mode.written(out)
 
     def wrap(source: CheckpointSource) -> CheckpointSource:
