@@ -242,7 +242,7 @@ def check_single_device(params: Iterable[nn.Parameter], explicit: bool) -> None:
 
 
 def check_compute_device(
-    params: Iterable[nn.Parameter], device: torch.device, unit: str, rank: int
+    params: Iterable[torch.Tensor], device: torch.device, unit: str, rank: int
 ) -> None:
     """After the move step every managed parameter must be on the compute device."""
     for p in params:

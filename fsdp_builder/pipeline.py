@@ -371,7 +371,7 @@ class _Build:
                     # Else FSDP1 would give them values of its own (reset_parameters) unsaid.
                     raise _left_on_meta(self.materializer, unit, env)
                 params = [t for is_param, t in managed if is_param]
-                check_compute_device(params, env.device, unit.label, env.rank)  # type: ignore[arg-type]
+                check_compute_device(params, env.device, unit.label, env.rank)
 
         def synchronize() -> None:
             with report.measure("synchronize", unit.label, env.device, logger) as m:

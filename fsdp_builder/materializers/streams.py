@@ -447,14 +447,12 @@ class _StreamedInit:
         drew meanwhile. Torch's are seeded alike for ops that take no generator."""
         watch, draws = self.watch, self.draws
         watch.stopped = None
-        try:
+        with contextlib.suppress(_ShardOp):
             for d in done:
                 seed = derived_seed(self.seed, d.fqn)
                 seed_generators(seed, self.env.device)
                 draws.reseed(seed)
                 run_initializer(d.module, d.fqn, d.lineage)
-        except _ShardOp:
-            pass
         return watch.stopped
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:

@@ -387,7 +387,7 @@ def scatter_unit_state(
     layouts: dict[tuple[int, tuple[Any, ...]], _Layout] = {}
     params: list[tuple[DTensor, _Layout, torch.Tensor | None]] = []
     with torch.no_grad():
-        for info, state in zip(unit.params, unit.owned, strict=False):
+        for info, state in zip(unit.params, unit.owned[: len(unit.params)], strict=True):
             param = state.tensor
             if not isinstance(param, DTensor):
                 raise MaterializationError(
