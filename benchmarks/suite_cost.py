@@ -14,6 +14,12 @@ runs, the processes it started are sampled every 0.1 s: how many are running or 
 core (state R), against the machine's cores.
 
     python -m benchmarks.suite_cost --whole --repeats 2 --out-whole FILE.md
+
+``--whole --against REV``: the default test command as it is, in this checkout and in a
+worktree of git revision REV (its tests and its library: that tree first on ``PYTHONPATH``),
+alternated; the before/after of a change to how the suite runs.
+
+    python -m benchmarks.suite_cost --whole --against REV --repeats 1 --out-whole FILE.md
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,9 +77,10 @@ def _descendants(root: int) -> list[str]:
     return found
 
 
-def whole(shared: bool) -> dict[str, float]:
-    """One run of the default test command; ``shared``: launches share the cores (the default)."""
-    env = dict(os.environ)
+def whole(shared: bool, root: Path = ROOT) -> dict[str, float]:
+    """One run of the default test command in ``root``; ``shared``: launches share the cores
+    (the default)."""
+    env = dict(os.environ, PYTHONPATH=str(root))
     if not shared:
         env["FSDP_BUILDER_RANK_SLOTS"] = ""
     else:
@@ -81,7 +89,7 @@ def whole(shared: bool) -> dict[str, float]:
     started = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        cwd=ROOT,
+        cwd=root,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -103,21 +111,43 @@ def whole(shared: bool) -> dict[str, float]:
     }
 
 
-def main_whole(repeats: int, out: Path | None) -> None:
-    runs: list[tuple[str, dict[str, float]]] = []
-    for repeat in tqdm(range(repeats), desc="whole suite"):
-        ways = [("shared", True), ("not shared", False)]
-        for name, shared in ways if repeat % 2 == 0 else ways[::-1]:
-            runs.append((name, whole(shared)))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+def _short(rev: str) -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
+
+
+def main_whole(repeats: int, out: Path | None, against: str | None = None) -> None:
+    runs: list[tuple[str, dict[str, float]]] = []
+    commit = _short("HEAD")
+    with tempfile.TemporaryDirectory() as tmp:
+        other = Path(tmp) / "tree"
+        if against is not None:
+            subprocess.run(
+                ["git", "worktree", "add", "--detach", str(other), against],
+                cwd=ROOT, check=True, capture_output=True,
+            )  # fmt: skip
+        try:
+            for repeat in tqdm(range(repeats), desc="whole suite"):
+                ways = (
+                    [("shared", True, ROOT), ("not shared", False, ROOT)]
+                    if against is None
+                    else [(f"`{commit}`", True, ROOT), (f"`{_short(against)}`", True, other)]
+                )
+                for name, shared, root in ways if repeat % 2 == 0 else ways[::-1]:
+                    runs.append((name, whole(shared, root)))
+        finally:
+            if against is not None:
+                subprocess.run(
+                    ["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, check=False
+                )
+    given = f" --against {against}" if against else ""
     lines = [
-        f"`python -m benchmarks.suite_cost --whole --repeats {repeats}` at `{commit}`, "
+        f"`python -m benchmarks.suite_cost --whole{given} --repeats {repeats}` at `{commit}`, "
         f"{os.cpu_count()} cores. Running: processes the command started that were running or "
         "waiting for a core, sampled every 0.1 s.",
         "",
-        "| way | exit | wall s | CPU s | running, mean | running, max | samples above the cores |",
+        "| run | exit | wall s | CPU s | running, mean | running, max | samples above the cores |",
         "|---|---|---|---|---|---|---|",
         *(
             f"| {name} | {r['exit']:.0f} | {r['wall']:.0f} | {r['cpu']:.0f} | "
@@ -138,9 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--whole", action="store_true", help="the whole command, both ways")
     parser.add_argument("--repeats", type=int, default=2, help="--whole runs per way")
     parser.add_argument("--out-whole", type=Path, default=None, help="--whole's table")
+    parser.add_argument("--against", default=None, help="--whole: this tree against REV's")
     args = parser.parse_args(argv)
     if args.whole:
-        main_whole(args.repeats, args.out_whole)
+        main_whole(args.repeats, args.out_whole, args.against)
         return
     files = args.files or sorted((ROOT / "tests").glob("test_*.py"))
     rows = []

@@ -12,13 +12,13 @@ import structlog
 import torch.distributed as dist
 from isolated import PRELOAD
 
-from fsdp_builder.tools.launch import RANK_SLOTS
+from fsdp_builder.tools.launch import RANK_SLOTS, own_cores
 
 
 def pytest_configure(config: pytest.Config) -> None:
     multiprocessing.set_forkserver_preload(PRELOAD)
-    # The workers of one run share the cores: their launches (and the CLI processes they start)
-    # wait for each other instead of running more ranks than cores at once.
+    # The workers of one run share the cores: a test holds one while it runs (``_cores``), a
+    # launch one per rank while its ranks run, so no more processes run than cores at once.
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
     os.environ.setdefault(RANK_SLOTS, os.path.join(tempfile.gettempdir(), f"fsdp-ranks-{run}"))
 
@@ -31,6 +31,18 @@ def world1() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _cores(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test holds a core while it runs (a launch it makes hands it back while its ranks
+    run). A test marked ``cores(n)`` holds n, and what it starts (torchrun, the command line)
+    runs on those without asking for its own."""
+    marker = request.node.get_closest_marker("cores")
+    with own_cores(marker.args[0] if marker else 1):
+        if marker:
+            monkeypatch.delenv(RANK_SLOTS, raising=False)
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,9 @@ import pytest
 from benchmarks.report import targets
 from fsdp_builder.tools.cli import main
 
+# What these tests start runs ranks (torchrun, the command line, the harness) on both cores.
+pytestmark = pytest.mark.cores(2)
+
 RANK_FIELDS = {"rank", "seconds", "peak_bytes", "baseline_bytes", "comm_bytes", "checksum"}
 RECORD_FIELDS = {
     "recipe", "family", "job", "size", "params", "model_bytes", "largest_unit_bytes",

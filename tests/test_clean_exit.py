@@ -18,6 +18,9 @@ import torch.distributed as dist
 from fsdp_builder import FullyShardBuilder, CPUDevice
 from fsdp_builder.tools.launch import end_process_group
 
+# What these tests start runs ranks (torchrun, the command line, the harness) on both cores.
+pytestmark = pytest.mark.cores(2)
+
 
 def main() -> None:
     dist.init_process_group("gloo")

@@ -16,6 +16,9 @@ from helpers import deterministic_model, reference
 from fsdp_builder.tools.cli import DEMO_SEED, build_parser, main
 from fsdp_builder.tools.demo import DemoConfig
 
+# What these tests start runs ranks (torchrun, the command line, the harness) on both cores.
+pytestmark = pytest.mark.cores(2)
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -1,6 +1,7 @@
 """``run_ranks``' shared cores: with ``$FSDP_BUILDER_RANK_SLOTS`` set, a launch holds its share
-of the machine's cores (lock files) while its ranks run, so launches from several processes (the
-test run's workers) never start more ranks than cores at once."""
+of the machine's cores (lock files) while its ranks run, and a test holds one while it runs
+(handed back while a launch of its own runs), so the test run's workers and their launches
+never run more processes than cores at once."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_builder.tools.launch import RANK_SLOTS, rank_slots, run_ranks
+import fsdp_builder.tools.launch as launch
+from fsdp_builder.tools.launch import RANK_SLOTS, own_cores, rank_slots, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,3 +62,61 @@ def test_ranks_run_while_their_launch_holds_the_slots(
     views = run_ranks(_rank_view, 2, prefix, timeout=90)
     assert views == [(None, True), (None, True)]
     assert not _locked(Path(f"{prefix}.0"))
+
+
+def _held(prefix: Path, cores: int) -> list[bool]:
+    return [_locked(Path(f"{prefix}.{i}")) for i in range(cores)]
+
+
+def test_a_launch_hands_back_its_process_core_while_its_ranks_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = tmp_path / "slots"
+    monkeypatch.setenv(RANK_SLOTS, str(prefix))
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    # This test's own cores, not the run's: those are set aside until it ends.
+    cores = launch._CORES
+    saved = cores.own, cores.prefix
+    cores.own = []
+    try:
+        with own_cores() as own:
+            assert own == 1
+            assert _held(prefix, 3) == [True, False, False]
+            with rank_slots(3) as held:  # all three: the process's own core among them
+                assert held == 3
+                assert cores.own == []
+            assert _held(prefix, 3) == [True, False, False]
+            with own_cores() as again:  # held already: nothing more
+                assert again == 0
+        assert _held(prefix, 3) == [False, False, False]
+    finally:
+        cores.own, cores.prefix = saved
+
+
+def test_a_launch_that_cannot_have_its_cores_starts_with_those_it_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A core that never comes free (a process waiting for this launch holds it) delays the
+    launch by SLOT_WAIT_SECONDS, then it starts with the others."""
+    prefix = tmp_path / "slots"
+    monkeypatch.setenv(RANK_SLOTS, str(prefix))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launch, "SLOT_WAIT_SECONDS", 0.2)
+    with open(f"{prefix}.0", "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with rank_slots(2) as held:
+            assert held == 1
+            assert _locked(Path(f"{prefix}.1"))
+
+
+def test_a_test_holds_a_core_while_it_runs() -> None:
+    """The test run's own setting: this test holds one core of the run's slots."""
+    if not launch._slot_prefix():
+        pytest.skip("the run shares no cores here (no flock)")
+    assert len(launch._CORES.own) == 1
+
+
+@pytest.mark.cores(2)
+def test_a_test_marked_with_cores_holds_them_and_its_children_take_none() -> None:
+    assert len(launch._CORES.own) == min(2, os.cpu_count() or 1)
+    assert RANK_SLOTS not in os.environ

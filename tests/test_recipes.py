@@ -15,6 +15,9 @@ import pytest
 from isolated import Results, Spawns, run_each, values
 from models import RECIPES, recipe_module
 
+# What these tests start runs ranks (torchrun, the command line, the harness) on both cores.
+pytestmark = pytest.mark.cores(2)
+
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 TESTED = {

@@ -14,38 +14,124 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import IO, Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
-# Set to a path prefix, launches from many processes (a test run's workers) share the machine's
-# cores: each holds min(ranks, cores) of the lock files PREFIX.0, PREFIX.1, ... while its ranks
-# run, so no more ranks than cores run at once.
+# Set to a path prefix, the processes of one run (a test run's workers and what they start)
+# share the machine's cores: one lock file PREFIX.<n> per core, and PREFIX.gate. A process doing
+# its own work holds a core (``own_cores``); a launch holds min(ranks, cores) while its ranks
+# run, and hands back its process's own cores meanwhile (that process only waits for its
+# ranks). Cores are taken only behind the gate, one taker at a time: none waits for a taker,
+# and a launch waiting for its cores gets the next that comes free.
 RANK_SLOTS = "FSDP_BUILDER_RANK_SLOTS"
+
+# A launch waiting longer than this for its cores starts with those it holds: a core held by a
+# process that waits for this launch (one that started it as a subprocess while holding a core)
+# would otherwise never come free.
+SLOT_WAIT_SECONDS = 120.0
+
+
+@attrs.define
+class _Cores:
+    """The cores this process holds for its own work (``own_cores``), and of which slots."""
+
+    own: list[IO[str]] = attrs.Factory(list)
+    prefix: str = ""
+
+
+_CORES = _Cores()
+
+
+def _slot_prefix() -> str | None:
+    prefix = os.environ.get(RANK_SLOTS)
+    return prefix if prefix and sys.platform.startswith("linux") else None
+
+
+def _try_lock(path: str) -> IO[str] | None:
+    """``path``'s lock, on a file of its own (closing it releases the lock); None when another
+    file holds it."""
+    import fcntl
+
+    f = open(path, "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def _take(prefix: str, count: int, wait: float | None = None) -> list[IO[str]]:
+    """The locks of ``count`` cores (at most every core), behind the gate; past ``wait``
+    seconds (None: no limit) those held so far."""
+    import fcntl
+
+    cores = os.cpu_count() or 1
+    want = min(count, cores)
+    held: dict[int, IO[str]] = {}
+    deadline = None if wait is None else time.monotonic() + wait
+    with open(f"{prefix}.gate", "a") as gate:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        while len(held) < want:
+            for slot in range(cores):
+                if slot not in held and len(held) < want:
+                    if (f := _try_lock(f"{prefix}.{slot}")) is not None:
+                        held[slot] = f
+            if len(held) == want or (deadline is not None and time.monotonic() > deadline):
+                break
+            # Polled, not blocked on one core: any core may come free first, and a wait with
+            # a limit must be able to end.
+            time.sleep(0.005)
+    return list(held.values())
+
+
+@contextlib.contextmanager
+def own_cores(count: int = 1) -> Iterator[int]:
+    """Hold ``count`` of the cores named by ``$FSDP_BUILDER_RANK_SLOTS`` for this process's own
+    work (a test running in it, and what it starts that does not take cores itself), waiting
+    for them; yields how many are held: 0 when the variable is unset, the platform has no
+    ``flock``, or this process holds its own already. A launch from this process hands them back
+    while its ranks run."""
+    prefix = _slot_prefix()
+    if prefix is None or _CORES.own:
+        yield 0
+        return
+    _CORES.own, _CORES.prefix = _take(prefix, count), prefix
+    try:
+        yield len(_CORES.own)
+    finally:
+        own, _CORES.own = _CORES.own, []
+        for f in own:
+            f.close()
 
 
 @contextlib.contextmanager
 def rank_slots(world_size: int) -> Iterator[int]:
-    """Hold this launch's share of the cores named by ``$FSDP_BUILDER_RANK_SLOTS`` (blocking,
-    in index order, so launches cannot deadlock); yields how many are held, 0 when the variable
-    is unset or the platform has no ``flock``."""
-    prefix = os.environ.get(RANK_SLOTS)
-    if not prefix or not sys.platform.startswith("linux"):
+    """Hold this launch's share of the cores named by ``$FSDP_BUILDER_RANK_SLOTS`` while its
+    ranks run, this process's own cores handed back meanwhile; yields how many are held: 0 when
+    the variable is unset or the platform has no ``flock``, fewer than asked after
+    ``SLOT_WAIT_SECONDS``."""
+    prefix = _slot_prefix()
+    if prefix is None:
         yield 0
         return
-    import fcntl
-
-    held: list[Any] = []
+    own: list[IO[str]] = []
+    if _CORES.prefix == prefix:
+        own, _CORES.own = _CORES.own, []
+    for f in own:
+        f.close()
+    held: list[IO[str]] = []
     try:
-        for slot in range(min(world_size, os.cpu_count() or 1)):
-            f = open(f"{prefix}.{slot}", "a")  # closed below
-            held.append(f)
-            fcntl.flock(f, fcntl.LOCK_EX)
+        held = _take(prefix, world_size, wait=SLOT_WAIT_SECONDS)
         yield len(held)
     finally:
-        for f in reversed(held):
-            f.close()  # closing the descriptor releases its lock
+        for f in held:
+            f.close()
+        if own:
+            _CORES.own = _take(prefix, len(own))
 
 
 class RankFailure(RuntimeError):
