@@ -55,8 +55,9 @@ def cost(test_file: Path) -> tuple[float, float, int]:
     return cpu, wall, done.returncode
 
 
-def _descendants(root: int) -> list[str]:
-    """The states (R, S, D, ...) of ``root``'s descendant processes, read from /proc."""
+def _descendants(root: int) -> list[tuple[str, int]]:
+    """The state (R, S, D, ...) of each of ``root``'s descendant processes, with the child of
+    ``root`` it descends from (a test worker), read from /proc."""
     parents: dict[int, int] = {}
     states: dict[int, str] = {}
     for entry in os.listdir("/proc"):
@@ -69,11 +70,11 @@ def _descendants(root: int) -> list[str]:
         # The command name is in parentheses and may hold spaces: split after its last ")".
         fields = stat[stat.rindex(")") + 2 :].split()
         states[int(entry)], parents[int(entry)] = fields[0], int(fields[1])
-    found, frontier = [], {root}
+    found: list[tuple[str, int]] = []
+    frontier = {pid: pid for pid, parent in parents.items() if parent == root}
     while frontier:
-        children = {pid for pid, parent in parents.items() if parent in frontier}
-        found += [states[pid] for pid in children]
-        frontier = children
+        found += [(states[pid], top) for pid, top in frontier.items()]
+        frontier = {pid: frontier[parent] for pid, parent in parents.items() if parent in frontier}
     return found
 
 
@@ -95,12 +96,17 @@ def whole(shared: bool, root: Path = ROOT) -> dict[str, float]:
         stderr=subprocess.DEVNULL,
     )
     running: list[int] = []
+    # Samples above the cores with processes of both workers running: what sharing the cores
+    # prevents (one test's launch of more ranks than cores is above them on its own).
+    shared_over = 0
+    cores = os.cpu_count() or 1
     while proc.poll() is None:
-        running.append(sum(state == "R" for state in _descendants(proc.pid)))
+        busy = [top for state, top in _descendants(proc.pid) if state == "R"]
+        running.append(len(busy))
+        shared_over += len(busy) > cores and len(set(busy)) > 1
         time.sleep(0.1)  # a sampling period, not a synchronization
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cores = os.cpu_count() or 1
     return {
         "exit": float(proc.returncode),
         "wall": wall,
@@ -108,6 +114,7 @@ def whole(shared: bool, root: Path = ROOT) -> dict[str, float]:
         "running_mean": sum(running) / max(len(running), 1),
         "running_max": float(max(running, default=0)),
         "over_cores": sum(n > cores for n in running) / max(len(running), 1),
+        "over_cores_shared": shared_over / max(len(running), 1),
     }
 
 
@@ -147,11 +154,13 @@ def main_whole(repeats: int, out: Path | None, against: str | None = None) -> No
         f"{os.cpu_count()} cores. Running: processes the command started that were running or "
         "waiting for a core, sampled every 0.1 s.",
         "",
-        "| run | exit | wall s | CPU s | running, mean | running, max | samples above the cores |",
-        "|---|---|---|---|---|---|---|",
+        "| run | exit | wall s | CPU s | running, mean | running, max | samples above the cores "
+        "| samples above the cores with both workers' processes running |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {name} | {r['exit']:.0f} | {r['wall']:.0f} | {r['cpu']:.0f} | "
-            f"{r['running_mean']:.2f} | {r['running_max']:.0f} | {100 * r['over_cores']:.0f} % |"
+            f"{r['running_mean']:.2f} | {r['running_max']:.0f} | {100 * r['over_cores']:.0f} % | "
+            f"{100 * r['over_cores_shared']:.0f} % |"
             for name, r in runs
         ),
     ]

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+# Each job's ranks run on the cores this test holds.
+pytestmark = pytest.mark.cores(2)
+
 JOB = """
 import torch
 import torch.distributed as dist
 
 from fsdp_builder import FullyShardBuilder, CPUDevice
 from fsdp_builder.tools.launch import end_process_group
-
-# What these tests start runs ranks (torchrun, the command line, the harness) on both cores.
-pytestmark = pytest.mark.cores(2)
 
 
 def main() -> None:
