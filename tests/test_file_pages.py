@@ -1,10 +1,14 @@
-"""The pages of a safetensors file that a source's reads keep mapped: each read is copied in runs
-of rows spanning at most ``_MAPPED_BYTES`` of the file, and the file is unmapped after each run
-(it opens again at the next), so about one run is mapped while a rank reads and none between
-reads; the data read stays that of ``safetensors.torch.load_file``."""
+"""How a safetensors source reads, and the pages of the file it keeps mapped. Whole rows of a
+dtype stored as torch stores it, into a contiguous tensor of that dtype (a rank's rows of a
+checkpoint in the model's dtype), are positional reads of exactly those bytes: nothing is mapped.
+Every other read (a converted dtype, a column slice, strided rows, FP8) goes through safetensors'
+``get_slice``, copied in runs of rows spanning at most ``_MAPPED_BYTES`` of the file, the file
+unmapped after each run (it opens again at the next): about one run is mapped while a rank reads
+and none between reads. The data read stays that of ``safetensors.torch.load_file``."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -44,6 +48,17 @@ def big(tmp_path: Path) -> Path:
     return file
 
 
+def _converted(
+    source: hf.SafetensorsSource, key: str, index: tuple[slice, ...] | None = None
+) -> torch.Tensor:
+    """``key[index]`` read into a float64 tensor: a converting read, through the mapping."""
+    meta = source.tensors()[key]
+    shape = tuple(len(range(n)[s]) for s, n in zip(index or (), meta.shape, strict=False))
+    out = torch.empty((*shape, *meta.shape[len(shape) :]), dtype=torch.float64)
+    source.read_into(key, index, out)
+    return out
+
+
 class Samples:
     """RssFile just before each unmap, when a run's pages are all still mapped (the most a read
     holds), above the level at the last :meth:`restart`."""
@@ -78,9 +93,9 @@ def samples(monkeypatch: pytest.MonkeyPatch) -> Samples:
 def test_a_read_of_many_mib_maps_about_one_run(
     big: Path, samples: Samples, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Four reads of 16 MiB each (a large unit's whole tensors) in runs of 1 MiB here: at most
-    the run and the pages the kernel maps around it are mapped at once, not 16 MiB, and nothing
-    once the reads are done."""
+    """Four reads of 16 MiB each (a large unit's whole tensors, converted to float64 so that they
+    go through the mapping) in runs of 1 MiB here: at most the run and the pages the kernel maps
+    around it are mapped at once, not 16 MiB, and nothing once the reads are done."""
     from safetensors.torch import load_file
 
     monkeypatch.setattr(hf, "_MAPPED_BYTES", 1 * MIB)
@@ -89,11 +104,11 @@ def test_a_read_of_many_mib_maps_about_one_run(
         source = hf.open_file(big)
         samples.restart()
         try:
-            got = {key: source.read(key) for key in expected}
+            got = {key: _converted(source, key) for key in expected}
             after = _rss_file() - samples.start
         finally:
             source.close()
-    assert all(torch.equal(got[key], expected[key]) for key in expected)
+    assert all(torch.equal(got[key], expected[key].double()) for key in expected)
     assert len(samples.seen) >= 4 * 16, "a 16 MiB read is copied in runs of at most 1 MiB"
     most = max(samples.seen)
     assert most < 5 * MIB, f"{most / MIB:.1f} MiB of the file mapped at once"
@@ -113,7 +128,7 @@ def test_the_measure_sees_a_read_that_keeps_its_pages(
     samples.restart()
     try:
         for key in source.tensors():
-            source.read(key)
+            _converted(source, key)
     finally:
         source.close()
     assert max(samples.seen) > 48 * MIB, f"only {max(samples.seen) / MIB:.1f} MiB mapped"
@@ -121,9 +136,9 @@ def test_the_measure_sees_a_read_that_keeps_its_pages(
 
 @needs_proc
 def test_small_reads_spread_over_a_file_leave_nothing_mapped(tmp_path: Path) -> None:
-    """One-row reads 4 MiB apart: each maps the page-cache folio around its row, far more than
-    its 4 KiB, until the file is unmapped, which each read ends with. Between reads, and after
-    the source is opened, the file is not mapped at all."""
+    """One-row reads 4 MiB apart, converted (through the mapping): each maps the page-cache folio
+    around its row, far more than its 4 KiB, until the file is unmapped, which each read ends
+    with. Between reads, and after the source is opened, the file is not mapped at all."""
     from safetensors.torch import save_file
 
     file = tmp_path / "spread.safetensors"
@@ -135,8 +150,10 @@ def test_small_reads_spread_over_a_file_leave_nothing_mapped(tmp_path: Path) -> 
         try:
             for key in source.tensors():
                 for first in range(0, 4096, 1024):
-                    got = source.read(key, (slice(first, first + 1),))
-                    assert torch.equal(got, torch.full((1, 1024), float(key[1:])))
+                    got = _converted(source, key, (slice(first, first + 1),))
+                    assert torch.equal(
+                        got, torch.full((1, 1024), float(key[1:]), dtype=torch.float64)
+                    )
                     most = max(most, _rss_file() - before)
                     assert not _mapped(file), "a read left its file mapped"
         finally:
@@ -194,14 +211,15 @@ def test_a_destination_of_another_shape_is_refused_before_any_read(big: Path) ->
 def test_threads_reading_one_source_read_the_file(
     big: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Several threads reading rows of one source at once: each run's unmap drops the handle
-    another thread may be copying from, whose part keeps the mapping until its copy is done."""
+    """Several threads reading rows of one source at once through the mapping (converted): each
+    run's unmap drops the handle another thread may be copying from, whose part keeps the
+    mapping until its copy is done."""
     from safetensors.torch import load_file
 
     monkeypatch.setattr(hf, "_MAPPED_BYTES", 256 << 10)
     expected = load_file(str(big))
     source = hf.open_file(big)
-    outs = {key: torch.empty(4096, 1024) for key in expected}
+    outs = {key: torch.empty(4096, 1024, dtype=torch.float64) for key in expected}
     errors: list[BaseException] = []
 
     def read(key: str) -> None:
@@ -222,4 +240,94 @@ def test_threads_reading_one_source_read_the_file(
         source.close()
     assert not errors, errors
     assert not any(thread.is_alive() for thread in threads)
-    assert all(torch.equal(outs[key], expected[key]) for key in expected)
+    assert all(torch.equal(outs[key], expected[key].double()) for key in expected)
+
+
+needs_preadv = pytest.mark.skipif(not hf._POSITIONAL, reason="no os.preadv, or big-endian")
+
+
+@needs_proc
+@needs_preadv
+def test_whole_rows_of_a_plain_dtype_are_positional_reads_of_their_bytes(
+    big: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's rows in the stored dtype: only their bytes are read, nothing goes through
+    safetensors' slices, and the file is never mapped."""
+    from safetensors.torch import load_file
+
+    # Copies: load_file's tensors may view a mapping of the file, which would be seen below.
+    expected = {key: tensor.clone() for key, tensor in load_file(str(big)).items()}
+    assert not _mapped(big)
+    read: list[int] = []
+    preadv = os.preadv
+
+    def counted(fd: int, buffers: list[memoryview], offset: int) -> int:
+        got = preadv(fd, buffers, offset)
+        read.append(got)
+        assert not _mapped(big), "the file is mapped during a positional read"
+        return got
+
+    def no_slices(self: hf._File, key: str, index: object) -> torch.Tensor:
+        raise AssertionError(f"'{key}' went through get_slice")
+
+    monkeypatch.setattr(os, "preadv", counted)
+    monkeypatch.setattr(hf._File, "part", no_slices)
+    source = hf.open_file(big)
+    try:
+        got = source.read("w1", (slice(100, 612),))
+        out = torch.empty(4096, 1024)
+        source.read_into("w2", None, out)
+    finally:
+        source.close()
+    assert torch.equal(got, expected["w1"][100:612])
+    assert torch.equal(out, expected["w2"])
+    assert sum(read) == (512 + 4096) * 1024 * 4
+    assert not _mapped(big)
+
+
+@needs_preadv
+def test_other_reads_go_through_safetensors_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A converted dtype, a column slice, strided rows and a non-contiguous destination are read
+    through get_slice, with the values of ``load_file``."""
+    from safetensors.torch import load_file, save_file
+
+    file = tmp_path / "other.safetensors"
+    save_file({"w": torch.randn(64, 32, generator=torch.Generator().manual_seed(0))}, str(file))
+    want = load_file(str(file))["w"]
+    parts: list[str] = []
+    part = hf._File.part
+
+    def counted(self: hf._File, key: str, index: hf.Index | None) -> torch.Tensor:
+        parts.append(key)
+        return part(self, key, index)
+
+    monkeypatch.setattr(os, "preadv", lambda *a: pytest.fail("a positional read"))
+    monkeypatch.setattr(hf._File, "part", counted)
+    source = hf.open_file(file)
+    try:
+        assert torch.equal(_converted(source, "w"), want.double())
+        assert torch.equal(source.read("w", (slice(None), slice(3, 9))), want[:, 3:9])
+        assert torch.equal(source.read("w", (slice(0, None, 2),)), want[0::2])
+        out = torch.empty(32, 64).t()  # not contiguous
+        source.read_into("w", None, out)
+        assert torch.equal(out, want)
+    finally:
+        source.close()
+    assert len(parts) >= 4
+
+
+@needs_preadv
+def test_a_file_cut_short_after_opening_is_refused_by_name(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    file = tmp_path / "short.safetensors"
+    save_file({"w": torch.ones(256, 256)}, str(file))
+    source = hf.open_file(file)
+    try:
+        os.truncate(file, file.stat().st_size - 4096)
+        with pytest.raises(hf.SourceError, match=r"short\.safetensors' ends before 'w' does"):
+            source.read("w")
+    finally:
+        source.close()

@@ -1,12 +1,15 @@
 """Safetensors checkpoints: one ``.safetensors`` file, or a Hugging Face folder whose
-``*.safetensors.index.json`` says which shard file holds each tensor, read through safetensors'
-own ``safe_open`` / ``get_slice``: every dtype it reads, only the rows asked for."""
+``*.safetensors.index.json`` says which shard file holds each tensor, opened with safetensors'
+own ``safe_open``: every dtype it reads, only the rows asked for. Whole rows in the stored dtype
+are positional reads into the destination; the rest is read through ``get_slice``."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import struct
+import sys
 from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any
@@ -29,14 +32,29 @@ from fsdp_builder.sources.base import (
 log = get_logger(__name__)
 
 # safe_open maps its file (privately, never written) and its slices view the mapping: the pages
-# a read touches count as the process's memory for as long as the file stays mapped, and the
-# kernel maps more than the rows asked for (the page-cache folio around each fault, up to a huge
-# page). A source copies a read in runs of rows spanning at most _MAPPED_BYTES of the file and
-# unmaps the file after each run (drops its handle and slices; the next read opens it again):
-# a rank holds about one run of the checkpoint mapped while it reads, and none between reads,
-# whatever the size of a read or of its share of a file (benchmarks/results/file_pages.md). The
-# page cache keeps the data either way; a smaller run reopens the file more often.
+# a read through get_slice touches count as the process's memory for as long as the file stays
+# mapped, and the kernel maps more than the rows asked for (the page-cache folio around each
+# fault, up to a huge page). A source copies such a read in runs of rows spanning at most
+# _MAPPED_BYTES of the file and unmaps the file after each run (drops its handle and slices; the
+# next read opens it again): a rank holds about one run of the checkpoint mapped while it reads,
+# and none between reads, whatever the size of a read or of its share of a file
+# (benchmarks/results/file_pages.md). The page cache keeps the data either way; a smaller run
+# reopens the file more often.
 _MAPPED_BYTES = 2 << 20
+
+# Whole rows of a dtype stored as torch stores it, read into a contiguous tensor of that dtype (a
+# rank's rows in the model's dtype: nearly every byte of a load), are positional reads of the
+# rows' bytes straight into it: nothing is mapped and each byte is copied once. Kept beside
+# get_slice for its A/B on the rank-local load (benchmarks/results/reader_ab.md: 11 % of the
+# load's time against the same load by hand, no file-backed pages). Their offsets come from the
+# file's header, which safe_open has already checked; anything else goes through get_slice.
+_PLAIN = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+_POSITIONAL = hasattr(os, "preadv") and sys.byteorder == "little"
+_MAX_READ = 1 << 30  # one read(2) moves at most about 2 GiB on Linux
 
 
 class _File:
@@ -49,6 +67,25 @@ class _File:
         # Keys of a dtype safetensors reads whole but does not slice (packed FP4): their rows
         # are taken from the whole tensor, itself a view of the mapping.
         self.whole: set[str] = set()
+        # Each tensor's stored dtype name and first byte, from the header (read on first use).
+        self.offsets: dict[str, tuple[str, int]] | None = None
+
+    def offset_of(self, key: str) -> tuple[str, int] | None:
+        """``key``'s stored dtype name and first byte in the file; None where the header
+        cannot be read here (the read then goes through get_slice)."""
+        if self.offsets is None:
+            try:
+                with open(self.path, "rb") as f:
+                    (length,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(length))
+                self.offsets = {
+                    k: (str(v["dtype"]), 8 + length + int(v["data_offsets"][0]))
+                    for k, v in header.items()
+                    if k != "__metadata__"
+                }
+            except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+                self.offsets = {}
+        return self.offsets.get(key)
 
     @property
     def handle(self) -> Any:
@@ -175,9 +212,12 @@ class SafetensorsSource:
         self._copy(key, index, out)
 
     def _copy(self, key: str, index: Index | None, out: torch.Tensor) -> None:
-        """``out.copy_(key[index])``, in runs of rows each spanning at most _MAPPED_BYTES of the
-        file (one row where a row is larger), the file unmapped after each."""
+        """``out.copy_(key[index])``: positional reads where they apply, else in runs of rows each
+        spanning at most _MAPPED_BYTES of the file (one row where a row is larger), the file
+        unmapped after each."""
         file, meta = self._where[key], self._meta[key]
+        if _positional(file, key, meta, index, out):
+            return None
         if not out.dim():
             return self._run(file, key, index, out)
         row = math.prod(meta.shape[1:]) * meta.dtype.itemsize
@@ -200,6 +240,36 @@ class SafetensorsSource:
 
     def close(self) -> None:
         self._files, self._where = [], {}
+
+
+def _positional(
+    file: _File, key: str, meta: TensorMeta, index: Index | None, out: torch.Tensor
+) -> bool:
+    """Read ``key[index]`` into ``out`` with positional reads where ``index`` takes whole rows
+    (a slice of step 1 on the first dim) of a plain dtype, into a contiguous CPU tensor of that
+    dtype; False (nothing read) elsewhere."""
+    if not _POSITIONAL or out.device.type != "cpu" or not out.is_contiguous():
+        return False
+    if not all(isinstance(s, slice) for s in index or ()) or not meta.shape:
+        return False
+    found = file.offset_of(key)
+    if found is None or _PLAIN.get(found[0]) is not out.dtype or out.dtype != meta.dtype:
+        return False
+    first, _, step = index[0].indices(meta.shape[0]) if index else (0, meta.shape[0], 1)
+    rest = zip((index or ())[1:], meta.shape[1:], strict=False)
+    whole = all(s.indices(n) == (0, n, 1) for s, n in rest)
+    if step != 1 or not whole:
+        return False
+    row = math.prod(meta.shape[1:]) * out.element_size()
+    view = out.detach().reshape(-1).view(torch.uint8).numpy().data
+    with open(file.path, "rb", buffering=0) as f:
+        done, offset = 0, found[1] + first * row
+        while done < len(view):
+            got = os.preadv(f.fileno(), [view[done : done + _MAX_READ]], offset + done)
+            if got <= 0:
+                raise SourceError(f"'{file.path}' ends before '{key}' does")
+            done += got
+    return True
 
 
 def _unreadable(describe: str, file: Path, exc: BaseException) -> str:
