@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,19 +29,32 @@ def _locked(path: Path) -> bool:
         return False
 
 
-def test_a_launch_holds_one_slot_per_rank_up_to_the_cores(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    prefix = tmp_path / "slots"
-    monkeypatch.setenv(RANK_SLOTS, str(prefix))
-    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+def _held(prefix: Path, cores: int) -> list[bool]:
+    return [_locked(Path(f"{prefix}.{i}")) for i in range(cores)]
+
+
+@pytest.fixture()
+def slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[int], Path]:
+    """Slots of a machine of ``cores`` cores, in this test's own folder."""
+
+    def make(cores: int) -> Path:
+        prefix = tmp_path / "slots"
+        monkeypatch.setenv(RANK_SLOTS, str(prefix))
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        return prefix
+
+    return make
+
+
+def test_a_launch_holds_one_slot_per_rank_up_to_the_cores(slots: Callable[[int], Path]) -> None:
+    prefix = slots(3)
     with rank_slots(2) as held:
         assert held == 2
-        assert [_locked(Path(f"{prefix}.{i}")) for i in range(3)] == [True, True, False]
-    assert not any(_locked(Path(f"{prefix}.{i}")) for i in range(3))
+        assert _held(prefix, 3) == [True, True, False]
+    assert _held(prefix, 3) == [False, False, False]
     with rank_slots(8) as held:  # more ranks than cores: every core's slot
         assert held == 3
-        assert all(_locked(Path(f"{prefix}.{i}")) for i in range(3))
+        assert _held(prefix, 3) == [True, True, True]
 
 
 def test_without_the_variable_nothing_is_held(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,16 +78,10 @@ def test_ranks_run_while_their_launch_holds_the_slots(
     assert not _locked(Path(f"{prefix}.0"))
 
 
-def _held(prefix: Path, cores: int) -> list[bool]:
-    return [_locked(Path(f"{prefix}.{i}")) for i in range(cores)]
-
-
 def test_a_launch_hands_back_its_process_core_while_its_ranks_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    slots: Callable[[int], Path],
 ) -> None:
-    prefix = tmp_path / "slots"
-    monkeypatch.setenv(RANK_SLOTS, str(prefix))
-    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    prefix = slots(3)
     # This test's own cores, not the run's: those are set aside until it ends.
     cores = launch._CORES
     saved = cores.own, cores.prefix
@@ -94,13 +102,11 @@ def test_a_launch_hands_back_its_process_core_while_its_ranks_run(
 
 
 def test_a_launch_that_cannot_have_its_cores_starts_with_those_it_holds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    slots: Callable[[int], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A core that never comes free (a process waiting for this launch holds it) delays the
     launch by SLOT_WAIT_SECONDS, then it starts with the others."""
-    prefix = tmp_path / "slots"
-    monkeypatch.setenv(RANK_SLOTS, str(prefix))
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    prefix = slots(2)
     monkeypatch.setattr(launch, "SLOT_WAIT_SECONDS", 0.2)
     with open(f"{prefix}.0", "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX)
