@@ -53,8 +53,9 @@ def _converted(
 ) -> torch.Tensor:
     """``key[index]`` read into a float64 tensor: a converting read, through the mapping."""
     meta = source.tensors()[key]
-    shape = tuple(len(range(n)[s]) for s, n in zip(index or (), meta.shape, strict=False))
-    out = torch.empty((*shape, *meta.shape[len(shape) :]), dtype=torch.float64)
+    # The shape of key[index] as torch indexes it, not the source's own arithmetic.
+    shape = torch.empty(meta.shape, device="meta")[index or ()].shape
+    out = torch.empty(shape, dtype=torch.float64)
     source.read_into(key, index, out)
     return out
 
