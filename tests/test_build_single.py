@@ -166,3 +166,39 @@ def test_the_cyclic_collector_is_paused_for_the_build_and_restored(world1: None)
         model = torch.nn.Linear(2, 2)
     FSDPBuilder().device(CPUDevice()).materialize(InitFn(record, allocate=True)).build(model)
     assert seen[2:] == [False] and gc.isenabled()
+
+
+def _generation_of(obj: object) -> int | None:
+    # Each generation's list is taken before it is searched: taking it may collect younger ones.
+    for generation in (2, 1, 0):
+        if any(o is obj for o in gc.get_objects(generation=generation)):
+            return generation
+    return None
+
+
+def test_what_a_build_allocated_goes_to_the_oldest_generation(world1: None) -> None:
+    """Not scanned by a young-generation collection right after the build (it lives on)."""
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    sharded = FSDPBuilder().device(CPUDevice()).wrap(torch.nn.Linear).build(model)
+    # A wrapper the build made.
+    inner = next(m for m in sharded.modules() if isinstance(m, FullyShardedDataParallel))
+    assert _generation_of(inner) == 2
+    assert gc.isenabled()
+
+
+def test_objects_the_process_froze_stay_frozen_across_a_build(world1: None) -> None:
+    frozen_before = gc.get_freeze_count()
+    kept: list[object] = [object()]  # a tracked container, frozen below
+    gc.freeze()
+    try:
+        with torch.device("meta"):
+            model = torch.nn.Linear(2, 2)
+        FSDPBuilder().device(CPUDevice()).build(model)
+        # A frozen object is in no generation; unfreezing would put it in the oldest.
+        assert _generation_of(kept) is None
+        assert gc.get_freeze_count() > 0 and gc.isenabled()
+    finally:
+        if frozen_before == 0:
+            gc.unfreeze()
