@@ -16,8 +16,10 @@ first in odd ones); a child runs every recipe of a kind on freshly spawned ranks
   (``benchmarks.hf_load``: the builder's ``FromCheckpoint`` and ``from_pretrained`` on every
   rank, then ``fully_shard``), ``--loads`` loads per rank process, their median kept.
 
-Reported per recipe, as min, median and max over the pairs: builder(HEAD) ÷ builder(REV), and each
-side's builder ÷ plain torch measured in the same child, by CPU seconds (the process time of
+Reported per recipe, as min, median and max over the pairs: builder(HEAD) ÷ builder(REV), the
+same with each side first divided by its plain control of the same child (which cancels a
+child's share of the machine's drift), and each side's builder ÷ plain torch measured in the
+same child, by CPU seconds (the process time of
 each rank over the build, summed over the ranks) and by wall seconds (the slowest rank). The
 plain recipes' HEAD ÷ REV says how steady the machine was. Wall time on a shared machine swings
 far more than CPU time; read the CPU columns first.
@@ -213,16 +215,24 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"kind": kind, "recipe": recipe, "plain": plain}
         for measure in ("cpu_seconds", "seconds"):
             head_rev = []
+            # HEAD ÷ REV with each side divided by its own plain control first: a child that
+            # ran on a slower machine moment moves its control too, and cancels out.
+            head_rev_controlled = []
             over_plain: dict[str, list[float]] = {"head": [], "rev": []}
             for p in pairs:
                 head, rev = by.get((kind, recipe, p, "head")), by.get((kind, recipe, p, "rev"))
                 if head and rev:
                     head_rev.append(head[measure] / rev[measure])
+                ratios = {}
                 for side, mine in (("head", head), ("rev", rev)):
                     base = by.get((kind, plain, p, side)) if plain else None
                     if mine and base:
-                        over_plain[side].append(mine[measure] / base[measure])
+                        ratios[side] = mine[measure] / base[measure]
+                        over_plain[side].append(ratios[side])
+                if len(ratios) == 2:
+                    head_rev_controlled.append(ratios["head"] / ratios["rev"])
             row[f"head_rev_{measure}"] = _spread(head_rev)
+            row[f"head_rev_controlled_{measure}"] = _spread(head_rev_controlled)
             for side, values in over_plain.items():
                 row[f"{side}_plain_{measure}"] = _spread(values)
             for side in ("head", "rev"):
@@ -250,13 +260,15 @@ def render(result: dict[str, Any]) -> str:
         "over the build, summed over the ranks; wall = the slowest rank. "
         "min\u2013**median**\u2013max over the pairs.",
         "",
-        "| kind | recipe | HEAD ÷ REV, CPU | HEAD ÷ REV, wall | HEAD ÷ plain, CPU "
-        "| REV ÷ plain, CPU | HEAD ÷ plain, wall | REV ÷ plain, wall | plain |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| kind | recipe | HEAD ÷ REV, CPU | HEAD ÷ REV, CPU, each ÷ its plain | HEAD ÷ REV, "
+        "wall | HEAD ÷ plain, CPU | REV ÷ plain, CPU | HEAD ÷ plain, wall | REV ÷ plain, wall "
+        "| plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['kind']} | {r['recipe']} | {_fmt(r['head_rev_cpu_seconds'])} | "
+            f"{_fmt(r['head_rev_controlled_cpu_seconds'])} | "
             f"{_fmt(r['head_rev_seconds'])} | {_fmt(r['head_plain_cpu_seconds'])} | "
             f"{_fmt(r['rev_plain_cpu_seconds'])} | {_fmt(r['head_plain_seconds'])} | "
             f"{_fmt(r['rev_plain_seconds'])} | {r['plain'] or '(plain torch)'} |"

@@ -340,5 +340,10 @@ def test_against_a_revision_runs_both_libraries_in_pairs(tmp_path: Path) -> None
     by = {(r["side"], r["recipe"]): r for r in result["records"]}
     head_b, rev_b = by[("head", "builder_fsdp2")], by[("rev", "builder_fsdp2")]
     assert row["head_rev_cpu_seconds"]["median"] == head_b["cpu_seconds"] / rev_b["cpu_seconds"]
+    head_p, rev_p = by[("head", "plain_fsdp2")], by[("rev", "plain_fsdp2")]
+    controlled = (head_b["cpu_seconds"] / head_p["cpu_seconds"]) / (
+        rev_b["cpu_seconds"] / rev_p["cpu_seconds"]
+    )
+    assert row["head_rev_controlled_cpu_seconds"]["median"] == pytest.approx(controlled)
     text = out.read_text()
     assert "| units | builder_fsdp2 |" in text and "HEAD ÷ REV, CPU" in text
