@@ -11,7 +11,6 @@ build faults in fresh pages. Per build: CPU of the rank that used most, wall of 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import statistics
@@ -42,9 +41,10 @@ def _ways() -> dict[str, Callable[[Any], Any]]:
 
 def rank(path: str, params: int, repeats: int) -> dict[str, list[list[float]]]:
     from benchmarks.common import Job
+    from benchmarks.harness import _fixed_malloc_threshold
     from benchmarks.models import BenchConfig
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, as the harness sets it
+    _fixed_malloc_threshold()  # every large tensor its own mapping, as in the harness
     torch.set_num_threads(1)
     ways = _ways()
     job = Job(
@@ -96,7 +96,8 @@ def render(found: dict[str, list[list[float]]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from safetensors.torch import save_file
 
-    from benchmarks.models import BenchConfig, make_model
+    from benchmarks.harness import make_source
+    from benchmarks.models import BenchConfig
     from fsdp_builder.tools.launch import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -105,9 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "model.safetensors")
-        model = make_model(BenchConfig.for_params(args.params), "cpu", seed=0)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
-        del model
+        save_file(make_source(BenchConfig.for_params(args.params), seed=0), path)
         results = run_ranks(
             rank, 2, path, args.params, args.repeats, timeout=1800.0, start_method="forkserver"
         )

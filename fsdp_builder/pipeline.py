@@ -128,7 +128,7 @@ def run_build(config: BuilderConfig, backend: Backend, model: nn.Module) -> Buil
 def _resume_collector() -> None:
     """Turn the collector back on without the young-generation pass that the next allocation
     would set off: what the build allocated lives on with the model, and that pass would scan
-    every object of it once for nothing (4-12 % of a 400-unit build's CPU). ``freeze`` then
+    every object of it once for nothing (3-12 % of a 400-unit build's CPU). ``freeze`` then
     ``unfreeze`` moves the young objects to the oldest generation, which full collections
     still scan, as they scan everything. Skipped where the process holds frozen objects of its
     own, which ``unfreeze`` would let go."""
