@@ -7,6 +7,7 @@ Plain-PyTorch parts deliberately avoid any ``fsdp_builder`` import.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -92,11 +93,18 @@ def plain_fsdp1(cfg: UnitsConfig, job: Job) -> Outcome:
     return Outcome(module=wrapped, comm_bytes=0)
 
 
-def builder(cfg: UnitsConfig, job: Job, backend: str, materializer: str | None = None) -> Outcome:
+def builder(
+    cfg: UnitsConfig,
+    job: Job,
+    backend: str,
+    materializer: str | None = None,
+    library: str = "fsdp_builder",
+) -> Outcome:
     """The builder's default path: only the device and the wrap policy are set (and the
-    materializer named by ``materializer``, a class of ``fsdp_builder`` built with its defaults,
-    where given)."""
-    import fsdp_builder
+    materializer named by ``materializer``, a class of the library built with its defaults,
+    where given). ``library``: the package to build with (an earlier revision's copy under
+    another name, for ``benchmarks.inprocess_ab``)."""
+    fsdp_builder = importlib.import_module(library)
 
     chosen = fsdp_builder.FullyShardBuilder() if backend == "fsdp2" else fsdp_builder.FSDPBuilder()
     device = fsdp_builder.CPUDevice() if job.device.type == "cpu" else job.device

@@ -347,3 +347,34 @@ def test_against_a_revision_runs_both_libraries_in_pairs(tmp_path: Path) -> None
     assert row["head_rev_controlled_cpu_seconds"]["median"] == pytest.approx(controlled)
     text = out.read_text()
     assert "| units | builder_fsdp2 |" in text and "HEAD ÷ REV, CPU" in text
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.cores(2)
+def test_in_process_ab_builds_both_libraries_in_the_same_ranks(tmp_path: Path) -> None:
+    """``benchmarks.inprocess_ab``: the revision's copy keeps no word of the working tree's
+    package, and each rank builds with both: the copy's builder from the copy."""
+    import re
+
+    from benchmarks import inprocess_ab
+    from fsdp_builder.tools.launch import run_ranks
+
+    inprocess_ab.renamed_copy("HEAD", tmp_path)
+    sources = list((tmp_path / inprocess_ab.RENAMED).rglob("*.py"))
+    assert sources and not (tmp_path / "fsdp_builder").exists()
+    assert not [p for p in sources if re.search(r"\bfsdp_builder\b", p.read_text())]
+    results = run_ranks(
+        inprocess_ab.rank, 2, str(tmp_path), ["builder_fsdp2"], 3, 4, timeout=180.0,
+        start_method="forkserver",
+    )  # fmt: skip
+    for found, libraries in results:
+        assert found == results[0][0]  # CPU summed over the ranks: the same on each
+        assert libraries == {
+            "head": str(Path(inprocess_ab.__file__).parents[1] / "fsdp_builder"),
+            "rev": str(tmp_path / inprocess_ab.RENAMED),
+        }
+    sides = results[0][0]["builder_fsdp2"]
+    assert set(sides) == {"head", "rev", "plain"}
+    assert all(len(v) == 3 and min(v) > 0 for v in sides.values())
+    table = inprocess_ab.render(results[0][0], "tree", "rev")
+    assert "| builder_fsdp2 | 3 |" in table

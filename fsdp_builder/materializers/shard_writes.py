@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,6 +26,28 @@ from fsdp_builder.runtime.shards import local_box
 
 _aten = torch.ops.aten
 _ROW_VIEWS = (_aten.select.int, _aten.slice.Tensor)
+
+
+# torch's own initializers that write whole parameters and buffers only, through no row or
+# slice of one: a unit that runs nothing else has no write to land, and skips LandedWrites'
+# Python dispatch of every op. tests/test_shard_writes.py records the views each one takes.
+WHOLE_TENSOR_INITIALIZERS = frozenset(
+    {
+        nn.Linear.reset_parameters,
+        nn.Bilinear.reset_parameters,
+        nn.modules.conv._ConvNd.reset_parameters,
+        nn.LayerNorm.reset_parameters,
+        nn.RMSNorm.reset_parameters,
+        nn.GroupNorm.reset_parameters,
+        nn.modules.batchnorm._NormBase.reset_parameters,
+    }
+)
+
+
+def writes_whole_tensors(init: object) -> bool:
+    """Whether ``init`` (a module's initializer, or None for none) is one of torch's own that
+    take no row or slice of a state: ``LandedWrites`` would have nothing to land."""
+    return init is None or getattr(init, "__func__", None) in WHOLE_TENSOR_INITIALIZERS
 
 
 class LostWrite(RuntimeError):
@@ -151,4 +174,4 @@ class LandedWrites(TorchDispatchMode):
         super().__exit__(*exc)
 
 
-__all__ = ["LandedWrites", "LostWrite"]
+__all__ = ["WHOLE_TENSOR_INITIALIZERS", "LandedWrites", "LostWrite", "writes_whole_tensors"]

@@ -42,7 +42,7 @@ from fsdp_builder.materializers.initializers import (
     run_initializer,
     seed_generators,
 )
-from fsdp_builder.materializers.shard_writes import LandedWrites, LostWrite
+from fsdp_builder.materializers.shard_writes import LandedWrites, LostWrite, writes_whole_tensors
 from fsdp_builder.planning.context import ConfigureContext
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.collectives import collective_device
@@ -102,9 +102,14 @@ class ShardFirstInit(Protocol):
 
 
 @contextlib.contextmanager
-def _watched(modules: list[nn.Module], inner: AbstractContextManager[object]) -> Iterator[None]:
-    """``inner``, and :class:`LandedWrites` when a module has a sharded parameter (FSDP2)."""
-    sharded = any(isinstance(p, DTensor) for m in modules for p in m._parameters.values())
+def _watched(
+    modules: list[nn.Module], inner: AbstractContextManager[object], whole_only: bool = False
+) -> Iterator[None]:
+    """``inner``, and :class:`LandedWrites` when a module has a sharded parameter (FSDP2) and
+    the initializers may write through a row (not ``whole_only``: torch's own alone run)."""
+    sharded = not whole_only and any(
+        isinstance(p, DTensor) for m in modules for p in m._parameters.values()
+    )
     with inner, LandedWrites() if sharded else contextlib.nullcontext():
         yield
 
@@ -116,11 +121,19 @@ class _PerShardSeed:
     base_seed: int
     index: int
     device: torch.device
+    rules: dict[int, Lineage]
 
     def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
         # Torch's generators saved once per unit, not per module:
         # each module seeds them itself before its initializer, so the values are the same.
-        return _watched(modules, torch.random.fork_rng(devices=fork_devices(self.device)))
+        whole_only = all(self._whole_only(m) for m in modules)
+        return _watched(
+            modules, torch.random.fork_rng(devices=fork_devices(self.device)), whole_only
+        )
+
+    def _whole_only(self, module: nn.Module) -> bool:
+        lineage = self.rules.get(id(module), NO_LINEAGE)
+        return not lineage.rules and writes_whole_tensors(initializer_of(module, lineage))
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         seed_generators(shard_seed(self.base_seed, self.index, fqn), self.device)
@@ -210,11 +223,12 @@ class ShardFirstReset(ResetParameters):
     def prepare(self, env: Environment) -> MaterializerRun:
         """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module
+        rules = lineages(model)
         return ShardFirstRun(
             env,
             buffers_to_compute(model, env.ignored),
-            lineages(model),
-            _PerShardSeed(agree_on_seed(env, self.seed), shard_index(env), env.device),
+            rules,
+            _PerShardSeed(agree_on_seed(env, self.seed), shard_index(env), env.device, rules),
             "ShardFirstReset",
             "Its initializer may need the whole tensor; use DeterministicInit(seed) for this "
             "model.",
