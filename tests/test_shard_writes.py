@@ -1,7 +1,9 @@
-"""Which initializers run without ``LandedWrites``: torch's own that take no row of a state.
+"""Which units run without watching their ops: those whose initializers are torch's own that
+take no row of a state.
 
-``ShardFirstReset`` skips the mode's Python dispatch of every op for a unit whose initializers
-are all in ``WHOLE_TENSOR_INITIALIZERS``. That is safe only while each of them writes whole
+``ShardFirstReset`` skips ``LandedWrites``, ``StreamInit`` its ``_ShardWatch`` and
+``PrivateDraws`` (each a Python dispatch of every op), for a unit whose initializers are all in
+``WHOLE_TENSOR_INITIALIZERS``. That is safe only while each of them writes whole
 states: here each runs under a recorder of every view of a state and every write through one,
 and the recorder is shown to see ``Embedding``'s padding row.
 """
@@ -12,15 +14,18 @@ from typing import Any, cast
 
 import pytest
 import torch
+from helpers import full_state_dict
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_builder import CPUDevice, FullyShardBuilder, ShardFirstReset
+from fsdp_builder import CPUDevice, FullyShardBuilder, ShardFirstReset, StreamInit
 from fsdp_builder.materializers import shard_writes
+from fsdp_builder.materializers.initializers import PrivateDraws
 from fsdp_builder.materializers.shard_writes import (
     WHOLE_TENSOR_INITIALIZERS,
     writes_whole_tensors,
 )
+from fsdp_builder.materializers.streams import _ShardWatch
 
 WHOLE = {
     "linear": lambda: nn.Linear(6, 5),
@@ -104,27 +109,48 @@ MODELS = {
     "padding_row": (lambda: nn.Sequential(nn.Embedding(8, 8, padding_idx=0)), True),
     "own_reset": (lambda: nn.Sequential(_OwnReset(8, 8)), True),
 }
+# Each shard-first materializer and the dispatch modes it enters around a unit that may write a
+# row, run an op that is not element-wise on a shard, or draw without a stream.
+WATCHES: dict[str, tuple[Any, tuple[type, ...]]] = {
+    "shard_first_reset": (lambda: ShardFirstReset(seed=0), (shard_writes.LandedWrites,)),
+    "stream_init": (lambda: StreamInit(seed=0), (_ShardWatch, PrivateDraws)),
+    "stream_init_shard_by_shard": (
+        lambda: StreamInit(seed=0, whole_below=0),
+        (_ShardWatch, PrivateDraws),
+    ),
+}
+
+
+def _counted(enter: Any, entered: list[type]) -> Any:
+    def counted(self: Any) -> Any:
+        entered.append(type(self))
+        return enter(self)
+
+    return counted
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("materializer", sorted(WATCHES))
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_shard_first_reset_watches_only_units_that_may_write_a_row(
-    name: str, world1: None, monkeypatch: pytest.MonkeyPatch
+def test_units_of_torch_own_initializers_run_unwatched(
+    name: str, materializer: str, world1: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make, watched = MODELS[name]
-    entered: list[int] = []
-    enter = shard_writes.LandedWrites.__enter__
-
-    def counted(self: shard_writes.LandedWrites) -> shard_writes.LandedWrites:
-        entered.append(1)
-        return enter(self)
-
-    monkeypatch.setattr(shard_writes.LandedWrites, "__enter__", counted)
+    make_materializer, modes = WATCHES[materializer]
+    entered: list[type] = []
+    for mode in modes:
+        monkeypatch.setattr(mode, "__enter__", _counted(cast(Any, mode).__enter__, entered))
     with torch.device("meta"):
         model = make()
-    builder = FullyShardBuilder().device(CPUDevice()).materialize(ShardFirstReset(seed=0))
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        eager = make()  # the shapes, and for stream_init the values' spread
+    builder = FullyShardBuilder().device(CPUDevice()).materialize(make_materializer())
     with pytest.warns(UserWarning, match="NO_SHARD"):  # one rank
         built = builder.build(model)
-    assert bool(entered) is watched
-    for p in built.parameters():
-        assert not p.is_meta
+    assert sorted(map(str, entered)) == (sorted(map(str, modes)) if watched else [])
+    for (key, value), (eager_key, expected) in zip(
+        full_state_dict(built).items(), eager.state_dict().items(), strict=True
+    ):
+        assert key == eager_key and value.shape == expected.shape
+        assert torch.isfinite(value).all()

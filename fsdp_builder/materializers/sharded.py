@@ -101,6 +101,17 @@ class ShardFirstInit(Protocol):
         """Put back whatever the scopes kept; called after success or failure."""
 
 
+def runs_torch_whole_only(modules: list[nn.Module], rules: dict[int, Lineage]) -> bool:
+    """Whether every initializer ``modules`` run is one of torch's own that writes whole
+    states (``shard_writes.WHOLE_TENSOR_INITIALIZERS``), with no subtree rule after it: such a
+    unit needs no watch of its ops (``rules``: each module's lineage)."""
+    for module in modules:
+        lineage = rules.get(id(module), NO_LINEAGE)
+        if lineage.rules or not writes_whole_tensors(initializer_of(module, lineage)):
+            return False
+    return True
+
+
 @contextlib.contextmanager
 def _watched(
     modules: list[nn.Module], inner: AbstractContextManager[object], whole_only: bool = False
@@ -126,14 +137,11 @@ class _PerShardSeed:
     def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
         # Torch's generators saved once per unit, not per module:
         # each module seeds them itself before its initializer, so the values are the same.
-        whole_only = all(self._whole_only(m) for m in modules)
         return _watched(
-            modules, torch.random.fork_rng(devices=fork_devices(self.device)), whole_only
+            modules,
+            torch.random.fork_rng(devices=fork_devices(self.device)),
+            runs_torch_whole_only(modules, self.rules),
         )
-
-    def _whole_only(self, module: nn.Module) -> bool:
-        lineage = self.rules.get(id(module), NO_LINEAGE)
-        return not lineage.rules and writes_whole_tensors(initializer_of(module, lineage))
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         seed_generators(shard_seed(self.base_seed, self.index, fqn), self.device)
@@ -363,6 +371,7 @@ __all__ = [
     "ShardFirstInit",
     "ShardFirstReset",
     "ShardFirstRun",
+    "runs_torch_whole_only",
     "shard_index",
     "shard_seed",
 ]

@@ -46,7 +46,12 @@ from fsdp_builder.materializers.initializers import (
     run_initializer,
     seed_generators,
 )
-from fsdp_builder.materializers.sharded import ShardFirstRun, agree_on_seed, fork_devices
+from fsdp_builder.materializers.sharded import (
+    ShardFirstRun,
+    agree_on_seed,
+    fork_devices,
+    runs_torch_whole_only,
+)
 from fsdp_builder.planning.plan import Unit
 from fsdp_builder.runtime.environment import Environment
 from fsdp_builder.runtime.shards import local_box, local_slices
@@ -404,6 +409,7 @@ class _StreamedInit:
 
     seed: int
     env: Environment
+    rules: dict[int, Lineage]
     streams: _Streams = attrs.field(init=False)
     done: list[_Done] = attrs.field(init=False, factory=list)
     # Torch's generators, saved once per build: per unit it costs more than a small unit's draws.
@@ -428,8 +434,18 @@ class _StreamedInit:
         # One watch and one set of private generators per unit, reseeded per module: entering
         # them per module cost more than a small module's draws.
         self.watch, self.draws = _ShardWatch(), PrivateDraws()
+        # Torch's own whole-tensor initializers on named parameters alone: every draw is
+        # answered from a stream and no op needs stopping, so the two dispatch modes (a Python
+        # call per op) would change nothing.
+        watched = any(s.ignored for s in unit.states) or not runs_torch_whole_only(
+            modules, self.rules
+        )
         try:
-            with _StreamMode(streams), self.draws, self.watch:
+            with (
+                _StreamMode(streams),
+                self.draws if watched else contextlib.nullcontext(),
+                self.watch if watched else contextlib.nullcontext(),
+            ):
                 yield
         finally:
             streams.names.clear()
@@ -558,11 +574,12 @@ class StreamInit(ResetParameters):
     def prepare(self, env: Environment) -> MaterializerRun:
         """Share the base seed over the build's groups (collective)."""
         model = env.plan.root.module
+        rules = lineages(model)
         return ShardFirstRun(
             env,
             buffers_to_compute(model, env.ignored),
-            lineages(model),
-            _StreamedInit(agree_on_seed(env, self.seed), env),
+            rules,
+            _StreamedInit(agree_on_seed(env, self.seed), env, rules),
             "StreamInit",
             "Fix its initializer, or use DeterministicInit(seed) for this model.",
         )
