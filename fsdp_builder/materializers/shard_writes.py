@@ -31,15 +31,16 @@ _ROW_VIEWS = (_aten.select.int, _aten.slice.Tensor)
 # torch's own initializers that write whole parameters and buffers only, through no row or
 # slice of one: a unit that runs nothing else has no write to land, and skips LandedWrites'
 # Python dispatch of every op. tests/test_shard_writes.py records the views each one takes.
+# Conv1d's is every convolution's, BatchNorm1d's every batch and instance norm's.
 WHOLE_TENSOR_INITIALIZERS = frozenset(
     {
         nn.Linear.reset_parameters,
         nn.Bilinear.reset_parameters,
-        nn.modules.conv._ConvNd.reset_parameters,
+        nn.Conv1d.reset_parameters,
         nn.LayerNorm.reset_parameters,
         nn.RMSNorm.reset_parameters,
         nn.GroupNorm.reset_parameters,
-        nn.modules.batchnorm._NormBase.reset_parameters,
+        nn.BatchNorm1d.reset_parameters,
     }
 )
 
