@@ -9,12 +9,19 @@ sides run in the same ranks, one build after the other; CPU is each rank's proce
 build, summed over the ranks, and every ratio is taken within one repeat.
 
     python -m benchmarks.inprocess_ab REV [--recipes builder_fsdp1,...] [--repeats 12]
+    python -m benchmarks.inprocess_ab REV --kind hf_load [--params 200] [--repeats 12]
+
+``--kind hf_load`` loads a transformers Llama ``save_pretrained`` folder (``--params`` million
+parameters, fp32, 200 MB shards) built on meta with ``FromCheckpoint``, held to
+``from_pretrained`` on every rank + ``fully_shard`` (the "plain" side).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import importlib
 import re
 import statistics
 import sys
@@ -27,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.against import extract
+from benchmarks.against import _hf_folder, extract
 
 RENAMED = "fsdp_builder_rev"
 # builder recipe -> (backend, materializer class or None, the plain recipe it is held to)
@@ -37,6 +44,7 @@ RECIPES: dict[str, tuple[str, str | None, str]] = {
     "builder_fsdp2_shard_first": ("fsdp2", "ShardFirstReset", "plain_fsdp2"),
 }
 SIDES = ("head", "rev", "plain")
+HF_LOAD = "hf_load"
 
 
 def renamed_copy(rev: str, into: Path) -> str:
@@ -47,6 +55,33 @@ def renamed_copy(rev: str, into: Path) -> str:
     for path in (into / RENAMED).rglob("*.py"):
         path.write_text(word.sub(RENAMED, path.read_text()))
     return commit
+
+
+def _hf_builder(folder: str, library: str) -> Any:
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    lib = importlib.import_module(library)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))
+    return lib.FullyShardBuilder().materialize(lib.FromCheckpoint(folder)).build(model)
+
+
+def _hf_plain(folder: str) -> Any:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _hf_runners(folder: str) -> dict[str, Callable[[], Any]]:
+    return {
+        "head": lambda: _hf_builder(folder, "fsdp_builder"),
+        "rev": lambda: _hf_builder(folder, RENAMED),
+        "plain": lambda: _hf_plain(folder),
+    }
 
 
 def _runners(name: str) -> dict[str, Callable[..., Any]]:
@@ -61,11 +96,11 @@ def _runners(name: str) -> dict[str, Callable[..., Any]]:
 
 
 def rank(
-    copy: str, recipes: list[str], repeats: int, units: int
+    copy: str, recipes: list[str], repeats: int, units: int, folder: str | None = None
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, str]]:
-    """One rank: each recipe's three sides, rotated per repeat; CPU seconds summed over ranks.
-    Also the folder each builder side's package was imported from."""
-    import importlib
+    """One rank: each recipe's three sides (``folder``: the checkpoint loads), rotated per
+    repeat; CPU seconds summed over ranks. Also the folder each builder side's package was
+    imported from."""
     import logging
 
     import structlog
@@ -83,16 +118,26 @@ def rank(
     )
     found: dict[str, dict[str, list[float]]] = {}
     for name in recipes:
-        runners = _runners(name)
-        for run in runners.values():  # one-time costs (imports, first-call caches) left out
-            run(UnitsConfig(units=4, dim=32), job)
+        build: dict[str, Callable[[], Any]]
+        if name == HF_LOAD:
+            assert folder is not None
+            build = _hf_runners(folder)
+            for warm_load in build.values():  # imports, first-call caches, the page cache
+                warm_load()
+        else:
+            runners = _runners(name)
+            warm = UnitsConfig(units=4, dim=32)
+            for run in runners.values():  # one-time costs (imports, first-call caches) left out
+                run(warm, job)
+            cfg = UnitsConfig(units=units, dim=32)
+            build = {side: functools.partial(run, cfg, job) for side, run in runners.items()}
         for repeat in range(repeats):
             shift = repeat % len(SIDES)
             for side in SIDES[shift:] + SIDES[:shift]:
                 gc.collect()
                 dist.barrier()
                 start = time.process_time()
-                model = runners[side](UnitsConfig(units=units, dim=32), job)
+                model = build[side]()
                 dist.barrier()
                 cpu = torch.tensor([time.process_time() - start], dtype=torch.float64)
                 dist.all_reduce(cpu)
@@ -136,16 +181,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("rev", help="the earlier revision (any git revision)")
-    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--kind", choices=("units", HF_LOAD), default="units")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="with --kind units")
+    p.add_argument("--params", type=int, default=200, help="hf_load model size, millions")
     p.add_argument("--repeats", type=int, default=12)
     p.add_argument("--units", type=int, default=400)
     args = p.parse_args(argv)
-    recipes = args.recipes.split(",")
-    unknown = sorted(set(recipes) - set(RECIPES))
+    recipes = [HF_LOAD] if args.kind == HF_LOAD else args.recipes.split(",")
+    unknown = sorted(set(recipes) - set(RECIPES) - {HF_LOAD})
     if unknown:
         p.error(f"--recipes: unknown {unknown}; choose from {sorted(RECIPES)}")
     with tempfile.TemporaryDirectory(prefix="inprocess-ab-") as copy:
         commit = renamed_copy(args.rev, Path(copy))
+        folder = _hf_folder(args.params, Path(copy) / "hf") if args.kind == HF_LOAD else None
         results: list[Any] = run_ranks(
             rank,
             2,
@@ -153,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             recipes,
             args.repeats,
             args.units,
+            folder,
             timeout=3600.0,
             start_method="forkserver",
         )
