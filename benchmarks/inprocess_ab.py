@@ -101,21 +101,11 @@ def rank(
     """One rank: each recipe's three sides (``folder``: the checkpoint loads), rotated per
     repeat; CPU seconds summed over ranks. Also the folder each builder side's package was
     imported from."""
-    import logging
-
-    import structlog
-
-    from benchmarks.common import Job
+    from benchmarks.scaling import quiet_cpu_job
     from benchmarks.units import UnitsConfig
 
     sys.path.insert(0, copy)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    job = Job(
-        cfg=None,  # type: ignore[arg-type]  # the units recipes take their own config
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        device=torch.device("cpu"),
-    )
+    job = quiet_cpu_job()
     found: dict[str, dict[str, list[float]]] = {}
     for name in recipes:
         build: dict[str, Callable[[], Any]]

@@ -50,22 +50,28 @@ def _runner(name: str) -> Callable[[UnitsConfig, Job], Outcome]:
     return plain_fsdp2 if backend == "fsdp2" else plain_fsdp1
 
 
-def warmed_rank(name: str, dim: int) -> tuple[Callable[[UnitsConfig, Job], Outcome], Job]:
-    """Inside a fresh rank: the recipe ``name`` and this rank's job, after one tiny build, so
-    that one-time costs (lazy imports, first-call caches) are not measured, as in the main
-    harness; every rank is past it when this returns."""
+def quiet_cpu_job() -> Job:
+    """Inside a rank: this rank's CPU job for the units recipes, with the library's log events
+    below warnings dropped (they would be measured too)."""
     import logging
 
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    run = _runner(name)
-    job = Job(
+    return Job(
         cfg=None,  # type: ignore[arg-type]  # the units recipes take their own config
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         device=torch.device("cpu"),
     )
+
+
+def warmed_rank(name: str, dim: int) -> tuple[Callable[[UnitsConfig, Job], Outcome], Job]:
+    """Inside a fresh rank: the recipe ``name`` and this rank's job, after one tiny build, so
+    that one-time costs (lazy imports, first-call caches) are not measured, as in the main
+    harness; every rank is past it when this returns."""
+    run = _runner(name)
+    job = quiet_cpu_job()
     run(UnitsConfig(units=WARMUP_UNITS, dim=dim), job)
     gc.collect()
     dist.barrier()

@@ -17,7 +17,6 @@ import statistics
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from benchmarks.common import Job
@@ -39,17 +38,9 @@ def _build(variant: str, cfg: UnitsConfig, job: Job) -> Any:
 def measure(variant: str, units: int, dim: int, builds: int) -> tuple[float, float]:
     """One rank: median CPU seconds per unit over ``builds`` builds, after a warm-up build, of
     the build and of the build and a full collection."""
-    import logging
+    from benchmarks.scaling import quiet_cpu_job
 
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    job = Job(
-        cfg=None,  # type: ignore[arg-type]  # the units recipes take their own config
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        device=torch.device("cpu"),
-    )
+    job = quiet_cpu_job()
     _build(variant, UnitsConfig(units=2, dim=dim), job)
     times, collected = [], []
     for _ in range(builds):
