@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import quartiles_cell
+
 SIDES = ("old", "new")
 
 
@@ -59,11 +61,9 @@ def render(found: dict[str, dict[str, list[float]]]) -> str:
     ]
     for name, sides in found.items():
         ratios = [n / o for n, o in zip(sides["new"], sides["old"], strict=True)]
-        q1, median, q3 = statistics.quantiles(ratios, n=4)
         lines.append(
             f"| {name} | {len(ratios)} | {statistics.median(sides['new']):.3f} | "
-            f"{statistics.median(sides['old']):.3f} | {min(ratios):.2f} - {q1:.2f} - "
-            f"**{median:.2f}** - {q3:.2f} - {max(ratios):.2f} |"
+            f"{statistics.median(sides['old']):.3f} | {quartiles_cell(ratios)} |"
         )
     return "\n".join(lines)
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -135,3 +136,9 @@ class CollectiveBytes:
         for module, name, fn in reversed(self._saved):
             setattr(module, name, fn)
         self._saved = []
+
+
+def quartiles_cell(values: Sequence[float]) -> str:
+    """``min - q1 - **median** - q3 - max`` of ``values``, two decimals (a table cell)."""
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return f"{min(values):.2f} - {q1:.2f} - **{median:.2f}** - {q3:.2f} - {max(values):.2f}"

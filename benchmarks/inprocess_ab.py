@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.against import _hf_folder, extract
+from benchmarks.common import quartiles_cell
 
 RENAMED = "fsdp_builder_rev"
 # builder recipe -> (backend, materializer class or None, the plain recipe it is held to)
@@ -140,9 +141,8 @@ def rank(
     return found, libraries
 
 
-def _spread(values: Sequence[float]) -> str:
-    q1, median, q3 = statistics.quantiles(values, n=4)
-    return f"{min(values):.2f} - {q1:.2f} - **{median:.2f}** - {q3:.2f} - {max(values):.2f}"
+def _per_repeat(a: list[float], b: list[float]) -> str:
+    return quartiles_cell([x / y for x, y in zip(a, b, strict=True)])
 
 
 def render(found: dict[str, dict[str, list[float]]], head: str, rev: str) -> str:
@@ -155,13 +155,10 @@ def render(found: dict[str, dict[str, list[float]]], head: str, rev: str) -> str
     ]
     for name, sides in found.items():
         h, r, p = sides["head"], sides["rev"], sides["plain"]
-
-        def per(a: list[float], b: list[float]) -> str:
-            return _spread([x / y for x, y in zip(a, b, strict=True)])
-
         lines.append(
             f"| {name} | {len(h)} | {statistics.median(h):.3f} | {statistics.median(r):.3f} | "
-            f"{statistics.median(p):.3f} | {per(h, r)} | {per(h, p)} | {per(r, p)} |"
+            f"{statistics.median(p):.3f} | {_per_repeat(h, r)} | {_per_repeat(h, p)} | "
+            f"{_per_repeat(r, p)} |"
         )
     return "\n".join(lines)
 

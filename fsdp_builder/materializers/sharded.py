@@ -114,14 +114,17 @@ def runs_torch_whole_only(modules: list[nn.Module], rules: dict[int, Lineage]) -
 
 @contextlib.contextmanager
 def _watched(
-    modules: list[nn.Module], inner: AbstractContextManager[object], whole_only: bool = False
+    modules: list[nn.Module],
+    inner: AbstractContextManager[object],
+    rules: dict[int, Lineage] | None = None,
 ) -> Iterator[None]:
     """``inner``, and :class:`LandedWrites` when a module has a sharded parameter (FSDP2) and
-    the initializers may write through a row (not ``whole_only``: torch's own alone run)."""
-    sharded = not whole_only and any(
-        isinstance(p, DTensor) for m in modules for p in m._parameters.values()
+    an initializer may write through a row: with ``rules`` (each module's lineage), not when
+    only torch's own whole-tensor ones run."""
+    watched = any(isinstance(p, DTensor) for m in modules for p in m._parameters.values()) and (
+        rules is None or not runs_torch_whole_only(modules, rules)
     )
-    with inner, LandedWrites() if sharded else contextlib.nullcontext():
+    with inner, LandedWrites() if watched else contextlib.nullcontext():
         yield
 
 
@@ -138,9 +141,7 @@ class _PerShardSeed:
         # Torch's generators saved once per unit, not per module:
         # each module seeds them itself before its initializer, so the values are the same.
         return _watched(
-            modules,
-            torch.random.fork_rng(devices=fork_devices(self.device)),
-            runs_torch_whole_only(modules, self.rules),
+            modules, torch.random.fork_rng(devices=fork_devices(self.device)), self.rules
         )
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
