@@ -351,28 +351,47 @@ class _Build:
     def shard_units(
         self, model: nn.Module, env: Environment, runs: _Runs, report: BuildReport
     ) -> nn.Module:
-        """Every unit, bottom-up; a wrapper that replaces its module takes its parent slot."""
-        # Found on the first replacement: FSDP2 shards in place, and then nothing needs them.
-        slots: dict[int, list[tuple[nn.Module, str]]] | None = None
-        result = model
-        for unit in env.plan:
-            result = self.build_unit(unit, env, runs, report)
-            if result is not unit.module:
-                if slots is None:
-                    slots = {}
-                    for parent in model.modules():
-                        for name, child in parent.named_children():
-                            slots.setdefault(id(child), []).append((parent, name))
-                for parent, name in slots.get(id(unit.module), []):
-                    setattr(parent, name, result)
-        return result
+        """Every unit, bottom-up; a wrapper that replaces its module takes its parent slot
+        before the parent is sharded.
 
-    def build_unit(
-        self, unit: Unit, env: Environment, runs: _Runs, report: BuildReport
-    ) -> nn.Module:
-        # Four stage events per unit: not built for a logger that drops debug events.
+        When every unit is sharded on meta, all are sharded before the first is filled, the
+        order plain torch takes (``fully_shard`` on each block, then ``to_empty`` and the
+        initializers): the same work costs less CPU than sharding and filling unit by unit
+        (``per-unit.md``). Nothing holds memory until filled, and units are still filled
+        bottom-up. Else each unit runs all its steps before the next."""
+        units = list(env.plan)
+        results: dict[int, nn.Module] = {}
+        slots = _Slots(model)
+        if all(env.shard_first_for(unit) for unit in units):
+            for unit in units:
+                self.run_steps(unit, env, runs, report, ("shard",), results)
+                slots.replace(unit.module, results.get(id(unit), unit.module))
+            self.settle(None)
+            for unit in units:
+                self.run_steps(unit, env, runs, report, ("materialize", "synchronize"), results)
+                self.settle(unit.label)
+        else:
+            for unit in units:
+                steps = SHARD_FIRST_STEPS if env.shard_first_for(unit) else UNIT_STEPS
+                self.run_steps(unit, env, runs, report, steps, results)
+                slots.replace(unit.module, results.get(id(unit), unit.module))
+                self.settle(unit.label)
+        root = units[-1]
+        return results.get(id(root), root.module)
+
+    def run_steps(
+        self,
+        unit: Unit,
+        env: Environment,
+        runs: _Runs,
+        report: BuildReport,
+        names: tuple[str, ...],
+        results: dict[int, nn.Module],
+    ) -> None:
+        """``names`` of the unit's steps, in order; its sharded module lands in ``results``
+        (skipped after a local failure on this rank, which the next agreement reports)."""
+        # Stage events per unit: not built for a logger that drops debug events.
         logger = env.logger.bind(unit=unit.label) if debug_enabled(env.logger) else None
-        sharded: list[nn.Module] = []
 
         def materialize() -> None:
             with report.measure("materialize", unit.label, env.device, logger) as m:
@@ -392,7 +411,7 @@ class _Build:
 
         def shard() -> None:
             with report.measure("shard", unit.label, env.device, logger) as m:
-                sharded.append(self.backend.shard(unit, env))
+                results[id(unit)] = self.backend.shard(unit, env)
                 m.bytes = unit.param_bytes
 
         steps: dict[str, tuple[Callable[[], None], bool]] = {
@@ -400,15 +419,37 @@ class _Build:
             "synchronize": (synchronize, self.synchronizer.communicates),
             "shard": (shard, self.backend.shard_communicates),
         }
-        for name in SHARD_FIRST_STEPS if env.shard_first_for(unit) else UNIT_STEPS:
+        for name in names:
             fn, communicates = steps[name]
             self.agreement.step(name, fn, unit.label, communicates)
+
+    def settle(self, unit: str | None) -> None:
+        """With a timeout, agree on the local steps so far, so that a dead or late peer is
+        named at the unit where it stopped (one tiny all-gather); otherwise local steps agree
+        once, at finish."""
         if self.config.timeout is not None:
-            # So a dead or late peer is named at the unit where it stopped (one tiny
-            # all-gather per unit); otherwise local steps agree once, at finish.
-            self.agreement.settle(unit.label)
-        # Skipped after a local failure on this rank, which the next agreement reports.
-        return sharded[0] if sharded else unit.module
+            self.agreement.settle(unit)
+
+
+class _Slots:
+    """Where each module sits in the model, found on the first replacement: FSDP2 shards in
+    place, and then nothing needs them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.slots: dict[int, list[tuple[nn.Module, str]]] | None = None
+
+    def replace(self, module: nn.Module, by: nn.Module) -> None:
+        """Put ``by`` in every slot of ``module`` (nothing when it is ``module``)."""
+        if by is module:
+            return
+        if self.slots is None:
+            self.slots = {}
+            for parent in self.model.modules():
+                for name, child in parent.named_children():
+                    self.slots.setdefault(id(child), []).append((parent, name))
+        for parent, name in self.slots.get(id(module), []):
+            setattr(parent, name, by)
 
 
 def _holds_real_states(configured: _Configured) -> bool:

@@ -8,6 +8,7 @@ import pytest
 import structlog
 import torch
 from structlog.testing import capture_logs
+from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_builder import (
@@ -202,3 +203,76 @@ def test_objects_the_process_froze_stay_frozen_across_a_build(world1: None) -> N
     finally:
         if frozen_before == 0:
             gc.unfreeze()
+
+
+@pytest.mark.filterwarnings("ignore:Using NO_SHARD")
+@pytest.mark.parametrize("kinds", ["all_on_meta", "mixed", "all_whole"])
+def test_units_sharded_on_meta_are_all_sharded_before_the_first_is_filled(
+    world1: None, kinds: str
+) -> None:
+    from fsdp_builder import FullyShardBuilder, StreamInit
+
+    with torch.device("meta"):
+        model = DemoTransformer(CFG)
+    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    # Units under ``whole_below`` bytes are filled whole, before they are sharded.
+    whole_below = {"all_on_meta": 0, "mixed": block, "all_whole": 10**12}[kinds]
+    builder = (
+        FullyShardBuilder()
+        .device(CPUDevice())
+        .wrap(Block)
+        .materialize(StreamInit(seed=0, whole_below=whole_below))
+    )
+    sharded = builder.build(model)
+    assert not any(p.is_meta for p in sharded.parameters())
+    order = [(r.stage, r.unit) for r in builder.report.records if r.stage in STEPS]
+    labels = [u.label for u in builder.plan]
+    whole = [u.param_bytes < whole_below for u in builder.plan]
+    if kinds == "all_on_meta":
+        # Sharded bottom-up, then filled bottom-up.
+        assert order == [("shard", u) for u in labels] + [("materialize", u) for u in labels]
+        return
+    assert any(whole) and (kinds == "all_whole") == all(whole)
+    expected = []
+    for label, filled_whole in zip(labels, whole, strict=True):
+        steps = ("materialize", "shard") if filled_whole else ("shard", "materialize")
+        expected += [(step, label) for step in steps]
+    assert order == expected
+
+
+STEPS = ("shard", "materialize")
+
+
+class _Failing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4))
+
+    def reset_parameters(self) -> None:
+        raise RuntimeError("planted")
+
+
+@pytest.mark.filterwarnings("ignore:Using NO_SHARD")
+@pytest.mark.parametrize("name", ["ShardFirstReset", "StreamInit"])
+@pytest.mark.parametrize("fails", [False, True])
+def test_shard_first_materializers_give_torch_its_generator_back(
+    world1: None, name: str, fails: bool
+) -> None:
+    import fsdp_builder
+    from fsdp_builder import FullyShardBuilder
+
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = DemoTransformer(CFG)
+        if fails:
+            model.blocks[1].add_module("failing", _Failing())
+    before = torch.get_rng_state()
+    materializer = getattr(fsdp_builder, name)(seed=0)
+    builder = FullyShardBuilder().device(CPUDevice()).wrap(Block).materialize(materializer)
+    if fails:
+        with pytest.raises(MaterializationError, match="planted"):
+            builder.build(model)
+    else:
+        builder.build(model)
+    # Each module's initializer seeded torch's generator; the user's stream goes on unchanged.
+    assert torch.equal(torch.get_rng_state(), before)

@@ -136,20 +136,24 @@ class _PerShardSeed:
     index: int
     device: torch.device
     rules: dict[int, Lineage]
+    # Torch's generators, saved once per build (as StreamInit does): each module seeds them
+    # itself before its initializer, so the values do not depend on when they were saved.
+    held: AbstractContextManager[object] | None = attrs.field(init=False, default=None)
 
     def scope(self, unit: Unit, modules: list[nn.Module]) -> AbstractContextManager[object]:
-        # Torch's generators saved once per unit, not per module:
-        # each module seeds them itself before its initializer, so the values are the same.
-        return _watched(
-            modules, torch.random.fork_rng(devices=fork_devices(self.device)), self.rules
-        )
+        if self.held is None:
+            self.held = torch.random.fork_rng(devices=fork_devices(self.device))
+            self.held.__enter__()
+        return _watched(modules, contextlib.nullcontext(), self.rules)
 
     def init_module(self, module: nn.Module, fqn: str, lineage: Lineage) -> None:
         seed_generators(shard_seed(self.base_seed, self.index, fqn), self.device)
         run_initializer(module, fqn, lineage)
 
     def close(self) -> None:
-        pass
+        held, self.held = self.held, None
+        if held is not None:
+            held.__exit__(None, None, None)
 
 
 @define

@@ -219,12 +219,13 @@ def managed_params(
     # Each module's own dict, deduplicated by id: parameters() hashes every tensor (a Python
     # call each) through a generator chain per module.
     seen: set[int] = set()
+    ignored_params = ignored.params  # read in place: ``ignores`` is a call per parameter
     for _, m in module.named_modules() if named is None else named:
         for p in m._parameters.values():
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            if not ignored.ignores(p) and not _is_flattened(p):
+            if not (ignored_params and p in ignored_params) and not _is_flattened(p):
                 yield p
 
 

@@ -3,6 +3,7 @@ predicate, a torch policy, or :class:`NoSplitModules`)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections import Counter
@@ -104,9 +105,15 @@ def _refuse_called_outside(selected: set[nn.Module], named: NamedModules) -> Non
 
 def is_diffusers_model(module: nn.Module) -> bool:
     """Whether ``module`` is a diffusers ``ModelMixin`` (told without importing diffusers)."""
+    return _is_diffusers_class(type(module))
+
+
+@functools.cache
+def _is_diffusers_class(cls: type) -> bool:
+    # Per class: the plan asks it of every module, and a class's bases do not change.
     return any(
-        cls.__name__ == "ModelMixin" and cls.__module__.startswith("diffusers.")
-        for cls in type(module).__mro__
+        base.__name__ == "ModelMixin" and base.__module__.startswith("diffusers.")
+        for base in cls.__mro__
     )
 
 
