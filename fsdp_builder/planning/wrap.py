@@ -3,7 +3,6 @@ predicate, a torch policy, or :class:`NoSplitModules`)."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 from collections import Counter
@@ -105,16 +104,17 @@ def _refuse_called_outside(selected: set[nn.Module], named: NamedModules) -> Non
 
 def is_diffusers_model(module: nn.Module) -> bool:
     """Whether ``module`` is a diffusers ``ModelMixin`` (told without importing diffusers)."""
-    return _is_diffusers_class(type(module))
+    cls = type(module)
+    found = _DIFFUSERS_CLASSES.get(cls)
+    if found is None:  # per class: the plan asks it of every module
+        found = _DIFFUSERS_CLASSES[cls] = any(
+            base.__name__ == "ModelMixin" and base.__module__.startswith("diffusers.")
+            for base in cls.__mro__
+        )
+    return found
 
 
-@functools.cache
-def _is_diffusers_class(cls: type) -> bool:
-    # Per class: the plan asks it of every module, and a class's bases do not change.
-    return any(
-        base.__name__ == "ModelMixin" and base.__module__.startswith("diffusers.")
-        for base in cls.__mro__
-    )
+_DIFFUSERS_CLASSES: dict[type, bool] = {}
 
 
 def diffusers_block_names(model: nn.Module) -> tuple[str, ...]:
