@@ -202,12 +202,30 @@ def lineages(model: nn.Module) -> dict[int, Lineage]:
     found: dict[int, Lineage] = {}
     stack: list[tuple[nn.Module, Lineage]] = [(model, NO_LINEAGE)]
     ruled = tuple(_SUBTREE_RULES)
+    adds: dict[type, bool] = {}
     while stack:
         module, inherited = stack.pop()
-        found[id(module)], below = _step(module, inherited, ruled)
+        if _may_add(module, ruled, adds):
+            found[id(module)], below = _step(module, inherited, ruled)
+        else:
+            found[id(module)] = below = inherited
         # The module's own dict rather than children(): two generators per module.
         stack.extend([(child, below) for child in module._modules.values() if child is not None])
     return found
+
+
+def _may_add(module: nn.Module, ruled: tuple[type[nn.Module], ...], adds: dict[type, bool]) -> bool:
+    """Whether ``module`` may change the lineage it inherits (else ``_step`` passes it on as
+    it is): by its class (a library model, a registered parent; ``adds`` remembers classes
+    within one walk) or a parametrization. Most modules do not, and are asked cheaply."""
+    cls = type(module)
+    by_class = adds.get(cls)
+    if by_class is None:
+        by_class = adds[cls] = issubclass(cls, ruled) or (
+            callable(getattr(cls, "_init_weights", None))
+            and callable(getattr(cls, "post_init", None))
+        )
+    return by_class or "parametrizations" in module._modules
 
 
 def _step(
@@ -259,11 +277,15 @@ def unit_lineages(
     found: dict[int, Lineage] = {}
     below_of: dict[int, Lineage] = {id(root): inherited}
     owned = {id(m) for m in modules}
+    adds: dict[type, bool] = {}
     for module in modules:
         parent_gives = below_of.get(id(module))
         if parent_gives is None:
             continue
-        found[id(module)], below = _step(module, parent_gives, ruled)
+        if _may_add(module, ruled, adds):
+            found[id(module)], below = _step(module, parent_gives, ruled)
+        else:
+            found[id(module)] = below = parent_gives
         for child in module._modules.values():
             if child is not None and id(child) in owned:
                 below_of.setdefault(id(child), below)

@@ -447,9 +447,11 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
     found = lineages(model)
     refused: list[nn.Module] = []
     gaps: list[tuple[nn.Module, list[str], ModuleInitializer]] = []
-    for m in unit_modules(model, ignored.modules):  # one walk: a shared module is named once
-        if not (has_meta_states(m) if meta_only else has_states(m)):
+    seen: set[int] = set()  # a module shared by two units is named once
+    for m in (m for unit in plan for m in unit.modules):
+        if id(m) in seen or not (has_meta_states(m) if meta_only else has_states(m)):
             continue
+        seen.add(id(m))
         lineage = found.get(id(m), NO_LINEAGE)
         if initializer_of(m, lineage) is None:
             if not _only_nonpersistent_buffers(m):  # those are computed for the build
@@ -458,6 +460,10 @@ def _uninitializable(plan: UnitPlan, ignored: IgnoredStates, meta_only: bool) ->
             gaps.append((m, left, lineage.library_init))
     if not refused and not gaps:
         return []
+    # Named in the order of one walk of the model (the units hold the same modules).
+    place = {id(m): i for i, m in enumerate(unit_modules(model, ignored.modules))}
+    refused.sort(key=lambda m: place.get(id(m), len(place)))
+    gaps.sort(key=lambda gap: place.get(id(gap[0]), len(place)))
     names = module_names(model)  # only to name what is refused
 
     def name(m: nn.Module) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -17,7 +17,8 @@ from fsdp_builder.common.describe import listed
 from fsdp_builder.common.logs import warn_user
 from fsdp_builder.errors import ConfigurationError, config_error
 
-_SHARDED = (FullyShardedDataParallel, FSDPModule)
+# The sharding wrappers whose subtrees a plan leaves alone (``isinstance`` inline in the walks).
+SHARDED = (FullyShardedDataParallel, FSDPModule)
 
 # Where FSDP1, checkpoint_wrapper and torch.compile's OptimizedModule hold the wrapped module.
 WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -39,13 +40,13 @@ def clean_name(name: str) -> str:
 
 def is_wrapped(module: nn.Module) -> bool:
     """True for a module some sharding wrapper already manages (FSDP1 instance or fully_shard)."""
-    return isinstance(module, _SHARDED)
+    return isinstance(module, SHARDED)
 
 
 def unsharded_class(module: nn.Module) -> type[nn.Module]:
     """The model's own class of ``module``: fully_shard swaps in a subclass of it."""
     return next(
-        c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, _SHARDED)
+        c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, SHARDED)
     )
 
 
@@ -214,19 +215,21 @@ def resolve_ignored(
 
 def managed_params(
     module: nn.Module, ignored: IgnoredStates, named: NamedModules | None = None
-) -> Iterator[nn.Parameter]:
+) -> list[nn.Parameter]:
     """Parameters of ``module`` the sharding manages (not ignored, not flattened), each once."""
     # Each module's own dict, deduplicated by id: parameters() hashes every tensor (a Python
     # call each) through a generator chain per module.
     seen: set[int] = set()
-    ignored_params = ignored.params  # read in place: ``ignores`` is a call per parameter
+    found: list[nn.Parameter] = []
+    ignored_params = ignored.params
     for _, m in module.named_modules() if named is None else named:
         for p in m._parameters.values():
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
             if not (ignored_params and p in ignored_params) and not _is_flattened(p):
-                yield p
+                found.append(p)
+    return found
 
 
 def check_ignored_real(model: nn.Module, ignored: IgnoredStates) -> None:

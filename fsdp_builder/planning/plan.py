@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple, cast
 
 import attrs
 import torch
@@ -16,11 +17,12 @@ from torch import nn
 from fsdp_builder.common.hashing import digest63
 from fsdp_builder.errors import PlanError
 from fsdp_builder.planning.ignored import (
+    SHARDED,
+    WRAPPER_NAMES,
     IgnoredStates,
     NamedModules,
     check_ignored_real,
     clean_name,
-    is_wrapped,
     managed_params,
     resolve_ignored,
 )
@@ -28,9 +30,8 @@ from fsdp_builder.planning.ties import DeclaredTie, declared_ties, held
 from fsdp_builder.planning.wrap import WrapPolicy
 
 
-@frozen
-class TensorInfo:
-    """One parameter or buffer a unit owns directly."""
+class TensorInfo(NamedTuple):
+    """One parameter or buffer a unit owns directly. A tuple: a plan makes one per state."""
 
     name: str  # fully-qualified, relative to the root
     shape: tuple[int, ...]
@@ -176,7 +177,7 @@ def unit_modules(root: nn.Module, stop: Iterable[nn.Module]) -> list[nn.Module]:
     while queue:
         # The module's own dict: children() is two generators and a set per module.
         for child in queue.popleft()._modules.values():
-            if child is None or id(child) in seen or child in stops or is_wrapped(child):
+            if child is None or id(child) in seen or child in stops or isinstance(child, SHARDED):
                 continue
             seen.add(id(child))
             order.append(child)
@@ -190,21 +191,40 @@ def fingerprint_of(description: object) -> int:
 
 
 def _info(name: str, t: torch.Tensor) -> TensorInfo:
-    return TensorInfo(
-        clean_name(name), tuple(t.shape), t.dtype, t.numel(), t.is_contiguous(), t.requires_grad
-    )
+    """``t``'s record under ``name`` (clean)."""
+    return _new_info((name, tuple(t.shape), t.dtype, t.numel(), t.is_contiguous(), t.requires_grad))
 
 
-def _post_order(
-    module: nn.Module, prefix: str, stop: frozenset[nn.Module], seen: set[int]
-) -> Iterator[tuple[str, nn.Module]]:
-    # The module's own dict: named_children() is a generator with a set of its own.
-    for name, child in module._modules.items():
-        if child is None or child in stop or id(child) in seen or is_wrapped(child):
-            continue
-        seen.add(id(child))
-        yield from _post_order(child, f"{prefix}{name}.", stop, seen)
-        yield f"{prefix}{name}", child
+# The plan's records, made through tuple.__new__: a NamedTuple's own __new__ is a Python frame
+# more, once per parameter and slot of the model.
+_Make = Callable[[tuple[Any, ...]], Any]
+_new_info = cast(_Make, functools.partial(tuple.__new__, TensorInfo))
+_new_state = cast(_Make, functools.partial(tuple.__new__, UnitState))
+
+
+_DEPTH = operator.itemgetter(0)
+
+
+def _post_order(model: nn.Module, stop: frozenset[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The modules below ``model``, children first, each once, by name; not entering ``stop``
+    or sharded modules. A loop over each module's own dict, not a generator per module."""
+    order: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    # (name, module, its children still to visit)
+    stack = [("", model, iter(model._modules.items()))]
+    while stack:
+        fqn, _, children = stack[-1]
+        for name, child in children:
+            if child is None or child in stop or id(child) in seen or isinstance(child, SHARDED):
+                continue
+            seen.add(id(child))
+            stack.append((f"{fqn}.{name}" if fqn else name, child, iter(child._modules.items())))
+            break
+        else:
+            done = stack.pop()
+            if stack:
+                order.append((done[0], done[1]))
+    return order
 
 
 def plan_units(
@@ -229,10 +249,13 @@ def _plan_units(
 ) -> UnitPlan:
     chosen = wrap.select(model, ignored.modules, named)
     overrides = wrap.overrides(model, ignored.modules)
-    order = [(clean_name(fqn), m) for fqn, m in _post_order(model, "", ignored.modules, set())]
-    unit_roots = [(fqn, m) for fqn, m in order if m in chosen and not is_wrapped(m)]
+    # Names cleaned for the unit roots only: the walk passes every module.
+    unit_roots = [
+        (clean_name(fqn), m) for fqn, m in _post_order(model, ignored.modules) if m in chosen
+    ]
     unit_roots.append(("", model))
     unit_set = {m for _, m in unit_roots}
+    ignored_params = ignored.params  # read in place: ``ignores`` is a call per parameter
 
     # Keyed by id: a tensor's own __hash__ is a Python call, once per parameter and lookup.
     owner_of: dict[int, list[tuple[str, str]]] = {}
@@ -245,34 +268,46 @@ def _plan_units(
         # The slot of each of params, and of buffers.
         param_slots: list[UnitState] = []
         buffer_slots: list[UnitState] = []
-        # Module id -> its name, the last alias as named_modules(remove_duplicate=False) has it;
-        # walked into ignored modules too, for the names of their states.
+        # Module id -> its clean name, the last alias as named_modules(remove_duplicate=False)
+        # has it; walked into ignored modules too, for the names of their states. Clean as
+        # built: a wrapper's part is left out where it is met (what clean_name would do).
         paths: dict[int, str] = {}
-        stack: list[tuple[str, nn.Module, bool]] = [(unit_fqn, unit_module, False)]
+        # Each module walked with its depth, in the order walked (depth first, pre-order).
+        walked: list[tuple[int, nn.Module]] = []
+        stack: list[tuple[str, nn.Module, bool, int]] = [(unit_fqn, unit_module, False, 0)]
         while stack:
-            fqn, module, inside = stack.pop()
+            fqn, module, inside, depth = stack.pop()
             paths[id(module)] = fqn
+            walked.append((depth, module))
             base = f"{fqn}." if fqn else ""
             # The module's own dicts: named_parameters(recurse=False) is a generator chain.
             for pname, p in module._parameters.items() if not inside else ():
-                if p is None or ignored.ignores(p):
+                if p is None or (ignored_params and p in ignored_params):
                     continue
+                name = base + pname if pname not in WRAPPER_NAMES else fqn
                 owners = owner_of.setdefault(id(p), [])
-                owners.append((unit_fqn, base + pname))
+                owners.append((unit_fqn, name))
                 if len(owners) == 1:
-                    params.append(info := _info(base + pname, p))
-                    param_slots.append(UnitState(module, pname, info.name, True, True, False))
+                    params.append(_info(name, p))
+                    param_slots.append(_new_state((module, pname, name, True, True, False)))
             transient = module._non_persistent_buffers_set
             for bname, b in module._buffers.items() if not inside else ():
                 if b is not None and id(b) not in seen_buffers:
                     seen_buffers.add(id(b))
-                    buffers.append(info := _info(base + bname, b))
+                    name = base + bname if bname not in WRAPPER_NAMES else fqn
+                    buffers.append(_info(name, b))
                     kept = bname not in transient
-                    buffer_slots.append(UnitState(module, bname, info.name, False, kept, False))
+                    buffer_slots.append(_new_state((module, bname, name, False, kept, False)))
             for cname, child in reversed(module._modules.items()):
-                if child is not None and child not in unit_set and not is_wrapped(child):
-                    stack.append((base + cname, child, inside or child in ignored.modules))
-        modules, fqns, states = _states(unit_modules(unit_module, unit_set), paths, ignored)
+                if child is not None and child not in unit_set and not isinstance(child, SHARDED):
+                    path = base + cname if cname not in WRAPPER_NAMES else fqn
+                    stack.append((path, child, inside or child in ignored.modules, depth + 1))
+        if len(walked) == len(paths):
+            # A tree: its pre-order sorted by depth (stably) is its breadth-first order.
+            in_order = [m for _, m in sorted(walked, key=_DEPTH)]
+        else:  # a module reached twice: the breadth-first walk names it where it meets it
+            in_order = unit_modules(unit_module, unit_set)
+        modules, fqns, states = _states(in_order, paths, ignored)
         units.append(
             Unit(
                 fqn=unit_fqn,
@@ -288,7 +323,11 @@ def _plan_units(
             )
         )
 
-    split = {p: owners for p, owners in owner_of.items() if len({unit for unit, _ in owners}) > 1}
+    split = {
+        p: owners
+        for p, owners in owner_of.items()
+        if len(owners) > 1 and len({unit for unit, _ in owners}) > 1
+    }
     if split:
         details = "; ".join(
             " and ".join(f"'{name}' (unit '{unit or '<root>'}')" for unit, name in owners)
@@ -305,15 +344,16 @@ def _plan_units(
 def _states(
     walked: list[nn.Module], paths: dict[int, str], ignored: IgnoredStates
 ) -> tuple[list[nn.Module], list[str], list[UnitState]]:
-    """A unit's modules, their clean names, and every slot of ``walked`` (a unit's walk,
-    ignored modules below its first included), module by module: parameters, then buffers."""
+    """A unit's modules, their clean names (``paths``), and every slot of ``walked`` (a unit's
+    walk, ignored modules below its first included), module by module: parameters, then
+    buffers."""
     modules: list[nn.Module] = []
     fqns: list[str] = []
     states: list[UnitState] = []
     # Read in place: ``ignored.ignores`` is a call per parameter.
     ignored_params = ignored.params
     for i, m in enumerate(walked):
-        fqn = clean_name(paths[id(m)])
+        fqn = paths[id(m)]
         inside = i > 0 and m in ignored.modules
         if not inside:
             modules.append(m)
@@ -322,12 +362,12 @@ def _states(
         for local, p in m._parameters.items():
             if p is not None:
                 left = inside or (bool(ignored_params) and p in ignored_params)
-                states.append(UnitState(m, local, base + local, True, True, left))
+                states.append(_new_state((m, local, base + local, True, True, left)))
         transient = m._non_persistent_buffers_set
         for local, b in m._buffers.items():
             if b is not None:
                 kept = local not in transient
-                states.append(UnitState(m, local, base + local, False, kept, inside))
+                states.append(_new_state((m, local, base + local, False, kept, inside)))
     return modules, fqns, states
 
 
