@@ -259,3 +259,48 @@ def test_planning_walks_the_model_once_and_agrees_with_torchs_own_walks(source: 
     assert {n: (t.requires_grad, t.contiguous) for n, t in infos.items()} == {
         n: (p.requires_grad, p.is_contiguous()) for n, p in model.named_parameters()
     }
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(2, 2), nn.Linear(2, 2)
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(2, 3), nn.Linear(3, 2)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        super().__init__()
+        self.attn = _Attn()
+        self.mlp = checkpoint_wrapper(_MLP())
+        self.register_buffer("steps", torch.zeros(1))
+
+
+def test_unit_modules_are_breadth_first_and_names_clean_as_torch_gives_them() -> None:
+    """Each unit's modules in the order of a breadth-first walk of torch's ``children()``
+    (here not its depth-first ``modules()``), and its states named as ``state_dict()`` names
+    them, a checkpoint wrapper's part left out."""
+    model = nn.Sequential(_Block(), nn.Linear(2, 2), _Block())
+    plan = plan_units(model, WrapPolicy.of(_Block), IgnoredStates())
+    assert [u.fqn for u in plan] == ["0", "2", ""]
+    for unit in plan.units[:-1]:
+        expected, queue = [], [unit.module]
+        while queue:
+            module = queue.pop(0)
+            expected.append(module)
+            queue.extend(module.children())
+        assert [id(m) for m in unit.modules] == [id(m) for m in expected]
+        assert [id(m) for m in unit.module.modules()] != [id(m) for m in expected]
+    names = [s.name for u in plan for s in u.states]
+    assert sorted(names) == sorted(model.state_dict())
+    assert sorted(t.name for u in plan for t in u.params + u.buffers) == sorted(model.state_dict())
+    assert plan.units[0].fqns[:3] == ("0", "0.attn", "0.mlp")
