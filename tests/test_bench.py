@@ -378,3 +378,25 @@ def test_in_process_ab_builds_both_libraries_in_the_same_ranks(tmp_path: Path) -
     assert all(len(v) == 3 and min(v) > 0 for v in sides.values())
     table = inprocess_ab.render(results[0][0], "tree", "rev")
     assert "| builder_fsdp2 | 3 |" in table
+
+
+def test_shard_order_times_both_orders_of_the_same_plain_work() -> None:
+    """``benchmarks.shard_order``: both orders give the same shards from the same seed (so
+    they compare equal work), each build is split into its three parts, and the summary holds
+    both rows and the per-repeat ratio."""
+    from benchmarks import shard_order
+    from fsdp_builder.tools.launch import run_ranks
+
+    results = run_ranks(
+        shard_order.rank, 2, 6, 3, timeout=180.0, start_method="forkserver"
+    )  # fmt: skip
+    for result in results:
+        assert result["same_values"] is True
+        builds = result["builds"]
+        assert set(builds) == {"batched", "per_unit"}
+        for runs in builds.values():
+            assert len(runs) == 3
+            assert all(set(parts) == set(shard_order.PARTS) for parts in runs)
+            assert all(min(parts.values()) > 0 for parts in runs)
+    table = shard_order.summary(results[0]["builds"])
+    assert "| batched |" in table and "| per_unit |" in table and "**median" in table
