@@ -38,6 +38,14 @@ def clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
+def clean_child(fqn: str, part: str) -> str:
+    """``clean_name`` of ``fqn`` + "." + ``part`` for a clean ``fqn``: a walk that names as it
+    goes needs no search per name."""
+    if part in WRAPPER_NAMES:
+        return fqn
+    return f"{fqn}.{part}" if fqn else part
+
+
 def is_wrapped(module: nn.Module) -> bool:
     """True for a module some sharding wrapper already manages (FSDP1 instance or fully_shard)."""
     return isinstance(module, SHARDED)

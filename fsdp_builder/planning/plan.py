@@ -18,10 +18,10 @@ from fsdp_builder.common.hashing import digest63
 from fsdp_builder.errors import PlanError
 from fsdp_builder.planning.ignored import (
     SHARDED,
-    WRAPPER_NAMES,
     IgnoredStates,
     NamedModules,
     check_ignored_real,
+    clean_child,
     clean_name,
     managed_params,
     resolve_ignored,
@@ -270,7 +270,7 @@ def _plan_units(
         buffer_slots: list[UnitState] = []
         # Module id -> its clean name, the last alias as named_modules(remove_duplicate=False)
         # has it; walked into ignored modules too, for the names of their states. Clean as
-        # built: a wrapper's part is left out where it is met (what clean_name would do).
+        # built (``clean_child``).
         paths: dict[int, str] = {}
         # Each module walked with its depth, in the order walked (depth first, pre-order).
         walked: list[tuple[int, nn.Module]] = []
@@ -279,12 +279,11 @@ def _plan_units(
             fqn, module, inside, depth = stack.pop()
             paths[id(module)] = fqn
             walked.append((depth, module))
-            base = f"{fqn}." if fqn else ""
             # The module's own dicts: named_parameters(recurse=False) is a generator chain.
             for pname, p in module._parameters.items() if not inside else ():
                 if p is None or (ignored_params and p in ignored_params):
                     continue
-                name = base + pname if pname not in WRAPPER_NAMES else fqn
+                name = clean_child(fqn, pname)
                 owners = owner_of.setdefault(id(p), [])
                 owners.append((unit_fqn, name))
                 if len(owners) == 1:
@@ -294,13 +293,13 @@ def _plan_units(
             for bname, b in module._buffers.items() if not inside else ():
                 if b is not None and id(b) not in seen_buffers:
                     seen_buffers.add(id(b))
-                    name = base + bname if bname not in WRAPPER_NAMES else fqn
+                    name = clean_child(fqn, bname)
                     buffers.append(_info(name, b))
                     kept = bname not in transient
                     buffer_slots.append(_new_state((module, bname, name, False, kept, False)))
             for cname, child in reversed(module._modules.items()):
                 if child is not None and child not in unit_set and not isinstance(child, SHARDED):
-                    path = base + cname if cname not in WRAPPER_NAMES else fqn
+                    path = clean_child(fqn, cname)
                     stack.append((path, child, inside or child in ignored.modules, depth + 1))
         if len(walked) == len(paths):
             # A tree: its pre-order sorted by depth (stably) is its breadth-first order.
